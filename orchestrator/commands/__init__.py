@@ -1,0 +1,1 @@
+"""One module per CLI command (see orchestrator/cli.py for the contract)."""

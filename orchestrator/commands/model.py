@@ -1,0 +1,17 @@
+"""orchestrator model (not built yet)."""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator.commands._unbuilt import not_built
+
+HELP = "Read a GGUF model: tensor classes, sizes, KV cache and memory needs (not built yet)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    return not_built("model", 4)

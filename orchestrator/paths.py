@@ -1,0 +1,26 @@
+"""Where orchestrator keeps things on disk (cache, state). Honours XDG_CACHE_HOME / XDG_STATE_HOME."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cache_dir() -> Path:
+    """``$ORCHESTRATOR_CACHE`` or ``$XDG_CACHE_HOME/orchestrator`` or ``~/.cache/orchestrator``."""
+    env = os.environ.get("ORCHESTRATOR_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "orchestrator"
+
+
+def state_dir() -> Path:
+    """``$ORCHESTRATOR_STATE`` or ``$XDG_STATE_HOME/orchestrator`` or ``~/.local/state/orchestrator``."""
+    env = os.environ.get("ORCHESTRATOR_STATE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "orchestrator"
