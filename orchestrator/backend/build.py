@@ -26,7 +26,7 @@ from orchestrator.errors import BackendError
 from orchestrator.paths import cache_dir
 
 TARGETS = ("llama-server", "llama-bench", "llama-fit-params")
-BUILD_FORMAT = 1  # bump when the cache layout or the fixed CMake flags change
+BUILD_FORMAT = 2  # bump when the cache layout or the fixed CMake flags change
 
 
 @dataclass(frozen=True)
@@ -288,8 +288,9 @@ def build(
                     raise BackendError(f"llama.cpp build finished but {t} is missing under {bdir}")
                 shutil.copy2(found, work / "bin" / t)
                 binaries[t] = prefix / "bin" / t
+            dev = _install_dev(src_root, bdir, work)
             seconds = time.monotonic() - t0
-            info = {**spec, "cuda": cuda, "cuda_archs": list(archs), "seconds": round(seconds, 1),
+            info = {**spec, "dev": dev, "cuda": cuda, "cuda_archs": list(archs), "seconds": round(seconds, 1),
                     "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "jobs": jobs}
             (work / "build.json").write_text(json.dumps(info, indent=1) + "\n")
             shutil.copy2(log, work / "build.log.keep")
@@ -304,6 +305,22 @@ def build(
         finally:
             if not ok:
                 shutil.rmtree(work, ignore_errors=True)
+
+
+def _install_dev(src_root: Path, bdir: Path, work: Path) -> dict:
+    """Keep the static libraries and public headers, so small native tools (native/) can link libllama."""
+    lib, inc = work / "lib", work / "include"
+    lib.mkdir()
+    inc.mkdir()
+    libs = []
+    for a in sorted(bdir.rglob("*.a")):
+        if a.name.startswith(("libllama", "libggml")):
+            shutil.copy2(a, lib / a.name)
+            libs.append(a.name)
+    for hdir in (src_root / "include", src_root / "ggml" / "include"):
+        for h in hdir.glob("*.h"):
+            shutil.copy2(h, inc / h.name)
+    return {"libs": libs, "include": "include", "lib": "lib"}
 
 
 def cached_builds(cache: Path | None = None) -> list[tuple[Path, dict]]:
