@@ -1,0 +1,35 @@
+"""Run a plan under Ray: a controller actor, one worker actor per planned llama-server, one OpenAI gateway.
+
+Entry points (Ray is imported only when they run)::
+
+    from orchestrator.cluster import Deployment, RestartPolicy, up, status, down
+    up(Deployment(specs=plan_specs, ...), foreground=True)
+
+See ``docs/cluster.md`` for the picture and ``runner.py`` for the steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.cluster.deployment import LOCAL, Deployment, RestartPolicy
+
+__all__ = ["Deployment", "RestartPolicy", "LOCAL", "up", "down", "status"]
+
+
+def up(deployment: Deployment, foreground: bool = True, **kw: Any):
+    from orchestrator.cluster.runner import up as _up
+
+    return _up(deployment, foreground=foreground, **kw)
+
+
+def down(namespace: str = "orchestrator", **kw: Any):
+    from orchestrator.cluster.runner import down as _down
+
+    return _down(namespace, **kw)
+
+
+def status(namespace: str = "orchestrator") -> dict:
+    from orchestrator.cluster.runner import status as _status
+
+    return _status(namespace)

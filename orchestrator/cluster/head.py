@@ -1,0 +1,208 @@
+"""The embedded Ray head that ``up`` starts when the topology says ``ray.address: local``.
+
+It is ``ray start --head --block`` in a session of its own, with every port chosen up front (so it never collides
+with another Ray on the machine), the dashboard and the node on 127.0.0.1, its own temp dir, and Ray's drain
+delay off (our actors are stopped before the head). ``--block`` keeps one process that owns all the others:
+TERM to it stops the GCS, raylet, dashboard and every actor; :func:`stop_head` then KILLs whatever of the
+recorded process tree is still there, so nothing is left.
+
+Token authentication: like ``ray.init()``, the embedded head uses Ray's token auth unless ``RAY_AUTH_MODE`` says
+otherwise; when no token exists one is generated at Ray's default place (``~/.ray/auth_token``) with Ray's own
+``ray get-auth-token --generate``, so ``ray`` CLI tools and the dashboard log-in use it too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.errors import ClusterError
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    pid: int
+    create_time: float
+    address: str            # host:port of the GCS
+    temp_dir: str
+    log_path: str
+    dashboard_url: str
+    metrics_port: int
+    auth_mode: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """None when ``host:port`` can be listened on here, else the OS's reason."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def check_port(host: str, port: int, label: str) -> None:
+    why = port_problem(host, port)
+    if why:
+        raise ClusterError(f"{label}: cannot listen on {host}:{port}: {why}")
+
+
+def ensure_auth() -> str:
+    """The auth mode for a new embedded head; generates the token when token auth is on and none exists."""
+    from orchestrator.cluster.ray_api import token_available
+
+    mode = os.environ.get("RAY_AUTH_MODE", "token").lower()
+    if mode == "token" and not token_available():
+        res = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120)
+        if res.returncode != 0 or not token_available():
+            raise ClusterError("ray: cannot create a Ray auth token with `ray get-auth-token --generate`: "
+                               f"{(res.stderr or '').strip().splitlines()[-1:] or ['no output']}"
+                               " (or set RAY_AUTH_MODE=disabled)")
+    return mode
+
+
+_LOG_ERR = re.compile(r"(error|exception|failed|already in use|address in use|refused)", re.IGNORECASE)
+
+
+def _log_cause(path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errs = [ln for ln in lines if _LOG_ERR.search(ln) and not ln.startswith(("File ", "Traceback"))]
+    return (errs[-1] if errs else (lines[-1] if lines else ""))[:300]
+
+
+def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, dashboard_port: int,
+               metrics_port: int | None, log_dir: Path, timeout: float = 120.0) -> HeadInfo:
+    """Start the head and wait until its GCS answers; ClusterError with Ray's own reason when it does not."""
+    import psutil
+
+    host = "127.0.0.1"
+    gcs_port = gcs_port or free_port()
+    metrics_port = metrics_port or free_port()
+    check_port(host, gcs_port, "ray.port")
+    check_port(dashboard_host, dashboard_port, "ray.dashboard_port")
+    check_port(host, metrics_port, "ray.metrics_export_port")
+    mode = ensure_auth()
+    # Ray's socket paths must stay short (AF_UNIX limit): a short temp dir in /tmp, not under the state dir
+    temp_dir = tempfile.mkdtemp(prefix="orch-ray-", dir="/tmp")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "ray-head.log"
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+            "--node-ip-address", host, "--port", str(gcs_port), "--node-name", node_name,
+            "--temp-dir", temp_dir, "--disable-usage-stats",
+            "--include-dashboard", "true", "--dashboard-host", dashboard_host, "--dashboard-port", str(dashboard_port),
+            "--metrics-export-port", str(metrics_port),
+            "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+            "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
+            "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port())]
+    # Ray workers (our actors) must import this very orchestrator, installed or not
+    pkg_parent = str(Path(__file__).resolve().parents[2])
+    pypath = [pkg_parent] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != pkg_parent]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(pypath), RAY_AUTH_MODE=mode, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+               RAY_metrics_report_interval_ms=os.environ.get("RAY_metrics_report_interval_ms", "5000"))
+    with open(log_path, "wb") as log:  # one head per namespace: this run's log only
+        p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, close_fds=True)
+    create_time = psutil.Process(p.pid).create_time()
+    info = HeadInfo(pid=p.pid, create_time=create_time, address=f"{host}:{gcs_port}", temp_dir=temp_dir,
+                    log_path=str(log_path), dashboard_url=f"http://{dashboard_host}:{dashboard_port}",
+                    metrics_port=metrics_port, auth_mode=mode)
+    deadline = time.monotonic() + timeout
+    while True:
+        code = p.poll()
+        if code is not None:
+            stop_head(info.pid, info.create_time, temp_dir)
+            raise ClusterError(f"ray: the embedded Ray head exited ({code}) while starting: {_log_cause(log_path)} "
+                               f"(log: {log_path})")
+        if _started(log_path) and _connects(host, gcs_port):
+            return info
+        if time.monotonic() > deadline:
+            stop_head(info.pid, info.create_time, temp_dir)
+            raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path})")
+        time.sleep(0.25)
+
+
+def _started(log_path: Path) -> bool:
+    try:
+        text = log_path.read_bytes()
+    except OSError:
+        return False
+    return b"Ray runtime started" in text and b"--block" in text[text.rfind(b"Ray runtime started"):]
+
+
+def _connects(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def head_tree(pid: int, create_time: float | None):
+    """The head process and all its descendants (psutil.Process list); empty when it is gone or the pid was
+    reused by another process."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if create_time is not None and abs(p.create_time() - create_time) > 1.0:
+            return []
+        return [p] + p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, timeout: float = 30.0) -> list[str]:
+    """TERM the head (it stops all its processes), KILL what is left of its tree; returns what had to be
+    killed. Ray's own processes carry the temp dir on their command line: those are collected too."""
+    import psutil
+
+    procs = {p.pid: p for p in head_tree(pid, create_time)}
+    if temp_dir:
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(temp_dir in a for a in (p.info["cmdline"] or [])):
+                    procs.setdefault(p.pid, p)
+                    for c in p.children(recursive=True):
+                        procs.setdefault(c.pid, c)
+            except psutil.Error:
+                continue
+    if not procs:
+        return []
+    try:
+        if pid in procs:
+            os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    _gone, alive = psutil.wait_procs(list(procs.values()), timeout=timeout)
+    killed = []
+    for p in alive:
+        try:
+            killed.append(f"{p.pid} ({p.name()})")
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    if temp_dir and os.path.basename(temp_dir).startswith("orch-ray-"):
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return killed

@@ -1,0 +1,318 @@
+"""What a worker measures about its llama-server, and where it reports it.
+
+- llama-server's own ``/metrics`` (enabled by ``--metrics``): token counters turned into tokens/s between two
+  scrapes, requests processing / deferred;
+- resident memory of the llama-server process tree (psutil);
+- per GPU the worker uses (NVML, when GPUs exist): memory used, utilisation, temperature, power, and the VRAM
+  held by the worker's processes;
+- the node's NUMA-balancing state (``/proc/sys/kernel/numa_balancing``, read under a root path).
+
+Values go to a :class:`MetricsSink`; in an actor that is :class:`orchestrator.cluster.ray_api.RayMetricsSink`
+(``ray.util.metrics``, shown by the Ray dashboard and its Prometheus endpoint), in tests a dict.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Protocol
+from urllib.parse import urlsplit
+
+# name -> (kind, description). Exported by Ray with the prefix "ray_".
+METRICS: dict[str, tuple[str, str]] = {
+    "orchestrator_worker_healthy": ("gauge", "1 when the worker's llama-server answers /health, else 0"),
+    "orchestrator_worker_restarts": ("counter", "llama-server restarts of the worker"),
+    "orchestrator_worker_prompt_tokens_per_second": ("gauge", "prompt tokens processed per second (last interval)"),
+    "orchestrator_worker_generation_tokens_per_second": ("gauge", "tokens generated per second (last interval)"),
+    "orchestrator_worker_requests_in_flight": ("gauge", "requests llama-server is processing"),
+    "orchestrator_worker_requests_deferred": ("gauge", "requests waiting for a free llama-server slot"),
+    "orchestrator_worker_resident_memory_bytes": ("gauge", "resident memory of the llama-server process tree"),
+    "orchestrator_worker_vram_bytes": ("gauge", "GPU memory held by the worker's processes, per GPU"),
+    "orchestrator_gpu_memory_used_bytes": ("gauge", "GPU memory used (whole device)"),
+    "orchestrator_gpu_utilization_percent": ("gauge", "GPU utilisation"),
+    "orchestrator_gpu_temperature_celsius": ("gauge", "GPU temperature"),
+    "orchestrator_gpu_power_watts": ("gauge", "GPU power draw"),
+    "orchestrator_node_numa_balancing": ("gauge", "kernel.numa_balancing on the worker's node (0 = off)"),
+    "orchestrator_gateway_requests": ("counter", "requests the gateway answered, by model and HTTP status"),
+    "orchestrator_gateway_requests_in_flight": ("gauge", "requests the gateway is proxying, per replica"),
+    "orchestrator_gateway_healthy_replicas": ("gauge", "replicas the gateway routes to"),
+}
+TAG_KEYS: dict[str, tuple[str, ...]] = {
+    **{n: ("worker", "node") for n in METRICS if n.startswith("orchestrator_worker_")},
+    "orchestrator_worker_vram_bytes": ("worker", "node", "gpu"),
+    **{n: ("worker", "node", "gpu") for n in METRICS if n.startswith("orchestrator_gpu_")},
+    "orchestrator_node_numa_balancing": ("worker", "node"),
+    "orchestrator_gateway_requests": ("model", "code"),
+    "orchestrator_gateway_requests_in_flight": ("replica",),
+    "orchestrator_gateway_healthy_replicas": ("model",),
+}
+
+
+class MetricsSink(Protocol):
+    def set(self, name: str, value: float, tags: Mapping[str, str]) -> None: ...
+
+    def inc(self, name: str, value: float, tags: Mapping[str, str]) -> None: ...
+
+
+class DictSink:
+    """A sink that keeps the last value (gauges) and the sum (counters): tests and ``status``."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple], float] = {}
+
+    def set(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        self.values[(name, tuple(sorted(tags.items())))] = float(value)
+
+    def inc(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        key = (name, tuple(sorted(tags.items())))
+        self.values[key] = self.values.get(key, 0.0) + float(value)
+
+    def get(self, name: str, **tags: str) -> float | None:
+        return self.values.get((name, tuple(sorted(tags.items()))))
+
+
+# --- llama-server /metrics ----------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``name -> value`` for the unlabelled samples of a Prometheus text page (llama-server has no labels)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or m.group(2):
+            continue
+        try:
+            out[m.group(1)] = float(m.group(3))
+        except ValueError:
+            continue
+    return out
+
+
+def fetch_text(url: str, path: str, timeout: float) -> str | None:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read(1 << 20).decode("utf-8", "replace")
+        return body if resp.status == 200 else None
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+@dataclass
+class TokenRates:
+    """Tokens/s from llama-server's cumulative counters between two scrapes (a restart resets them)."""
+
+    prev: dict[str, float] | None = None
+    prev_t: float = 0.0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+
+    def update(self, sample: Mapping[str, float], t: float) -> None:
+        cur = {"p": sample.get("llamacpp:prompt_tokens_total", 0.0),
+               "g": sample.get("llamacpp:tokens_predicted_total", 0.0)}
+        if self.prev is not None and t > self.prev_t and cur["p"] >= self.prev["p"] and cur["g"] >= self.prev["g"]:
+            dt = t - self.prev_t
+            self.prompt_tps = (cur["p"] - self.prev["p"]) / dt
+            self.generation_tps = (cur["g"] - self.prev["g"]) / dt
+        else:
+            self.prompt_tps = self.generation_tps = 0.0
+        self.prev, self.prev_t = cur, t
+
+
+# --- process tree memory --------------------------------------------------------------------------------------------
+def tree_pids(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return [pid] + [c.pid for c in p.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (llama-server under numactl / the balancing wrapper)."""
+    import psutil
+
+    total = 0
+    for q in tree_pids(pid):
+        try:
+            total += psutil.Process(q).memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+# --- NUMA balancing -------------------------------------------------------------------------------------------------
+def numa_balancing(root: str = "/") -> int | None:
+    """``kernel.numa_balancing`` (0 off, 1 on, 2 memory tiering) or None where the kernel has no such knob."""
+    try:
+        with open(os.path.join(root, "proc/sys/kernel/numa_balancing")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# --- GPUs -----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuSample:
+    index: int
+    uuid: str
+    memory_used: int
+    memory_total: int
+    utilization: float
+    temperature: float
+    power_w: float
+    process_vram: int           # bytes held by the given pids
+
+
+def visible_gpus(cuda_visible_devices: str | None, count: int, uuids: list[str]) -> list[int]:
+    """NVML indices of the GPUs a worker sees. ``CUDA_VISIBLE_DEVICES`` entries are indices or (prefixes of)
+    UUIDs; unset means all; an invalid entry ends the list, as in CUDA."""
+    if cuda_visible_devices is None:
+        return list(range(count))
+    out: list[int] = []
+    for tok in (t.strip() for t in cuda_visible_devices.split(",")):
+        if not tok:
+            break
+        if tok.isdigit():
+            i = int(tok)
+            if i >= count:
+                break
+            out.append(i)
+            continue
+        match = [i for i, u in enumerate(uuids) if u == tok or u.startswith(tok) or u.removeprefix("GPU-") == tok]
+        if len(match) != 1:
+            break
+        out.append(match[0])
+    return out
+
+
+class Nvml:
+    """Thin NVML reader (nvidia-ml-py). ``available`` is False without a driver or GPU."""
+
+    def __init__(self, module: Any = None) -> None:
+        self.available = False
+        self._n = module
+        try:
+            if self._n is None:
+                import pynvml as n
+
+                self._n = n
+            self._n.nvmlInit()
+            self.count = int(self._n.nvmlDeviceGetCount())
+            self.uuids = [self._str(self._n.nvmlDeviceGetUUID(self._n.nvmlDeviceGetHandleByIndex(i)))
+                          for i in range(self.count)]
+            self.available = self.count > 0
+        except Exception:
+            self.count, self.uuids = 0, []
+
+    @staticmethod
+    def _str(v: Any) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    def sample(self, indices: Iterable[int], pids: Iterable[int]) -> list[GpuSample]:
+        if not self.available:
+            return []
+        n, pidset, out = self._n, set(pids), []
+        for i in indices:
+            try:
+                h = n.nvmlDeviceGetHandleByIndex(i)
+                mem = n.nvmlDeviceGetMemoryInfo(h)
+                util = n.nvmlDeviceGetUtilizationRates(h)
+                temp = n.nvmlDeviceGetTemperature(h, 0)        # NVML_TEMPERATURE_GPU
+                power = n.nvmlDeviceGetPowerUsage(h) / 1000.0  # mW -> W
+                held = 0
+                for p in n.nvmlDeviceGetComputeRunningProcesses(h):
+                    if p.pid in pidset and p.usedGpuMemory:
+                        held += int(p.usedGpuMemory)
+                out.append(GpuSample(i, self.uuids[i], int(mem.used), int(mem.total), float(util.gpu), float(temp),
+                                     power, held))
+            except Exception:
+                continue
+        return out
+
+
+@dataclass
+class WorkerSampler:
+    """Collects one worker's numbers and writes them to a sink. Side effects are injected for tests."""
+
+    worker: str
+    node: str
+    url: str
+    cuda_visible_devices: str | None
+    sink: MetricsSink
+    fetch: Callable[[str, str, float], str | None] = fetch_text
+    rss: Callable[[int], int] = tree_rss
+    pids: Callable[[int], list[int]] = tree_pids
+    nvml: Any = None
+    root: str = "/"
+    rates: TokenRates = field(default_factory=TokenRates)
+    last: dict = field(default_factory=dict)
+    _restarts_reported: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nvml is None:
+            self.nvml = Nvml()
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return {"worker": self.worker, "node": self.node}
+
+    def sample(self, state: Mapping[str, Any], t: float) -> dict:
+        """Read everything once; ``state`` is the supervisor snapshot (pid, healthy, restarts)."""
+        tags, s = self.tags, self.sink
+        healthy = bool(state.get("healthy"))
+        s.set("orchestrator_worker_healthy", 1.0 if healthy else 0.0, tags)
+        restarts = int(state.get("restarts", 0))
+        if restarts > self._restarts_reported:
+            s.inc("orchestrator_worker_restarts", restarts - self._restarts_reported, tags)
+            self._restarts_reported = restarts
+        out: dict[str, Any] = {"prompt_tps": 0.0, "generation_tps": 0.0, "requests_in_flight": 0,
+                               "requests_deferred": 0, "rss_bytes": 0, "gpus": [], "numa_balancing": None}
+        page = self.fetch(self.url, "/metrics", 2.0) if healthy else None
+        if page is not None:
+            m = parse_prometheus(page)
+            self.rates.update(m, t)
+            out["prompt_tps"] = round(self.rates.prompt_tps, 2)
+            out["generation_tps"] = round(self.rates.generation_tps, 2)
+            out["requests_in_flight"] = int(m.get("llamacpp:requests_processing", 0))
+            out["requests_deferred"] = int(m.get("llamacpp:requests_deferred", 0))
+        else:
+            self.rates = TokenRates()
+        s.set("orchestrator_worker_prompt_tokens_per_second", out["prompt_tps"], tags)
+        s.set("orchestrator_worker_generation_tokens_per_second", out["generation_tps"], tags)
+        s.set("orchestrator_worker_requests_in_flight", out["requests_in_flight"], tags)
+        s.set("orchestrator_worker_requests_deferred", out["requests_deferred"], tags)
+        pid = state.get("pid")
+        pids = self.pids(pid) if pid else []
+        out["rss_bytes"] = self.rss(pid) if pid else 0
+        s.set("orchestrator_worker_resident_memory_bytes", out["rss_bytes"], tags)
+        if getattr(self.nvml, "available", False):
+            idx = visible_gpus(self.cuda_visible_devices, self.nvml.count, self.nvml.uuids)
+            for g in self.nvml.sample(idx, pids):
+                gt = {**tags, "gpu": str(g.index)}
+                s.set("orchestrator_gpu_memory_used_bytes", g.memory_used, gt)
+                s.set("orchestrator_gpu_utilization_percent", g.utilization, gt)
+                s.set("orchestrator_gpu_temperature_celsius", g.temperature, gt)
+                s.set("orchestrator_gpu_power_watts", g.power_w, gt)
+                s.set("orchestrator_worker_vram_bytes", g.process_vram, gt)
+                out["gpus"].append({"index": g.index, "uuid": g.uuid, "memory_used": g.memory_used,
+                                    "memory_total": g.memory_total, "utilization": g.utilization,
+                                    "temperature": g.temperature, "power_w": g.power_w,
+                                    "worker_vram": g.process_vram})
+        nb = numa_balancing(self.root)
+        out["numa_balancing"] = nb
+        if nb is not None:
+            s.set("orchestrator_node_numa_balancing", nb, tags)
+        self.last = out
+        return out

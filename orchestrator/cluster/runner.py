@@ -1,0 +1,302 @@
+"""``up``, ``status`` and ``down``: the edges where a deployment meets Ray, the disk and the terminal.
+
+``up`` (this process is a Ray driver only while it needs to be):
+
+1. checks what it can locally (gateway port, API key variable, a deployment already running);
+2. starts the embedded Ray head (``ray.address: local``) or connects to the given address; records what it
+   started in the state file at once, so ``down`` can clean up whatever happens next;
+3. creates the named, detached controller actor (on this node) which creates the worker actors and the gateway;
+4. waits until every worker is healthy and the gateway serves, or until one fails: then it tears everything
+   down and raises with llama-server's own reason;
+5. in the foreground, waits for Ctrl-C / SIGTERM (or a ``down`` from elsewhere) and then runs ``down``.
+
+``down`` asks the controller to stop every llama-server and the gateway, kills the actors, stops the embedded
+head and KILLs anything of its process tree that is left, and removes the state file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from orchestrator.cluster import head as headmod
+from orchestrator.cluster import state as statemod
+from orchestrator.cluster.deployment import Deployment
+from orchestrator.errors import ClusterError, ConfigError, LaunchError
+
+CONTROLLER = "controller"
+POLL_S = 0.5
+
+
+@dataclass
+class UpResult:
+    namespace: str
+    gateway_url: str
+    dashboard_url: str | None
+    metrics_url: str | None
+    ray_address: str
+    status: dict
+    seconds_to_ready: float
+    stopped: bool = False          # foreground: the deployment was stopped before returning
+
+
+@dataclass
+class DownResult:
+    namespace: str
+    workers: list[dict] = field(default_factory=list)
+    head_stopped: bool = False
+    killed: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _say_default(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _api_key(dep: Deployment) -> str | None:
+    if dep.api_key_env is None:
+        return None
+    key = os.environ.get(dep.api_key_env)
+    if not key:
+        raise ConfigError(f"gateway.api_key_env: the environment variable {dep.api_key_env} is not set (or empty)")
+    return key
+
+
+def _head_alive(st: statemod.ClusterState) -> bool:
+    return bool(st.head_pid and headmod.head_tree(st.head_pid, st.head_create_time))
+
+
+def _embedded_node_name(dep: Deployment) -> str:
+    nodes = {s.node for s in dep.specs if s.node is not None}
+    if len(nodes) > 1:
+        raise ConfigError(f"ray.address: 'local' runs everything on this machine, but the workers name the nodes "
+                          f"{', '.join(sorted(nodes))}; point ray.address at a Ray cluster that has them")
+    return nodes.pop() if nodes else "local"
+
+
+def _log_dir(dep: Deployment) -> Path:
+    from orchestrator.paths import state_dir
+
+    return Path(dep.log_dir) if dep.log_dir else state_dir() / "logs" / dep.namespace
+
+
+def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], None] = _say_default,
+       ready_timeout: float | None = None) -> UpResult:
+    """Run ``deployment``; see the module docstring. Raises ClusterError/LaunchError/ConfigError with one clear
+    line after undoing everything it started."""
+    from orchestrator.cluster.ray_api import RayApi
+
+    dep = deployment
+    ns = dep.namespace
+    api_key = _api_key(dep)
+    old = statemod.read(ns)
+    if old is not None:
+        if old.embedded and not _head_alive(old):
+            statemod.remove(ns)          # a stale record: its head is gone
+        else:
+            raise ClusterError(f"deployment {ns!r} is already running (gateway {old.gateway_url}); "
+                               f"run `orchestrator down` first (state: {statemod.state_path(ns)})")
+    headmod.check_port(dep.gateway_host, dep.gateway_port, "gateway.port")
+    t0 = time.monotonic()
+    st = statemod.ClusterState(namespace=ns, ray_address=dep.ray_address, embedded=dep.embedded, up_pid=os.getpid(),
+                               started_at=time.time(), foreground=foreground,
+                               gateway_url=f"http://{dep.gateway_host}:{dep.gateway_port}",
+                               workers=[{"name": s.name, "node": s.node, "url": s.url} for s in dep.specs])
+    api = None
+    ctrl = None
+    head = None
+    try:
+        if dep.embedded:
+            node_name = _embedded_node_name(dep)
+            say(f"starting the Ray head (dashboard on {dep.dashboard_host}:{dep.dashboard_port}) ...")
+            head = headmod.start_head(node_name=node_name, gcs_port=dep.ray_port, dashboard_host=dep.dashboard_host,
+                                      dashboard_port=dep.dashboard_port, metrics_port=dep.metrics_export_port,
+                                      log_dir=_log_dir(dep))
+            st.ray_address, st.head_pid, st.head_create_time = head.address, head.pid, head.create_time
+            st.head_temp_dir, st.head_log, st.auth_mode = head.temp_dir, head.log_path, head.auth_mode
+            st.dashboard_url, st.metrics_url = head.dashboard_url, f"http://127.0.0.1:{head.metrics_port}/metrics"
+            os.environ.setdefault("RAY_AUTH_MODE", head.auth_mode)
+            statemod.write(st)
+        api = RayApi.connect(st.ray_address, ns)
+        if not dep.embedded:
+            statemod.write(st)
+        if api.get_actor(CONTROLLER, ns) is not None:
+            api.disconnect()
+            api = None
+            raise ClusterError(f"deployment {ns!r} already runs on the Ray cluster at {dep.ray_address} (a "
+                               f"controller named {CONTROLLER!r} exists in namespace {ns!r}); run `orchestrator down` "
+                               "or pick another namespace")
+        from orchestrator.cluster.controller import ControllerActor
+
+        driver_node = api.current_node_id()
+        say(f"starting {len(dep.specs)} worker(s) and the gateway on {dep.gateway_host}:{dep.gateway_port} ...")
+        ctrl = api.create_actor(ControllerActor, dep.to_dict(), driver_node, api_key, name=CONTROLLER, namespace=ns,
+                                detached=True, node_id=driver_node, max_concurrency=8)
+        status = _wait_ready(api, ctrl, dep, ready_timeout, say)
+        st.phase = "running"
+        st.gateway_url = status["gateway"]["url"]
+        statemod.write(st)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            say("interrupted: stopping everything up started ...")
+        _teardown(api, ctrl, st if head is not None else None, dep)
+        statemod.remove(ns)
+        raise
+    took = time.monotonic() - t0
+    say(f"ready in {took:.1f}s: gateway {st.gateway_url}/v1"
+        + (f", dashboard {st.dashboard_url}" if st.dashboard_url else "")
+        + (f", metrics {st.metrics_url}" if st.metrics_url else ""))
+    if st.auth_mode == "token" and st.dashboard_url:
+        say("the dashboard asks for the Ray token: ~/.ray/auth_token (`ray get-auth-token`)")
+    api.disconnect()
+    result = UpResult(ns, st.gateway_url or "", st.dashboard_url, st.metrics_url, st.ray_address, status, took)
+    if foreground:
+        _foreground_wait(ns, say)
+        result.stopped = True
+    return result
+
+
+def _wait_ready(api: Any, ctrl: Any, dep: Deployment, timeout: float | None, say: Callable[[str], None]) -> dict:
+    from orchestrator.cluster.ray_api import ActorGone, RemoteError
+
+    timeout = timeout if timeout is not None else dep.restart.load_timeout_s + 120
+    deadline = time.monotonic() + timeout
+    last_note = ""
+    status: dict = {}
+    while True:
+        try:
+            status = api.call(ctrl, "status", timeout=30)
+        except (ActorGone, RemoteError) as e:
+            raise ClusterError(f"the controller actor failed: {e}") from None
+        except TimeoutError:
+            status = status or {}
+        phase = status.get("phase")
+        if phase == "ready":
+            return status
+        if phase == "failed":
+            err = status.get("error") or "failed"
+            if any(w.get("state") == "failed" for w in status.get("workers", [])):
+                raise LaunchError(err)
+            raise ClusterError(err)
+        note = ", ".join(f"{w['name']}: {w.get('state')}" for w in status.get("workers", []))
+        if note and note != last_note:
+            say(f"  {note}")
+            last_note = note
+        if time.monotonic() > deadline:
+            raise LaunchError(f"not ready after {timeout:g}s ({note or 'no status'})")
+        time.sleep(POLL_S)
+
+
+def _teardown(api: Any, ctrl: Any, st: statemod.ClusterState | None, dep: Deployment | None) -> DownResult:
+    """Stop what up started: the controller (which stops workers and gateway), then the embedded head."""
+    res = DownResult(dep.namespace if dep else (st.namespace if st else "?"))
+    if api is not None:
+        if ctrl is None:
+            ctrl = api.get_actor(CONTROLLER, res.namespace)
+        if ctrl is not None:
+            timeout = (dep.restart.stop_timeout_s if dep else 10.0) + 30
+            try:
+                final = api.call(ctrl, "shutdown", timeout=timeout)
+                res.workers = final.get("workers", [])
+            except Exception as e:  # a dead controller took its workers with it (fate sharing)
+                res.problems.append(f"controller shutdown: {type(e).__name__}: {e}")
+            api.kill(ctrl)
+        api.disconnect()
+    if st is not None and st.embedded and st.head_pid:
+        res.killed = headmod.stop_head(st.head_pid, st.head_create_time, st.head_temp_dir)
+        res.head_stopped = True
+    return res
+
+
+def _foreground_wait(ns: str, say: Callable[[str], None]) -> None:
+    """Block until Ctrl-C / SIGTERM / SIGHUP (then run ``down``) or until ``down`` ran elsewhere."""
+    stop = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stop["sig"] = signum
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    say("serving; Ctrl-C stops everything")
+    try:
+        while True:
+            time.sleep(1.0)
+            st = statemod.read(ns)
+            if st is None or st.up_pid != os.getpid():
+                say("stopped by `orchestrator down`")
+                return
+            if st.embedded and not _head_alive(st):
+                say("the Ray head is gone: cleaning up")
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C must not cut the teardown short
+    try:
+        say("stopping workers, gateway and Ray ...")
+        res = down(ns, say=say)
+        say(f"stopped ({len(res.workers)} worker(s)" + (", Ray head" if res.head_stopped else "") + ")")
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+
+
+def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_default) -> DownResult:
+    """Stop the deployment recorded for ``namespace``: workers, gateway, controller, and the embedded Ray head."""
+    from orchestrator.cluster.ray_api import RayApi
+
+    st = statemod.read(namespace)
+    if st is None:
+        raise ClusterError(f"no deployment {namespace!r} is running (no state file at "
+                           f"{statemod.state_path(namespace)})")
+    api = None
+    problems = []
+    reachable = not st.embedded or _head_alive(st)
+    if reachable:
+        try:
+            api = RayApi.connect(st.ray_address, namespace)
+        except ClusterError as e:
+            problems.append(str(e))
+    res = _teardown(api, None, st, None)
+    res.namespace = namespace
+    res.problems = problems + res.problems
+    statemod.remove(namespace)
+    for p in res.problems:
+        say(f"warning: {p}")
+    if res.killed:
+        say(f"killed leftover processes: {', '.join(res.killed)}")
+    return res
+
+
+def status(namespace: str = "orchestrator") -> dict:
+    """The controller's view of the deployment plus what the state file records."""
+    from orchestrator.cluster.ray_api import ActorGone, RayApi, RemoteError
+
+    st = statemod.read(namespace)
+    if st is None:
+        raise ClusterError(f"no deployment {namespace!r} is running (no state file at "
+                           f"{statemod.state_path(namespace)})")
+    if st.embedded and not _head_alive(st):
+        raise ClusterError(f"deployment {namespace!r}: its Ray head (pid {st.head_pid}) is gone; "
+                           "run `orchestrator down` to clean up")
+    api = RayApi.connect(st.ray_address, namespace)
+    try:
+        ctrl = api.get_actor(CONTROLLER, namespace)
+        if ctrl is None:
+            raise ClusterError(f"deployment {namespace!r}: no controller on the Ray cluster at {st.ray_address}; "
+                               "run `orchestrator down` to clean up")
+        try:
+            out = api.call(ctrl, "status", timeout=30)
+        except (ActorGone, RemoteError, TimeoutError) as e:
+            raise ClusterError(f"deployment {namespace!r}: the controller does not answer: {e}") from None
+    finally:
+        api.disconnect()
+    out.update({"ray_address": st.ray_address, "embedded": st.embedded, "dashboard_url": st.dashboard_url,
+                "metrics_url": st.metrics_url, "up_pid": st.up_pid, "state_file": str(statemod.state_path(namespace))})
+    return out

@@ -1,0 +1,119 @@
+"""What ``status`` shows: binding and devices read back from a worker's argv/env, and the table itself. Pure."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+from orchestrator.units import fmt_bytes
+
+# options of llama-server that say where it computes
+_LLAMA_DEVICE_OPTS = ("-dev", "--device", "-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu",
+                      "-ngl", "--gpu-layers", "--n-gpu-layers")
+_LLAMA_CPU_OPTS = ("--numa", "-t", "--threads", "-C", "--cpu-mask", "--cpu-range")
+
+
+def _basename(a: str) -> str:
+    return os.path.basename(a)
+
+
+def describe_binding(argv: Sequence[str]) -> str:
+    """The CPU/memory binding a worker's argv asks for: numactl's options (or the socket wrapper's), whether NUMA
+    balancing is switched off, and llama-server's own ``--numa``/thread options. '-' when there is none."""
+    parts: list[str] = []
+    i = 0
+    n = len(argv)
+    while i < n:
+        b = _basename(argv[i])
+        if b == "disable-numa-balancing.sh":
+            parts.append("numa-balancing off")
+            i += 1
+            continue
+        if b in ("numactl", "numactl-bind-socket.sh"):
+            j = i + 1
+            opts = []
+            while j < n and argv[j].startswith("-"):
+                if argv[j] == "--":
+                    j += 1
+                    break
+                opt = argv[j]
+                # "--socket 0" style: the next token is a value, not the command
+                if "=" not in opt and j + 1 < n and not argv[j + 1].startswith("-") and (
+                        b == "numactl-bind-socket.sh" or opt in ("-N", "-m", "-C", "-i", "-p")):
+                    opt = f"{opt} {argv[j + 1]}"
+                    j += 1
+                opts.append(opt)
+                j += 1
+            parts.append(f"{'numactl' if b == 'numactl' else 'socket'} {' '.join(opts)}".strip())
+            i = j
+            continue
+        if b.startswith("llama-server") or b.startswith("llama_server"):
+            rest = argv[i + 1:]
+            for k, a in enumerate(rest):
+                if a in _LLAMA_CPU_OPTS and k + 1 < len(rest):
+                    parts.append(f"{a} {rest[k + 1]}")
+            break
+        i += 1
+    return ", ".join(parts) if parts else "-"
+
+
+def describe_devices(env: Mapping[str, str], argv: Sequence[str]) -> str:
+    """``cuda:0,1`` from CUDA_VISIBLE_DEVICES (plus llama-server's device/split options), ``cpu`` when the plan
+    hides every GPU, ``-`` when it says nothing."""
+    parts = []
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        parts.append(f"cuda:{cvd}" if cvd.strip() not in ("", "-1") else "cpu")
+    for k, a in enumerate(argv):
+        if a in _LLAMA_DEVICE_OPTS and k + 1 < len(argv):
+            parts.append(f"{a} {argv[k + 1]}")
+    return ", ".join(parts) if parts else "-"
+
+
+def _mib(b: Any) -> str:
+    return fmt_bytes(b) if b else "-"
+
+
+def worker_rows(workers: Iterable[Mapping[str, Any]]) -> list[list[str]]:
+    rows = []
+    for w in workers:
+        m = w.get("metrics") or {}
+        gpus = m.get("gpus") or []
+        vram = sum(g.get("worker_vram", 0) for g in gpus)
+        mem = _mib(m.get("rss_bytes"))
+        if vram:
+            mem += f" +{_mib(vram)} vram"
+        tps = "-"
+        if w.get("state") == "ready":
+            tps = f"{m.get('prompt_tps', 0):.0f}/{m.get('generation_tps', 0):.1f}"
+        err = w.get("reason") or w.get("last_error") or ""
+        rows.append([
+            str(w.get("name", "?")), str(w.get("state", "?")), str(w.get("pid") or "-"),
+            str(w.get("node") or "-"), str(w.get("binding") or "-"), str(w.get("devices") or "-"), mem, tps,
+            str(w.get("restarts", 0)), err,
+        ])
+    return rows
+
+
+HEADER = ["worker", "state", "pid", "node", "binding", "devices", "memory", "tok/s p/g", "restarts", "last error"]
+
+
+def format_table(rows: list[list[str]], header: list[str] = HEADER, max_last: int = 90) -> str:
+    rows = [r[:-1] + [r[-1] if len(r[-1]) <= max_last else r[-1][: max_last - 1] + "…"] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header)] + [line(r) for r in rows])
+
+
+def format_status(st: Mapping[str, Any]) -> str:
+    """The human view of :meth:`Controller.status`."""
+    gw = st.get("gateway") or {}
+    head = [f"deployment {st.get('namespace')}: {st.get('phase')}"
+            + (f" ({st['error']})" if st.get("error") else ""),
+            f"gateway    {gw.get('url', '-')}  {gw.get('state', '-')}"
+            + (f"  {gw.get('error')}" if gw.get("error") else "")
+            + (f"  healthy replicas: {gw.get('healthy', 0)}/{len(st.get('workers') or [])}")]
+    for key, label in (("dashboard_url", "dashboard "), ("metrics_url", "metrics   "), ("ray_address", "ray       ")):
+        if st.get(key):
+            head.append(f"{label} {st[key]}")
+    return "\n".join(head) + "\n\n" + format_table(worker_rows(st.get("workers") or []))
