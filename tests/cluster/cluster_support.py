@@ -1,0 +1,115 @@
+"""Helpers shared by tests/cluster (unit) and tests/integration/test_cluster*.py (real Ray, real llama-server).
+
+Integration modules load this file by path (see ``_support()`` there).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from cluster_tiny_model import write_tiny_llama  # noqa: E402
+
+__all__ = ["write_tiny_llama", "free_port", "llama_spec", "http_json", "post_json", "stream_completion",
+           "llama_servers", "ray_processes_of", "wait_for"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_spec(name: str, binary: str, model: str | Path, port: int | None = None, node: str | None = None,
+               alias: str = "tiny", extra: tuple[str, ...] = (), resources: dict | None = None, env: dict | None = None):
+    from orchestrator.launch.spec import LaunchSpec
+
+    port = port or free_port()
+    argv = (binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "512", "-np", "2",
+            "-t", "1", "--metrics", "--no-warmup", *extra)
+    return LaunchSpec(name=name, argv=argv, env=env or {}, port=port, node=node, model_alias=alias,
+                      resources=resources or {})
+
+
+def http_json(url: str, timeout: float = 10.0, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as f:
+            return f.status, json.loads(f.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def post_json(url: str, body: dict, timeout: float = 30.0, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as f:
+            return f.status, json.loads(f.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def stream_completion(url: str, body: dict, timeout: float = 30.0) -> tuple[int, list[dict], bool]:
+    """POST with ``stream: true``; returns (status, the parsed ``data:`` events, whether ``[DONE]`` came)."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events, done = [], False
+    with urllib.request.urlopen(req, timeout=timeout) as f:
+        assert f.headers.get("Content-Type", "").startswith("text/event-stream"), f.headers.get("Content-Type")
+        for raw in f:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+            else:
+                events.append(json.loads(data))
+        return f.status, events, done
+
+
+def llama_servers(binary: str) -> list:
+    """Running processes of this llama-server binary (psutil.Process)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["exe", "cmdline"]):
+        try:
+            if p.info["exe"] == binary or (p.info["cmdline"] or [""])[0] == binary:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def ray_processes_of(temp_dir: str) -> list:
+    """Processes whose command line mentions a Ray temp dir (GCS, raylet, dashboard, workers)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in a for a in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def wait_for(pred, timeout: float, interval: float = 0.2):
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(interval)

@@ -1,0 +1,134 @@
+"""Pure parts: deployment validation, binding/devices read back from argv, the status table, the state file, and
+the rule that only ray_api.py imports Ray."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cluster import state as statemod
+from orchestrator.cluster.deployment import Deployment, RestartPolicy
+from orchestrator.cluster.view import HEADER, describe_binding, describe_devices, format_status, format_table, worker_rows
+from orchestrator.errors import ConfigError
+from orchestrator.launch.spec import LaunchSpec
+
+PKG = Path(__file__).resolve().parents[2] / "orchestrator" / "cluster"
+
+
+def spec(name="w0", port=9000, node=None, argv=("llama-server",)):
+    return LaunchSpec(name=name, argv=argv, port=port, node=node)
+
+
+# --- binding and devices ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,expected", [
+    (("llama-server", "-m", "x"), "-"),
+    (("numactl", "--cpunodebind=0", "--membind=0", "--", "llama-server", "--numa", "numactl", "-t", "32"),
+     "numactl --cpunodebind=0 --membind=0, --numa numactl, -t 32"),
+    (("numactl", "--interleave=all", "llama-server", "--numa", "distribute"),
+     "numactl --interleave=all, --numa distribute"),
+    (("numactl", "-N", "1", "-m", "1", "llama-server"), "numactl -N 1 -m 1"),
+    (("/opt/o/scripts/numa/disable-numa-balancing.sh", "/opt/o/scripts/numa/numactl-bind-socket.sh", "--socket",
+      "1", "--mode", "physical", "--interleave", "on", "--", "/b/llama-server", "-t", "48"),
+     "numa-balancing off, socket --socket 1 --mode physical --interleave on, -t 48"),
+])
+def test_describe_binding(argv, expected):
+    assert describe_binding(argv) == expected
+
+
+def test_describe_devices():
+    assert describe_devices({"CUDA_VISIBLE_DEVICES": "0,1"}, ("llama-server", "-sm", "layer", "-ngl", "99")) == \
+        "cuda:0,1, -sm layer, -ngl 99"
+    assert describe_devices({"CUDA_VISIBLE_DEVICES": ""}, ("llama-server",)) == "cpu"
+    assert describe_devices({}, ("llama-server",)) == "-"
+
+
+def test_status_table_and_text():
+    workers = [{"name": "w0", "state": "ready", "pid": 11, "node": "a", "binding": "numactl -N 0", "devices": "cuda:0",
+                "restarts": 1, "last_error": "killed by SIGKILL",
+                "metrics": {"rss_bytes": 3 * 2**30, "prompt_tps": 812.4, "generation_tps": 23.46,
+                            "gpus": [{"worker_vram": 20 * 2**30}]}},
+               {"name": "w1", "state": "failed", "pid": None, "node": "b", "restarts": 5,
+                "reason": "gave up after 5 restart(s)", "metrics": {}}]
+    rows = worker_rows(workers)
+    assert rows[0] == ["w0", "ready", "11", "a", "numactl -N 0", "cuda:0", "3.0 GiB +20.0 GiB vram", "812/23.5", "1",
+                       "killed by SIGKILL"]
+    assert rows[1][1:3] == ["failed", "-"] and rows[1][7] == "-" and rows[1][-1] == "gave up after 5 restart(s)"
+    text = format_table(rows)
+    assert text.splitlines()[0].split()[:3] == HEADER[:3] and len(text.splitlines()) == 3
+    full = format_status({"namespace": "ns", "phase": "degraded", "error": "w1: failed", "workers": workers,
+                          "gateway": {"url": "http://127.0.0.1:8080", "state": "serving", "healthy": 1},
+                          "dashboard_url": "http://127.0.0.1:8265"})
+    assert "deployment ns: degraded (w1: failed)" in full and "healthy replicas: 1/2" in full and "8265" in full
+
+
+# --- deployment ----------------------------------------------------------------------------------------------------
+def test_deployment_round_trips():
+    d = Deployment(specs=(spec("a", 9000), spec("b", 9001, node="n2")), api_key_env="KEY", ray_address="h:6379",
+                   restart=RestartPolicy(max_restarts=2), plan_json={"x": 1})
+    assert Deployment.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    assert not d.embedded and Deployment(specs=(spec(),)).embedded
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"specs": ()}, "no workers"),
+    ({"specs": (spec("a"), spec("a", 9001))}, "'a': the name is used by more than one worker"),
+    ({"specs": (spec("a"), spec("b"))}, "127.0.0.1:9000 on this node is already used by worker 'a'"),
+    ({"specs": (spec("a b"),)}, "not a valid worker name"),
+    ({"specs": (spec(),), "gateway_port": 70000}, "gateway.port: 70000"),
+    ({"specs": (spec(),), "api_key_env": "1BAD"}, "gateway.api_key_env"),
+    ({"specs": (spec(),), "namespace": "a/b"}, "ray.namespace"),
+])
+def test_deployment_rejects(kw, msg):
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        Deployment(**kw)
+
+
+def test_same_port_on_two_nodes_is_fine():
+    Deployment(specs=(spec("a", 9000, node="n1"), spec("b", 9000, node="n2")))
+
+
+def test_restart_policy_bounds_and_backoff():
+    p = RestartPolicy(backoff_initial_s=0.5, backoff_max_s=4)
+    assert [p.backoff(k) for k in range(1, 6)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    with pytest.raises(ConfigError, match="restart.max_restarts"):
+        RestartPolicy(max_restarts=-1)
+    with pytest.raises(ConfigError, match="backoff_max_s"):
+        RestartPolicy(backoff_initial_s=5, backoff_max_s=1)
+
+
+# --- state file ----------------------------------------------------------------------------------------------------
+def test_state_file_round_trip_and_atomic_write(state_home):
+    st = statemod.ClusterState(namespace="ns", ray_address="127.0.0.1:1", embedded=True, up_pid=1, started_at=2.0,
+                               head_pid=3, workers=[{"name": "w0"}])
+    path = statemod.write(st)
+    assert path == state_home / "cluster" / "ns.json"
+    assert statemod.read("ns") == st and statemod.recorded() == ["ns"]
+    assert [p.name for p in path.parent.iterdir()] == ["ns.json"]        # no temp file left behind
+    statemod.remove("ns")
+    assert statemod.read("ns") is None and statemod.recorded() == []
+
+
+# --- the Ray boundary ------------------------------------------------------------------------------------------------
+def test_only_ray_api_imports_ray():
+    offenders = []
+    for py in sorted(PKG.glob("*.py")):
+        tree = ast.parse(py.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "ray" or n.startswith("ray.") for n in names) and py.name != "ray_api.py":
+                offenders.append(f"{py.name}:{node.lineno}")
+    assert offenders == []
+
+
+def test_ray_api_imports_ray_lazily():
+    tree = ast.parse((PKG / "ray_api.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not any(getattr(n, "module", None) == "ray" or any(a.name == "ray" for a in getattr(n, "names", []))
+                   for n in top)

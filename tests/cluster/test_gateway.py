@@ -1,0 +1,310 @@
+"""The gateway: the pure router, and the aiohttp app over real HTTP against small upstream servers.
+
+The upstreams here are aiohttp servers that answer like llama-server (JSON and SSE); the end-to-end tests against
+real llama-server processes are in tests/integration/test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from orchestrator.cluster.gateway import QUARANTINE_S, Gateway, Router
+from orchestrator.cluster.metrics import DictSink
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def table(*rows):
+    return [{"name": n, "url": f"http://127.0.0.1:{9000 + i}", "model": m, "healthy": h, "detail": ""}
+            for i, (n, m, h) in enumerate(rows)]
+
+
+# --- router ---------------------------------------------------------------------------------------------------
+def test_router_picks_fewest_in_flight_and_rotates_ties():
+    r = Router(Clock())
+    r.set_replicas(table(("a", "m", True), ("b", "m", True), ("c", "m", True)))
+    r.replicas["a"].inflight = 2
+    r.replicas["b"].inflight = 1
+    r.replicas["c"].inflight = 1
+    picks = {r.pick("m").name for _ in range(6)}
+    assert picks == {"b", "c"}
+    r.replicas["c"].inflight = 0
+    assert all(r.pick("m").name == "c" for _ in range(3))
+
+
+def test_router_skips_unhealthy_excluded_and_quarantined():
+    clock = Clock()
+    r = Router(clock)
+    r.set_replicas(table(("a", "m", True), ("b", "m", False), ("c", "m", True)))
+    assert r.pick("m", exclude={"a"}).name == "c"
+    r.mark_failed("c", "unreachable")
+    assert r.pick("m", exclude={"a"}) is None
+    clock.t += QUARANTINE_S + 0.1
+    assert r.pick("m", exclude={"a"}).name == "c"
+
+
+def test_router_keeps_in_flight_counts_across_table_updates():
+    r = Router(Clock())
+    r.set_replicas(table(("a", "m", True)))
+    r.replicas["a"].inflight = 3
+    r.set_replicas(table(("a", "m", False)))
+    assert r.replicas["a"].inflight == 3 and not r.replicas["a"].healthy
+
+
+def test_router_model_resolution():
+    r = Router(Clock())
+    r.set_replicas(table(("a", "m", True)))
+    assert r.resolve_model("gpt-4o") == "m"        # one alias: any name goes there
+    r.set_replicas(table(("a", "m", True), ("b", "n", True)))
+    assert r.resolve_model("n") == "n" and r.resolve_model("x") is None and r.resolve_model(None) is None
+
+
+def test_router_explains_why_nothing_is_healthy():
+    r = Router(Clock())
+    r.set_replicas([{"name": "w0", "url": "u", "model": "m", "healthy": False, "detail": "backoff (killed by SIGKILL)"},
+                    {"name": "w1", "url": "u", "model": "m", "healthy": False, "detail": "starting"}])
+    msg = r.why_unavailable("m")
+    assert "no healthy replica for model 'm'" in msg and "w0: backoff (killed by SIGKILL)" in msg and "w1: starting" in msg
+
+
+# --- the app over HTTP -------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Upstream:
+    """A llama-server look-alike: JSON completions, SSE streams, a request log."""
+
+    def __init__(self, name: str, delay: float = 0.0) -> None:
+        self.name, self.delay = name, delay
+        self.seen: list[dict] = []
+        self.headers: list[dict] = []
+        self.runner = None
+        self.port = free_port()
+
+    async def handle(self, request):
+        body = await request.json()
+        self.seen.append(body)
+        self.headers.append(dict(request.headers))
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(3):
+                await resp.write(f"data: {json.dumps({'replica': self.name, 'i': i})}\n\n".encode())
+                await asyncio.sleep(0.05)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return web.json_response({"replica": self.name, "path": request.path})
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+
+async def with_gateway(rows, fn, api_key=None, sink=None):
+    gw = Gateway(Router(), api_key=api_key, sink=sink)
+    gw.router.set_replicas(rows)
+    port = free_port()
+    await gw.start("127.0.0.1", port)
+    try:
+        async with aiohttp.ClientSession() as s:
+            return await fn(s, f"http://127.0.0.1:{port}", gw)
+    finally:
+        await gw.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_completion_and_chat_are_proxied():
+    async def go():
+        up = await Upstream("u0").start()
+        try:
+            async def fn(s, base, gw):
+                async with s.post(base + "/v1/completions", json={"prompt": "hi", "model": "x"},
+                                  headers={"Authorization": "Bearer client-secret"}) as r:
+                    assert r.status == 200
+                    assert (await r.json()) == {"replica": "u0", "path": "/v1/completions"}
+                async with s.post(base + "/v1/chat/completions", json={"messages": []}) as r:
+                    assert (await r.json())["path"] == "/v1/chat/completions"
+            await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
+            assert up.seen[0] == {"prompt": "hi", "model": "x"}
+            assert "Authorization" not in up.headers[0]        # the client's key is not passed on
+        finally:
+            await up.stop()
+    run(go())
+
+
+def test_stream_is_passed_through_as_it_arrives():
+    async def go():
+        up = await Upstream("u0").start()
+        try:
+            async def fn(s, base, gw):
+                loop = asyncio.get_running_loop()
+                async with s.post(base + "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+                    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                    times, events = [], []
+                    async for line in r.content:
+                        line = line.decode().strip()
+                        if line.startswith("data:"):
+                            events.append(line[5:].strip())
+                            times.append(loop.time())
+                assert events[-1] == "[DONE]" and [json.loads(e)["i"] for e in events[:-1]] == [0, 1, 2]
+                # chunks arrive spread out (the upstream sleeps 50 ms between them), not all at the end
+                assert times[2] - times[0] > 0.07
+            await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
+        finally:
+            await up.stop()
+    run(go())
+
+
+def test_least_in_flight_spreads_concurrent_requests():
+    async def go():
+        a, b = await Upstream("a", delay=0.3).start(), await Upstream("b", delay=0.3).start()
+        try:
+            async def fn(s, base, gw):
+                async def one():
+                    async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                        return (await r.json())["replica"]
+                got = await asyncio.gather(*[one() for _ in range(8)])
+                assert sorted(got).count("a") == 4 and sorted(got).count("b") == 4
+                assert all(r.inflight == 0 for r in gw.router.replicas.values())
+            await with_gateway([{"name": "a", "url": a.url, "model": "m", "healthy": True},
+                                {"name": "b", "url": b.url, "model": "m", "healthy": True}], fn)
+        finally:
+            await a.stop()
+            await b.stop()
+    run(go())
+
+
+def test_refused_replica_is_skipped_and_the_request_succeeds_elsewhere():
+    async def go():
+        b = await Upstream("b").start()
+        dead = f"http://127.0.0.1:{free_port()}"            # nothing listens there (a killed llama-server)
+        try:
+            async def fn(s, base, gw):
+                for _ in range(4):
+                    async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                        assert r.status == 200 and (await r.json())["replica"] == "b"
+                assert "unreachable" in gw.router.replicas["dead"].detail
+            await with_gateway([{"name": "dead", "url": dead, "model": "m", "healthy": True},
+                                {"name": "b", "url": b.url, "model": "m", "healthy": True}], fn)
+        finally:
+            await b.stop()
+    run(go())
+
+
+def test_503_with_json_reason_when_no_replica_is_healthy():
+    async def fn(s, base, gw):
+        async with s.post(base + "/v1/chat/completions", json={"messages": []}) as r:
+            assert r.status == 503 and r.headers["Content-Type"].startswith("application/json")
+            err = (await r.json())["error"]
+            assert err["type"] == "service_unavailable" and "w0: backoff (killed by SIGKILL)" in err["message"]
+        async with s.get(base + "/health") as r:
+            assert r.status == 503
+    run(with_gateway([{"name": "w0", "url": "http://127.0.0.1:1", "model": "m", "healthy": False,
+                       "detail": "backoff (killed by SIGKILL)"}], fn))
+
+
+def test_api_key_required_when_configured():
+    async def go():
+        up = await Upstream("u0").start()
+        try:
+            async def fn(s, base, gw):
+                async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+                async with s.post(base + "/v1/completions", json={"prompt": "x"},
+                                  headers={"Authorization": "Bearer wrong"}) as r:
+                    assert r.status == 401
+                async with s.get(base + "/v1/models") as r:
+                    assert r.status == 401
+                async with s.post(base + "/v1/completions", json={"prompt": "x"},
+                                  headers={"Authorization": "Bearer s3cret"}) as r:
+                    assert r.status == 200
+                async with s.get(base + "/health") as r:    # health needs no key
+                    assert r.status == 200
+            await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn, api_key="s3cret")
+            assert len(up.seen) == 1
+        finally:
+            await up.stop()
+    run(go())
+
+
+def test_models_lists_aliases_and_unknown_model_is_404_with_several():
+    async def go():
+        a, b = await Upstream("a").start(), await Upstream("b").start()
+        try:
+            async def fn(s, base, gw):
+                async with s.get(base + "/v1/models") as r:
+                    data = (await r.json())["data"]
+                    assert [d["id"] for d in data] == ["big", "small"] and data[0]["object"] == "model"
+                async with s.post(base + "/v1/completions", json={"model": "small", "prompt": "x"}) as r:
+                    assert (await r.json())["replica"] == "b"
+                async with s.post(base + "/v1/completions", json={"model": "nope", "prompt": "x"}) as r:
+                    assert r.status == 404 and "available: big, small" in (await r.json())["error"]["message"]
+            await with_gateway([{"name": "a", "url": a.url, "model": "big", "healthy": True},
+                                {"name": "b", "url": b.url, "model": "small", "healthy": True}], fn)
+        finally:
+            await a.stop()
+            await b.stop()
+    run(go())
+
+
+def test_metrics_are_flushed_to_the_sink():
+    async def go():
+        up = await Upstream("u0").start()
+        sink = DictSink()
+        try:
+            async def fn(s, base, gw):
+                for _ in range(3):
+                    async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                        await r.read()
+                gw.flush_metrics()
+                gw.flush_metrics()                       # counters are not double counted
+            await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn, sink=sink)
+        finally:
+            await up.stop()
+        assert sink.get("orchestrator_gateway_requests", model="m", code="200") == 3.0
+        assert sink.get("orchestrator_gateway_healthy_replicas", model="m") == 1.0
+        assert sink.get("orchestrator_gateway_requests_in_flight", replica="w0") == 0.0
+    run(go())
+
+
+def test_start_on_a_taken_port_raises_oserror():
+    async def go():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            gw = Gateway(Router())
+            with pytest.raises(OSError):
+                await gw.start("127.0.0.1", s.getsockname()[1])
+    run(go())

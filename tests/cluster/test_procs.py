@@ -1,0 +1,150 @@
+"""Real processes through LocalLauncher: exact argv/env and pid, group stop, KILL escalation, no orphan when the
+parent dies, and llama-server's own failure reasons read from its log."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from orchestrator.cluster.procs import RAY_INJECTED_ENV, LocalLauncher, cause_from_log, child_env
+from orchestrator.errors import LaunchError
+from orchestrator.launch.spec import LaunchSpec
+
+from cluster_support import free_port, wait_for
+
+
+def wait_exit(h, timeout=30.0):
+    assert wait_for(lambda: h.poll() is not None, timeout), "process did not exit"
+    return h.poll()
+
+
+def test_runs_exact_argv_and_env_with_the_same_pid(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")        # as Ray sets it in an actor
+    monkeypatch.setenv("KEEP_ME", "yes")
+    out = tmp_path / "out.json"
+    code = ("import json,os,sys; json.dump({'argv': sys.argv, 'pid': os.getpid(), 'cvd': os.environ.get("
+            "'CUDA_VISIBLE_DEVICES'), 'x': os.environ.get('X'), 'keep': os.environ.get('KEEP_ME'), "
+            "'pgid': os.getpgid(0)}, open(sys.argv[1], 'w'))")
+    spec = LaunchSpec(name="w0", argv=(sys.executable, "-c", code, str(out), "two words"), env={"X": "1"})
+    h = LocalLauncher(drop_env=RAY_INJECTED_ENV).start(spec, tmp_path / "w0.log")
+    assert wait_exit(h) == 0
+    got = json.loads(out.read_text())
+    assert got["argv"][1:] == [str(out), "two words"]
+    assert got["pid"] == h.pid == got["pgid"]              # exec'd in place, leader of its own group
+    assert got["cvd"] is None and got["x"] == "1" and got["keep"] == "yes"
+    assert "=== orchestrator: start" in (tmp_path / "w0.log").read_text()
+
+
+def test_spec_env_wins_over_dropped_variables():
+    env = child_env({"CUDA_VISIBLE_DEVICES": "0,1"}, base={"CUDA_VISIBLE_DEVICES": "3", "PATH": "/bin"},
+                    drop=RAY_INJECTED_ENV)
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/bin"}
+
+
+def test_stop_terminates_the_whole_group(tmp_path):
+    spec = LaunchSpec(name="w0", argv=("bash", "-c", "sleep 300 & sleep 300 & wait"))
+    h = LocalLauncher().start(spec, tmp_path / "w0.log")
+    assert wait_for(lambda: len(psutil.Process(h.pid).children()) == 2, 10)
+    kids = psutil.Process(h.pid).children()
+    t = time.monotonic()
+    code = h.stop(timeout=5)
+    assert code == -signal.SIGTERM and time.monotonic() - t < 4
+    assert not any(k.is_running() and k.status() != psutil.STATUS_ZOMBIE for k in kids)
+
+
+def test_stop_escalates_to_kill(tmp_path):
+    spec = LaunchSpec(name="w0", argv=("bash", "-c", "trap '' TERM; while :; do sleep 0.1; done"))
+    h = LocalLauncher().start(spec, tmp_path / "w0.log")
+    time.sleep(0.3)
+    assert h.stop(timeout=0.5) == -signal.SIGKILL
+
+
+def test_missing_binary_is_a_launch_error(tmp_path):
+    spec = LaunchSpec(name="w0", argv=(str(tmp_path / "no-llama-server"), "-m", "x"))
+    with pytest.raises(LaunchError, match=r"worker 'w0': cannot run .*no-llama-server.*not found"):
+        LocalLauncher().start(spec, tmp_path / "w0.log")
+
+
+def test_child_dies_when_its_parent_is_killed(tmp_path):
+    """The actor that started llama-server is kill -9'd: the parent-death signal takes the child down."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, threading, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from pathlib import Path
+        from orchestrator.cluster.procs import LocalLauncher
+        from orchestrator.launch.spec import LaunchSpec
+        box = {{}}
+        def spawn():   # like the worker actor: from a long-lived thread
+            box['h'] = LocalLauncher().start(LaunchSpec(name="w", argv=("sleep", "300")), Path({str(tmp_path / 'c.log')!r}))
+            print(box['h'].pid, flush=True)
+            time.sleep(1000)
+        threading.Thread(target=spawn, daemon=True).start()
+        time.sleep(1000)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        assert wait_for(lambda: psutil.Process(child).name() == "sleep", 10)
+        parent.kill()
+        parent.wait()
+        gone = wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, 5)
+        assert gone, "child outlived its killed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child and psutil.pid_exists(child) and psutil.Process(child).name() == "sleep":
+            os.kill(child, signal.SIGKILL)   # never leave the orphan behind, even when the test fails
+
+
+def test_cause_of_a_real_llama_server_failure(tmp_path, llama_server_path):
+    missing = tmp_path / "missing.gguf"
+    spec = LaunchSpec(name="w0", argv=(llama_server_path, "-m", str(missing), "--port", str(free_port())))
+    h = LocalLauncher().start(spec, tmp_path / "w0.log")
+    assert wait_exit(h) != 0
+    cause = h.cause()
+    assert "failed to open GGUF file" in cause and "No such file or directory" in cause and str(missing) in cause
+    # a second run appends to the same log; its cause is read from its own part
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    spec2 = LaunchSpec(name="w0", argv=(llama_server_path, "-m", str(bad), "--port", str(free_port())))
+    h2 = LocalLauncher().start(spec2, tmp_path / "w0.log")
+    assert wait_exit(h2) != 0
+    c2 = h2.cause()
+    assert "missing.gguf" not in c2 and ("bad.gguf" in c2 or "model" in c2.lower())
+
+
+def test_cause_of_a_taken_port(tmp_path, llama_server_path, tiny_gguf):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        spec = LaunchSpec(name="w0", argv=(llama_server_path, "-m", str(tiny_gguf), "--host", "127.0.0.1",
+                                           "--port", str(port), "-t", "1", "--no-warmup"))
+        h = LocalLauncher().start(spec, tmp_path / "w0.log")
+        assert wait_exit(h) != 0
+    assert "couldn't bind HTTP server socket" in h.cause()
+
+
+def test_cause_from_log_prefers_the_specific_line():
+    log = textwrap.dedent("""\
+        0.00.005.626 E common_fit_params: encountered an error while trying to fit params: failed to load model
+        0.00.005.659 E gguf_init_from_file: failed to open GGUF file '/m.gguf' (No such file or directory)
+        0.00.005.763 E srv    load_model: failed to load model, '/m.gguf'
+        0.00.006.403 E srv  llama_server: exiting due to model loading error
+    """)
+    assert cause_from_log(log) == ("gguf_init_from_file: failed to open GGUF file '/m.gguf' (No such file or "
+                                   "directory) | srv  llama_server: exiting due to model loading error")
+    assert cause_from_log("0.01 I all fine\n0.02 I slot released\n") == ""
