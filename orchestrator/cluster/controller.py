@@ -93,6 +93,7 @@ class GatewaySlot:
     created_at: float = 0.0
     pushed: list | None = None
     pushed_at: float = -1e18
+    acked: list | None = None       # the last table the gateway confirmed it routes by
     ever_up: bool = False
     failures: int = 0
     next_create_at: float = 0.0
@@ -275,7 +276,7 @@ class Controller:
                     self._gateway_lost(now, f"gateway actor not running after {SCHEDULE_TIMEOUT_S}s")
                 return
             g.start_ref, g.url, g.ever_up, g.phase, g.error = None, url, True, "serving", ""
-            g.failures = 0
+            g.failures, g.acked = 0, g.pushed
             return
         if g.phase != "serving":
             return
@@ -286,7 +287,7 @@ class Controller:
                 self._gateway_lost(now, f"gateway actor died: {e}")
                 return
             if done:
-                g.push_ref = None
+                g.push_ref, g.acked = None, g.pushed
         table = self.replica_table(now)
         if g.push_ref is None and (table != g.pushed or now - g.pushed_at >= PUSH_EVERY_S):
             g.push_ref = self.api.submit(g.handle, "set_replicas", table)
@@ -316,9 +317,11 @@ class Controller:
         if self.gw.phase == "failed" and not self.gw.ever_up:
             fatal.append(self.gw.error)
         all_ready = all(s.phase == "running" and s.status.get("state") == "ready" for s in self.slots)
+        # ready means requests are served: the gateway has confirmed a table that routes to every worker
+        routed = self.gw.acked is not None and all(r["healthy"] for r in self.gw.acked)
         if fatal and not self.ready_once:
             self.phase, self.error = FAILED, "; ".join(fatal)
-        elif all_ready and self.gw.phase == "serving":
+        elif all_ready and self.gw.phase == "serving" and routed:
             self.phase, self.error, self.ready_once = READY, "", True
         elif self.ready_once:
             bad = [f"{s.spec.name}: {s.phase if s.phase != 'running' else s.status.get('state', '?')}"
@@ -391,7 +394,7 @@ class Controller:
         if self.gw.handle is not None:
             self.api.kill(self.gw.handle)
             self.gw.handle = None
-        self.gw.phase = "stopped"
+        self.gw.phase, self.gw.acked = "stopped", None
         self.phase = STOPPED
         return self.status()
 

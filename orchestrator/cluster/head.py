@@ -27,6 +27,9 @@ from pathlib import Path
 
 from orchestrator.errors import ClusterError
 
+# heads started by this process: reaped in stop_head so they do not linger as zombies while we live on
+_STARTED: dict[int, subprocess.Popen] = {}
+
 
 @dataclass(frozen=True)
 class HeadInfo:
@@ -123,6 +126,7 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
     with open(log_path, "wb") as log:  # one head per namespace: this run's log only
         p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, close_fds=True)
+    _STARTED[p.pid] = p
     create_time = psutil.Process(p.pid).create_time()
     info = HeadInfo(pid=p.pid, create_time=create_time, address=f"{host}:{gcs_port}", temp_dir=temp_dir,
                     log_path=str(log_path), dashboard_url=f"http://{dashboard_host}:{dashboard_port}",
@@ -167,9 +171,33 @@ def head_tree(pid: int, create_time: float | None):
         p = psutil.Process(pid)
         if create_time is not None and abs(p.create_time() - create_time) > 1.0:
             return []
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return []
         return [p] + p.children(recursive=True)
     except psutil.Error:
         return []
+
+
+def _wait_gone(procs: list, timeout: float) -> list:
+    """Wait until every process has exited (a zombie has: only its parent's bookkeeping is left); returns the
+    ones still running after ``timeout``."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid, popen in list(_STARTED.items()):
+            if popen.poll() is not None:
+                del _STARTED[pid]
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.Error:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, timeout: float = 30.0) -> list[str]:
@@ -194,7 +222,7 @@ def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, 
             os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    _gone, alive = psutil.wait_procs(list(procs.values()), timeout=timeout)
+    alive = _wait_gone(list(procs.values()), timeout)
     killed = []
     for p in alive:
         try:
@@ -202,7 +230,7 @@ def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, 
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=5)
+    _wait_gone(alive, 5)
     if temp_dir and os.path.basename(temp_dir).startswith("orch-ray-"):
         shutil.rmtree(temp_dir, ignore_errors=True)
     return killed

@@ -80,6 +80,7 @@ class FakeApi:
         self.killed = []
         self.gateway_fail = None
         self.hold_start = False
+        self.hold_push = False
         self.nodes_error = None
 
     def nodes(self):
@@ -100,6 +101,8 @@ class FakeApi:
     def submit(self, actor, method, *args):
         r = Ref(actor, method, args)
         if method == "start" and self.hold_start and isinstance(actor, FakeWorker):
+            r.hold = True
+        if method == "set_replicas" and self.hold_push:
             r.hold = True
         return r
 
@@ -175,6 +178,20 @@ def test_ready_when_all_workers_ready_and_gateway_serves_and_table_pushed():
     table = gateway(api).tables[-1]
     assert [(r["name"], r["url"], r["healthy"]) for r in table] == [
         ("w0", "http://127.0.0.1:9000", True), ("w1", "http://127.0.0.1:9001", True)]
+
+
+def test_not_ready_until_the_gateway_confirmed_the_healthy_table():
+    c, api, clock = make([spec("w0", port=9000)])
+    tick(c, clock, 3)
+    api.hold_push = True
+    workers(api)[0].state = "ready"
+    tick(c, clock, 4)
+    assert c.phase == STARTING                       # the gateway still routes by a table without w0
+    for ref_holder in [c.gw.push_ref]:
+        ref_holder.hold = False
+    api.hold_push = False
+    tick(c, clock, 1)
+    assert c.phase == READY
 
 
 def test_worker_that_fails_at_load_fails_the_deployment_with_its_reason():
