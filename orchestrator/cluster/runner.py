@@ -16,9 +16,11 @@ head and KILLs anything of its process tree that is left, and removes the state 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +91,12 @@ def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], 
        ready_timeout: float | None = None) -> UpResult:
     """Run ``deployment``; see the module docstring. Raises ClusterError/LaunchError/ConfigError with one clear
     line after undoing everything it started."""
+    with _terminate_as_interrupt():
+        return _up(deployment, foreground, say, ready_timeout)
+
+
+def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
+        ready_timeout: float | None) -> UpResult:
     from orchestrator.cluster.ray_api import RayApi
 
     dep = deployment
@@ -148,15 +156,21 @@ def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], 
         statemod.remove(ns)
         raise
     took = time.monotonic() - t0
-    say(f"ready in {took:.1f}s: gateway {st.gateway_url}/v1"
-        + (f", dashboard {st.dashboard_url}" if st.dashboard_url else "")
-        + (f", metrics {st.metrics_url}" if st.metrics_url else ""))
-    if st.auth_mode == "token" and st.dashboard_url:
-        say("the dashboard asks for the Ray token: ~/.ray/auth_token (`ray get-auth-token`)")
-    api.disconnect()
     result = UpResult(ns, st.gateway_url or "", st.dashboard_url, st.metrics_url, st.ray_address, status, took)
-    if foreground:
-        _foreground_wait(ns, say)
+    try:
+        say(f"ready in {took:.1f}s: gateway {st.gateway_url}/v1"
+            + (f", dashboard {st.dashboard_url}" if st.dashboard_url else "")
+            + (f", metrics {st.metrics_url}" if st.metrics_url else ""))
+        if st.auth_mode == "token" and st.dashboard_url:
+            say("the dashboard asks for the Ray token: ~/.ray/auth_token (`ray get-auth-token`)")
+        api.disconnect()
+        if foreground:
+            _foreground_wait(ns, say)
+            result.stopped = True
+    except KeyboardInterrupt:
+        if not foreground:
+            raise
+        _stop_from_foreground(ns, say)     # Ctrl-C right after ready: the same clean stop
         result.stopped = True
     return result
 
@@ -215,13 +229,6 @@ def _teardown(api: Any, ctrl: Any, st: statemod.ClusterState | None, dep: Deploy
 
 def _foreground_wait(ns: str, say: Callable[[str], None]) -> None:
     """Block until Ctrl-C / SIGTERM / SIGHUP (then run ``down``) or until ``down`` ran elsewhere."""
-    stop = {"sig": None}
-
-    def on_signal(signum, _frame):
-        stop["sig"] = signum
-        raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     say("serving; Ctrl-C stops everything")
     try:
         while True:
@@ -235,16 +242,48 @@ def _foreground_wait(ns: str, say: Callable[[str], None]) -> None:
                 break
     except KeyboardInterrupt:
         pass
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C must not cut the teardown short
-    try:
+    _stop_from_foreground(ns, say)
+
+
+def _stop_from_foreground(ns: str, say: Callable[[str], None]) -> None:
+    if statemod.read(ns) is None:
+        say("already stopped by `orchestrator down`")
+        return
+    with _ignoring(signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut teardown short
         say("stopping workers, gateway and Ray ...")
         res = down(ns, say=say)
         say(f"stopped ({len(res.workers)} worker(s)" + (", Ray head" if res.head_stopped else "") + ")")
+
+
+@contextlib.contextmanager
+def _ignoring(*sigs: int):
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
     finally:
-        signal.signal(signal.SIGINT, old_int)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM and SIGHUP act like Ctrl-C while ``up`` runs, so every way of stopping it tears down cleanly."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_default) -> DownResult:

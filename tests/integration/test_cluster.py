@@ -203,6 +203,14 @@ def test_status_command_json(env):
     assert "worker" in res.stdout and "w0" in res.stdout and "ready" in res.stdout
 
 
+def test_second_up_of_the_same_namespace_is_refused(env):
+    from orchestrator.cluster import up
+    from orchestrator.errors import ClusterError
+
+    with pytest.raises(ClusterError, match=rf"deployment '{NS}' is already running .* run `orchestrator down` first"):
+        up(env["dep"].copy(gateway_port=S.free_port()), foreground=False, say=lambda m: None)
+
+
 def test_down_leaves_nothing_running(env):
     st = env["state"]
     head = psutil.Process(st.head_pid)

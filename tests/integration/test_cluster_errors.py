@@ -1,0 +1,158 @@
+"""`up` with bad input and `up` stopped by Ctrl-C, with real parts (an embedded Ray head, real llama-server):
+
+- no Ray reachable at the address, the gateway or dashboard port taken, the API key variable unset: one clear
+  error before anything starts;
+- a worker that cannot load its model under an embedded head: the cause from llama-server's log, and the head
+  that `up` started is gone again with every process it had;
+- a foreground `up` (the real entry point, in its own process) with an API key: the gateway wants the key;
+  SIGINT stops workers, gateway and Ray, exit 0, nothing left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+import cluster_support as S  # noqa: E402
+
+from orchestrator.errors import ClusterError, ConfigError, LaunchError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture()
+def iso(tmp_path, monkeypatch, llama_server_path):
+    monkeypatch.setenv("ORCHESTRATOR_STATE", str(tmp_path / "state"))
+    return {"tmp": tmp_path, "binary": llama_server_path, "model": S.write_tiny_llama(tmp_path / "tiny.gguf")}
+
+
+def _dep(iso, **kw):
+    from orchestrator.cluster import Deployment
+
+    kw.setdefault("specs", (S.llama_spec("w0", iso["binary"], iso["model"]),))
+    kw.setdefault("gateway_port", S.free_port())
+    kw.setdefault("dashboard_port", S.free_port())
+    return Deployment(**kw)
+
+
+def test_unreachable_ray_address(iso):
+    from orchestrator.cluster import state, up
+
+    port = S.free_port()
+    t = time.monotonic()
+    with pytest.raises(ClusterError, match=rf"ray.address: cannot reach the Ray cluster at 127.0.0.1:{port}: "
+                                           r"Connection refused"):
+        up(_dep(iso, ray_address=f"127.0.0.1:{port}"), foreground=False, say=lambda m: None)
+    assert time.monotonic() - t < 10
+    assert state.recorded() == []
+
+
+@pytest.mark.parametrize("which", ["gateway", "dashboard"])
+def test_port_taken_before_anything_starts(iso, which):
+    from orchestrator.cluster import state, up
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        dep = _dep(iso, **{f"{which}_port": port})
+        label = "gateway.port" if which == "gateway" else "ray.dashboard_port"
+        with pytest.raises(ClusterError, match=rf"{label}: cannot listen on 127.0.0.1:{port}: Address already in use"):
+            up(dep, foreground=False, say=lambda m: None)
+    assert state.recorded() == [] and not list(Path("/tmp").glob("orch-ray-*/session_*/logs/nothing"))
+
+
+def test_api_key_variable_unset(iso, monkeypatch):
+    from orchestrator.cluster import up
+
+    monkeypatch.delenv("ORCH_NO_SUCH_KEY", raising=False)
+    with pytest.raises(ConfigError, match="gateway.api_key_env: the environment variable ORCH_NO_SUCH_KEY is not set"):
+        up(_dep(iso, api_key_env="ORCH_NO_SUCH_KEY"), foreground=False, say=lambda m: None)
+
+
+@pytest.mark.slow
+def test_load_failure_under_an_embedded_head_stops_the_head(iso, monkeypatch):
+    from orchestrator.cluster import head as headmod
+    from orchestrator.cluster import state, up
+
+    seen = {}
+    real_stop = headmod.stop_head
+
+    def spy_stop(pid, create_time, temp_dir=None, **kw):     # records what the head had, then really stops it
+        seen["tree"] = headmod.head_tree(pid, create_time)
+        seen["cmds"] = [" ".join(p.cmdline()) for p in seen["tree"]]
+        seen["temp_dir"] = temp_dir
+        return real_stop(pid, create_time, temp_dir, **kw)
+
+    monkeypatch.setattr(headmod, "stop_head", spy_stop)
+    bad = iso["tmp"] / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(8192))
+    dep = _dep(iso, specs=(S.llama_spec("w0", iso["binary"], iso["model"]),
+                           S.llama_spec("w1", iso["binary"], bad)), namespace="err-embedded")
+    with pytest.raises(LaunchError, match=r"worker w1: failed to start: exited with status 1 while loading: .*"
+                                          r"(bad\.gguf|model)"):
+        up(dep, foreground=False, say=lambda m: None)
+    tree = seen["tree"]
+    assert any("raylet" in c for c in seen["cmds"]) and any("gcs_server" in c for c in seen["cmds"])
+    left = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == []
+    assert S.ray_processes_of(seen["temp_dir"]) == []
+    assert [p for p in S.llama_servers(iso["binary"]) if str(iso["tmp"]) in " ".join(p.cmdline())] == []
+    assert state.read("err-embedded") is None
+
+
+@pytest.mark.slow
+def test_foreground_up_with_api_key_and_ctrl_c(iso):
+    from orchestrator.cluster import state
+
+    dep = _dep(iso, specs=(S.llama_spec("w0", iso["binary"], iso["model"]),), namespace="fg",
+               api_key_env="ORCH_TEST_GATEWAY_KEY")
+    f = iso["tmp"] / "dep.json"
+    f.write_text(json.dumps(dep.to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ORCH_TEST_GATEWAY_KEY": "k-123"}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cluster", "up", str(f)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    gw = f"http://127.0.0.1:{dep.gateway_port}"
+    try:
+        def running():
+            st = state.read("fg")
+            return proc.poll() is not None or (st is not None and st.phase == "running" and _ok(gw + "/health"))
+        assert S.wait_for(running, 120), "never ready"
+        assert proc.poll() is None
+        st = state.read("fg")
+        assert st is not None and st.foreground and st.up_pid == proc.pid
+        tree = psutil.Process(st.head_pid).children(recursive=True) + [psutil.Process(st.head_pid)]
+        code, body = S.post_json(gw + "/v1/completions", {"prompt": "x", "max_tokens": 4})
+        assert code == 401 and body["error"]["code"] == "invalid_api_key"
+        code, body = S.post_json(gw + "/v1/completions", {"prompt": "x", "max_tokens": 4},
+                                 headers={"Authorization": "Bearer k-123"})
+        assert code == 200
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "stopping workers, gateway and Ray" in out and "stopped (1 worker(s), Ray head)" in out
+    assert [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    assert [p for p in S.llama_servers(iso["binary"]) if str(iso["tmp"]) in " ".join(p.cmdline())] == []
+    assert state.read("fg") is None and not _ok(gw + "/health")
+
+
+def _ok(url: str) -> bool:
+    try:
+        return S.http_json(url, timeout=2)[0] == 200
+    except OSError:
+        return False
