@@ -352,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
             await gw.stop()
 
     try:
-        asyncio.run(run())
+        try:
+            import uvloop  # as Ray's async actors do: uvloop when it is installed
+
+            uvloop.run(run())
+        except ImportError:
+            asyncio.run(run())
     except KeyboardInterrupt:
         pass
     return 0
