@@ -14,6 +14,7 @@ changes. :class:`ControllerActor` runs a Controller as a named, detached Ray act
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -104,7 +105,7 @@ class GatewaySlot:
 class Controller:
     def __init__(self, deployment: Deployment, api: Any, driver_node_id: str, api_key: str | None = None,
                  clock: Callable[[], float] = time.monotonic, worker_cls: type | None = None,
-                 gateway_cls: type | None = None) -> None:
+                 gateway_cls: type | None = None, restarted: bool = False) -> None:
         self.dep = deployment
         self.policy = deployment.restart
         self.api = api
@@ -116,7 +117,10 @@ class Controller:
         if gateway_cls is None:
             from orchestrator.cluster.gateway import GatewayActor as gateway_cls
         self.worker_cls, self.gateway_cls = worker_cls, gateway_cls
-        self.slots = [WorkerSlot(s) for s in deployment.specs]
+        # a controller that Ray restarted after its process died: the workers served before, so their
+        # replacements wait for the old ports and are restarted on failure instead of failing the deployment
+        self.slots = [WorkerSlot(s, ever_ready=restarted) for s in deployment.specs]
+        self.restarted = restarted
         self.gw = GatewaySlot()
         self.phase = STARTING
         self.error = ""
@@ -359,7 +363,8 @@ class Controller:
         g = self.gw
         return {
             "namespace": self.dep.namespace, "phase": self.phase, "error": self.error,
-            "started_at": self.started_wall, "tick_errors": self.tick_errors,
+            "started_at": self.started_wall, "tick_errors": self.tick_errors, "restarted": self.restarted,
+            "plan": dict(self.dep.plan_json),
             "gateway": {"url": g.url or f"http://{self.dep.gateway_host}:{self.dep.gateway_port}",
                         "state": g.phase, "error": g.error, "healthy": sum(1 for r in table.values() if r["healthy"]),
                         "api_key": bool(self.api_key)},
@@ -400,12 +405,16 @@ class Controller:
 
 
 class ControllerActor:
-    """A :class:`Controller` as a named, detached Ray actor, ticked by its own thread."""
+    """A :class:`Controller` as a named, detached Ray actor, ticked by its own thread. Ray restarts it (``up``
+    creates it with ``max_restarts``) if its process dies; the workers it owned died with it, and the new one
+    starts them again from the deployment it was created with."""
 
     def __init__(self, deployment: dict, driver_node_id: str, api_key: str | None) -> None:
         from orchestrator.cluster.ray_api import RayApi
 
-        self.ctrl = Controller(Deployment.from_dict(deployment), RayApi(), driver_node_id, api_key)
+        api = RayApi()
+        self.ctrl = Controller(Deployment.from_dict(deployment), api, driver_node_id, api_key,
+                               restarted=api.was_restarted())
         self._lock = threading.Lock()
         self._quit = threading.Event()
         self.loop_error = ""
@@ -425,6 +434,7 @@ class ControllerActor:
         with self._lock:
             st = self.ctrl.status()
         st["loop_error"] = self.loop_error
+        st["controller_pid"] = os.getpid()
         return st
 
     def shutdown(self) -> dict:

@@ -210,8 +210,12 @@ class RayApi:
         except Exception:
             pass
 
-    def actor_pid(self) -> int:
-        return os.getpid()
+    def was_restarted(self) -> bool:
+        """In an actor: True when Ray restarted it after its process died."""
+        try:
+            return bool(self._ray.get_runtime_context().was_current_actor_reconstructed)
+        except Exception:
+            return False
 
     def metrics_sink(self) -> "RayMetricsSink":
         if self._sink is None:

@@ -32,6 +32,7 @@ from orchestrator.cluster.deployment import Deployment
 from orchestrator.errors import ClusterError, ConfigError, LaunchError
 
 CONTROLLER = "controller"
+CONTROLLER_RESTARTS = 3     # Ray restarts a crashed controller; it starts the deployment again
 POLL_S = 0.5
 
 
@@ -144,7 +145,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
         driver_node = api.current_node_id()
         say(f"starting {len(dep.specs)} worker(s) and the gateway on {dep.gateway_host}:{dep.gateway_port} ...")
         ctrl = api.create_actor(ControllerActor, dep.to_dict(), driver_node, api_key, name=CONTROLLER, namespace=ns,
-                                detached=True, node_id=driver_node, max_concurrency=8)
+                                detached=True, node_id=driver_node, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS)
         status = _wait_ready(api, ctrl, dep, ready_timeout, say)
         st.phase = "running"
         st.gateway_url = status["gateway"]["url"]

@@ -134,11 +134,12 @@ def spec(name, node=None, port=9000, alias="m"):
                       resources={"GPU": 1} if node == "b" else {})
 
 
-def make(specs, **policy):
-    dep = Deployment(specs=tuple(specs), gateway_port=8080,
+def make(specs, restarted=False, **policy):
+    dep = Deployment(specs=tuple(specs), gateway_port=8080, plan_json={"workers": len(specs)},
                      restart=RestartPolicy(**{"backoff_initial_s": 1.0, "max_restarts": 2, **policy}))
     api, clock = FakeApi(NODES), Clock()
-    c = Controller(dep, api, driver_node_id="id-a", clock=clock, worker_cls=FakeWorker, gateway_cls=FakeGateway)
+    c = Controller(dep, api, driver_node_id="id-a", clock=clock, worker_cls=FakeWorker, gateway_cls=FakeGateway,
+                   restarted=restarted)
     return c, api, clock
 
 
@@ -322,3 +323,22 @@ def test_resolve_node_rules():
     assert resolve_node("local", NODES, "id-a").node_id == "id-a"          # 'local' = the up node
     with pytest.raises(NodeMissing, match="is not in the Ray cluster"):
         resolve_node("c", NODES, "id-a")                                    # dead
+
+
+def test_a_restarted_controller_restarts_workers_instead_of_failing():
+    c, api, clock = make([spec("w0")], restarted=True)
+    tick(c, clock, 2)
+    first = workers(api)[0]
+    assert first.resumed is True                             # waits for the old port, restarts on failure
+    first.dead = True                                        # e.g. the old llama-server still held the port
+    tick(c, clock, 2)
+    assert c.phase == STARTING and c.slots[0].phase == "backoff"
+    tick(c, clock, 4)
+    [w for w in workers(api) if not w.dead][-1].state = "ready"
+    tick(c, clock, 3)
+    assert c.phase == READY and c.status()["restarted"] is True
+
+
+def test_status_carries_the_plan():
+    c, api, clock = make([spec("w0"), spec("w1", port=9001)])
+    assert c.status()["plan"] == {"workers": 2}

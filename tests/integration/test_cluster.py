@@ -37,7 +37,7 @@ def env(tmp_path_factory, llama_server_path):
 
         dep = Deployment(
             specs=(S.llama_spec("w0", llama_server_path, model), S.llama_spec("w1", llama_server_path, model)),
-            gateway_port=S.free_port(), dashboard_port=S.free_port(), namespace=NS,
+            gateway_port=S.free_port(), dashboard_port=S.free_port(), namespace=NS, plan_json={"demo": True},
             restart=RestartPolicy(backoff_initial_s=0.5, health_timeout_s=5.0, load_timeout_s=60.0))
         t = time.monotonic()
         res = up(dep, foreground=False, say=lambda m: None)
@@ -198,9 +198,53 @@ def test_status_command_json(env):
     st = json.loads(res.stdout)
     assert st["phase"] == "ready" and st["gateway"]["healthy"] == 2
     assert {w["name"]: w["restarts"] for w in st["workers"]} == {"w0": 1, "w1": 0}
+    assert st["plan"] == {"demo": True}
     res = subprocess.run([sys.executable, "-m", "orchestrator", "status", "-n", NS], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "worker" in res.stdout and "w0" in res.stdout and "ready" in res.stdout
+
+
+def test_killed_worker_actor_takes_its_llama_server_along_and_is_replaced(env):
+    from orchestrator.cluster import status
+
+    w1 = status(NS)["workers"][1]
+    old_server, actor = w1["pid"], w1["actor_pid"]
+    assert psutil.Process(old_server).ppid() == actor          # llama-server is the actor's child
+    os.kill(actor, signal.SIGKILL)                             # the actor process dies, not llama-server
+    gone = S.wait_for(lambda: not psutil.pid_exists(old_server)
+                      or psutil.Process(old_server).status() == psutil.STATUS_ZOMBIE, 5)
+    assert gone, "llama-server outlived its killed worker actor (orphan)"
+
+    def replaced():
+        w = status(NS)["workers"][1]
+        return w if w["state"] == "ready" and w["pid"] not in (None, old_server) else None
+
+    w = S.wait_for(replaced, 60, 1.0)
+    assert w and w["actor_restarts"] == 1 and w["actor_pid"] != actor and "worker actor died" in w["last_error"]
+    assert S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 4})[0] == 200
+
+
+def test_killed_controller_is_restarted_by_ray_and_brings_the_workers_back(env):
+    from orchestrator.cluster import status
+
+    before = status(NS)
+    old_servers = [w["pid"] for w in before["workers"]]
+    os.kill(before["controller_pid"], signal.SIGKILL)
+    # its worker actors and the gateway were owned by it: they go, and take their llama-servers along
+    assert S.wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                      for p in old_servers), 20), "llama-servers outlived their controller"
+
+    def back():
+        try:
+            st = status(NS)
+        except Exception:  # noqa: BLE001 - the controller is being restarted
+            return None
+        return st if st["phase"] == "ready" else None
+
+    st = S.wait_for(back, 90, 1.0)
+    assert st and st["restarted"] and st["controller_pid"] != before["controller_pid"]
+    assert all(w["pid"] not in old_servers for w in st["workers"])
+    assert S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 4})[0] == 200
 
 
 def test_second_up_of_the_same_namespace_is_refused(env):
