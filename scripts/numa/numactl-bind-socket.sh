@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# numactl-bind-socket.sh — run a command on one CPU socket (package) and its memory, however many NUMA nodes
+# the socket has (SNC / NPS / Magny-Cours style machines split one socket into 2-4 nodes).
+#
+# Usage:
+#   numactl-bind-socket.sh --socket ID --mode physical|all [--interleave on|off] [--dry-run] [--] COMMAND [ARG...]
+#
+#   --socket ID         the socket's physical_package_id as sysfs shows it (usually 0, 1, ...; some machines
+#                       use other numbers, e.g. 36 and 8442 on a Kunpeng 920: the error lists the ids)
+#   --mode physical     one hardware thread per physical core (the lowest-numbered online thread of each core)
+#   --mode all          every online hardware thread of the socket
+#   --interleave off    (default) memory bound to the socket's NUMA nodes:        numactl --membind=NODES
+#   --interleave on     memory interleaved page by page over the socket's nodes:  numactl --interleave=NODES
+#   --dry-run           print the numactl command line (shell-quoted, one line) instead of running it
+#
+# It runs:  numactl --physcpubind=CPUS (--membind=NODES | --interleave=NODES) -- COMMAND [ARG...]
+# with `exec`, so COMMAND replaces this script and gets every signal sent to it directly.
+# CPUs are given with --physcpubind (not --cpunodebind) so the binding is exactly the socket even where one
+# NUMA node spans two sockets. The socket's nodes are the online nodes whose CPUs include one of the socket's
+# online CPUs and which have memory (node/has_memory, else node/has_normal_memory); CPU-less nodes (HBM,
+# CXL, GPU memory) are not included.
+#
+# It reads (relative to $SYSFS_ROOT, default /sys):
+#   devices/system/cpu/online (else cpuN/online), cpuN/topology/physical_package_id,
+#   cpuN/topology/core_cpus_list (else thread_siblings_list, else the core_cpus/thread_siblings masks),
+#   devices/system/node/online (else the nodeN directories), nodeN/cpulist (else nodeN/cpumap),
+#   devices/system/node/has_memory (else has_normal_memory).
+#
+# Environment
+#   SYSFS_ROOT   the sysfs directory to read (default /sys); point it at a recorded dump's sys/ to test.
+#   NUMACTL      the numactl program (default numactl, looked up in PATH); not needed with --dry-run.
+#
+# Errors (bad option, unknown socket, numactl missing, nothing to bind to) print one line on stderr and exit 2.
+# Part of orchestrator; usable on its own. Needs bash >= 4.3.
+
+set -euo pipefail
+
+PROG=${0##*/}
+SYS=${SYSFS_ROOT:-/sys}
+NUMACTL=${NUMACTL:-numactl}
+
+usage() {
+    local line
+    while IFS= read -r line; do
+        [[ $line == '#!'* ]] && continue
+        [[ $line == '#'* ]] || break
+        line=${line#\#}
+        printf '%s\n' "${line# }"
+    done <"$0"
+}
+
+die() { printf '%s: %s\n' "$PROG" "$*" >&2; exit 2; }
+
+# --- reading sysfs -----------------------------------------------------------------------------------
+
+read_first_line() {  # read_first_line FILE: prints its first line (NUL bytes dropped); fails if unreadable
+    local v=""
+    [[ -r $1 ]] || return 1
+    { IFS= read -r v <"$1"; } 2>/dev/null || [[ -n $v ]] || return 1
+    printf '%s' "$v"
+}
+
+# expand_list "0-3,8,10-11" -> "0 1 2 3 8 10 11"
+expand_list() {
+    local item lo hi out=() items=()
+    IFS=, read -r -a items <<<"$1"
+    for item in "${items[@]}"; do
+        item=${item//[[:space:]]/}
+        [[ -n $item ]] || continue
+        if [[ $item =~ ^([0-9]+)-([0-9]+)$ ]]; then
+            lo=${BASH_REMATCH[1]} hi=${BASH_REMATCH[2]}
+            while ((lo <= hi)); do out+=("$lo"); lo=$((lo + 1)); done
+        elif [[ $item =~ ^[0-9]+$ ]]; then
+            out+=("$item")
+        else
+            return 1
+        fi
+    done
+    printf '%s' "${out[*]:-}"
+}
+
+# expand_mask "00000000,00000011" -> "0 4" (32-bit words, most significant first)
+expand_mask() {
+    local -a words=() out=()
+    local i w bit base
+    IFS=, read -r -a words <<<"${1//[[:space:]]/}"
+    local n=${#words[@]}
+    for ((i = n - 1; i >= 0; i--)); do
+        w=${words[i]}
+        [[ $w =~ ^[0-9a-fA-F]+$ ]] || return 1
+        w=$((16#$w))
+        base=$(((n - 1 - i) * 32))
+        for ((bit = 0; bit < 32; bit++)); do
+            if (((w >> bit) & 1)); then out+=("$((base + bit))"); fi
+        done
+    done
+    printf '%s' "${out[*]:-}"
+}
+
+# read_cpuset DIR LISTNAME MASKNAME...: the set in DIR/LISTNAME (a list) or DIR/MASKNAME (a mask), first found
+read_set() {
+    local dir=$1 name v
+    shift
+    for name in "$@"; do
+        if v=$(read_first_line "$dir/$name"); then
+            if [[ $name == *list ]]; then expand_list "$v"; else expand_mask "$v"; fi
+            return
+        fi
+    done
+    return 1
+}
+
+# compress "0 1 2 3 8 10 11" (ascending) -> "0-3,8,10-11"
+compress() {
+    local res="" start="" prev="" x
+    for x in $1 ""; do                                   # the empty sentinel flushes the last range
+        if [[ -n $x && -n $prev && $x -eq $((prev + 1)) ]]; then prev=$x; continue; fi
+        if [[ -n $start ]]; then
+            res+=${res:+,}$start
+            if [[ $prev != "$start" ]]; then res+=-$prev; fi
+        fi
+        start=$x prev=$x
+    done
+    printf '%s' "$res"
+}
+
+# print an argv as one shell-quoted line (plain words stay plain, commas included)
+print_argv() {
+    local a sep=""
+    for a in "$@"; do
+        if [[ $a =~ ^[A-Za-z0-9_./=,:+@%-]+$ ]]; then printf '%s%s' "$sep" "$a"; else printf '%s%q' "$sep" "$a"; fi
+        sep=" "
+    done
+    printf '\n'
+}
+
+# --- arguments ---------------------------------------------------------------------------------------
+
+socket="" mode="" interleave=off dry_run=0
+while (($#)); do
+    case $1 in
+        -h | --help) usage; exit 0 ;;
+        --socket) (($# >= 2)) || die "--socket needs a value"; socket=$2; shift 2 ;;
+        --socket=*) socket=${1#*=}; shift ;;
+        --mode) (($# >= 2)) || die "--mode needs a value (physical or all)"; mode=$2; shift 2 ;;
+        --mode=*) mode=${1#*=}; shift ;;
+        --interleave) (($# >= 2)) || die "--interleave needs a value (on or off)"; interleave=$2; shift 2 ;;
+        --interleave=*) interleave=${1#*=}; shift ;;
+        --dry-run) dry_run=1; shift ;;
+        --) shift; break ;;
+        -*) die "unknown option '$1' (try --help)" ;;
+        *) break ;;
+    esac
+done
+
+[[ -n $socket ]] || die "--socket ID is required (try --help)"
+[[ $socket =~ ^-?[0-9]+$ ]] || die "--socket must be a socket id (an integer), got '$socket'"
+[[ $mode == physical || $mode == all ]] || die "--mode must be 'physical' or 'all', got '${mode}'"
+[[ $interleave == on || $interleave == off ]] || die "--interleave must be 'on' or 'off', got '$interleave'"
+(($#)) || die "no command given (usage: $PROG --socket ID --mode physical|all [--interleave on|off] -- COMMAND...)"
+
+CPU_DIR=$SYS/devices/system/cpu
+NODE_DIR=$SYS/devices/system/node
+[[ -d $CPU_DIR ]] || die "no CPU information in $CPU_DIR (is SYSFS_ROOT right?)"
+
+# --- the socket's CPUs -------------------------------------------------------------------------------
+
+declare -a present=() online=() in_socket=()
+declare -A packages=()
+
+for d in "$CPU_DIR"/cpu[0-9]*; do
+    [[ -d $d ]] || continue
+    n=${d##*/cpu}
+    [[ $n =~ ^[0-9]+$ ]] && present[n]=1
+done
+
+if v=$(read_first_line "$CPU_DIR/online"); then
+    list=$(expand_list "$v") || die "cannot parse $CPU_DIR/online: '$v'"
+    for c in $list; do [[ -n ${present[c]:-} ]] && online[c]=1; done
+else
+    for c in "${!present[@]}"; do
+        v=$(read_first_line "$CPU_DIR/cpu$c/online") || v=1    # no file: cannot be offlined (cpu0)
+        [[ $v == 1 ]] && online[c]=1
+    done
+fi
+
+for c in "${!online[@]}"; do
+    pkg=$(read_first_line "$CPU_DIR/cpu$c/topology/physical_package_id") || continue
+    packages[$pkg]=1
+    [[ $pkg == "$socket" ]] && in_socket[c]=1
+done
+
+if ((${#in_socket[@]} == 0)); then
+    mapfile -t ids < <(printf '%s\n' "${!packages[@]}" | sort -n)
+    [[ ${#ids[@]} -gt 0 ]] || die "no CPU in $CPU_DIR has topology/physical_package_id"
+    die "socket $socket not found in $SYS (sockets: ${ids[*]})"
+fi
+
+declare -a chosen=()
+if [[ $mode == all ]]; then
+    for c in "${!in_socket[@]}"; do chosen[c]=1; done
+else
+    declare -A core_seen=()
+    for c in "${!in_socket[@]}"; do                      # ascending: the first thread of a core wins
+        sib=$(read_set "$CPU_DIR/cpu$c/topology" core_cpus_list thread_siblings_list core_cpus thread_siblings) \
+            || sib=$c                                    # no sibling information: every CPU is a core
+        key=" "
+        for s in $sib; do [[ -n ${in_socket[s]:-} ]] && key+="$s "; done
+        [[ $key == " " ]] && key=" $c "
+        if [[ -z ${core_seen[$key]:-} ]]; then
+            core_seen[$key]=1
+            chosen[c]=1
+        fi
+    done
+fi
+cpus=$(compress "${!chosen[*]}")
+
+# --- the socket's memory nodes -----------------------------------------------------------------------
+
+declare -a node_ids=() nodes=()
+declare -A with_memory=()
+if [[ -d $NODE_DIR ]]; then
+    if v=$(read_first_line "$NODE_DIR/online"); then
+        list=$(expand_list "$v") || die "cannot parse $NODE_DIR/online: '$v'"
+        for n in $list; do node_ids[n]=1; done
+    else
+        for d in "$NODE_DIR"/node[0-9]*; do
+            [[ -d $d ]] || continue
+            n=${d##*/node}
+            [[ $n =~ ^[0-9]+$ ]] && node_ids[n]=1
+        done
+    fi
+    if v=$(read_first_line "$NODE_DIR/has_memory") || v=$(read_first_line "$NODE_DIR/has_normal_memory"); then
+        list=$(expand_list "$v") || die "cannot parse the memory node list in $NODE_DIR: '$v'"
+        for n in $list; do with_memory[$n]=1; done
+    else
+        for n in "${!node_ids[@]}"; do with_memory[$n]=1; done
+    fi
+    for n in "${!node_ids[@]}"; do
+        [[ -n ${with_memory[$n]:-} ]] || continue
+        ncpus=$(read_set "$NODE_DIR/node$n" cpulist cpumap) || continue
+        for c in $ncpus; do
+            if [[ -n ${in_socket[c]:-} ]]; then nodes[n]=1; break; fi
+        done
+    done
+    ((${#nodes[@]})) || die "socket $socket: none of its CPUs ($(compress "${!in_socket[*]}")) is in an online NUMA node with memory in $NODE_DIR"
+else
+    nodes[0]=1                                           # kernel without NUMA: everything is node 0
+fi
+mems=$(compress "${!nodes[*]}")
+
+if [[ $interleave == on ]]; then memopt=--interleave=$mems; else memopt=--membind=$mems; fi
+argv=("$NUMACTL" "--physcpubind=$cpus" "$memopt" -- "$@")
+
+if ((dry_run)); then
+    print_argv "${argv[@]}"
+    exit 0
+fi
+
+command -v -- "$NUMACTL" >/dev/null 2>&1 || die "numactl not found ('$NUMACTL'): install the numactl package or set NUMACTL"
+exec "${argv[@]}"
