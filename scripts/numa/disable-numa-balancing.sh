@@ -13,10 +13,11 @@
 #   2. Runs COMMAND as a child, forwarding SIGTERM, SIGHUP and SIGINT to it, waits for it and exits with its
 #      status (128+N when it was killed by signal N).
 #   3. Restores the recorded value when the command ends: normal exit, failure, SIGINT, SIGTERM, SIGHUP.
+#      A signal that arrives before the command has started stops the start-up; the value is restored.
 #
-#   Already 0 (and no other run of this script holds it at 0): changes nothing, just runs the command.
-#   No permission to write the file (not root, read-only /proc/sys in a container): says so on stderr and
-#   runs the command unchanged. The command's own exit status is always returned.
+#   Already 0 (and no other run of this script holds it at 0): changes nothing, just runs the command
+#   (exec: this script is replaced by it). No permission to write the file (not root, read-only /proc/sys in a
+#   container): says so on stderr and runs the command unchanged. The command's exit status is always returned.
 #
 # Several runs at once (several workers on one machine)
 #   The setting is machine-wide, so it must come back only when the LAST run ends. Each run registers as a
@@ -27,7 +28,7 @@
 #                                   wrapper and its command
 #   The first holder saves the value and writes 0; later ones only register; each one leaving removes its file
 #   and, if no live holder is left, writes the saved value back and deletes it. A holder counts as live while
-#   its wrapper or its command is running (pid + start time from /proc, so a reused pid does not count), so a
+#   its wrapper or its command runs (pid + start time from /proc, so a reused pid does not count), so a
 #   wrapper killed with SIGKILL does not block the restore forever: the next run, or `--cleanup`, restores.
 #   <key> is the balancing file's path with '/' replaced by '_'.
 #
@@ -35,13 +36,13 @@
 #   NUMA_BALANCING_FILE       the file to manage (default /proc/sys/kernel/numa_balancing); tests point it at
 #                             an ordinary file.
 #   NUMA_BALANCING_STATE_DIR  where the lock, saved value and holders live (default /run/orchestrator when
-#                             /run is writable, else ${XDG_RUNTIME_DIR:-${TMPDIR:-/tmp}}/orchestrator-$UID).
+#                             /run is writable, else ${XDG_RUNTIME_DIR:-${TMPDIR:-/tmp}}/orchestrator-$EUID).
 #
 # Signals from a terminal: Ctrl-C reaches the whole foreground process group, the command included. When this
 # script is in the terminal's foreground group it does not forward SIGINT again (llama-server treats a second
 # SIGINT as "terminate immediately"). SIGTERM and SIGHUP are always forwarded.
 #
-# Needs bash >= 4.3 and flock (util-linux). Part of orchestrator; usable on its own.
+# Needs bash >= 4.3, flock (util-linux) and Linux /proc. Part of orchestrator; usable on its own.
 
 set -euo pipefail
 
@@ -61,76 +62,87 @@ usage() {
 say() { printf '%s: %s\n' "$PROG" "$*" >&2; }
 die() { say "$*"; exit 2; }
 
-default_state_dir() {
-    if [[ -d /run && -w /run ]]; then
-        printf '/run/orchestrator'
-    else
-        printf '%s/orchestrator-%s' "${XDG_RUNTIME_DIR:-${TMPDIR:-/tmp}}" "$(id -u)"
-    fi
-}
-
-STATE_DIR=${NUMA_BALANCING_STATE_DIR:-$(default_state_dir)}
+if [[ -n ${NUMA_BALANCING_STATE_DIR:-} ]]; then
+    STATE_DIR=$NUMA_BALANCING_STATE_DIR
+elif [[ -d /run && -w /run ]]; then
+    STATE_DIR=/run/orchestrator
+else
+    STATE_DIR=${XDG_RUNTIME_DIR:-${TMPDIR:-/tmp}}/orchestrator-$EUID
+fi
 KEY=${BALANCING_FILE//\//_}
 LOCK_FILE=$STATE_DIR/$KEY.lock
 SAVED_FILE=$STATE_DIR/$KEY.saved
 HOLDERS_DIR=$STATE_DIR/$KEY.holders
+ERR_FILE=$STATE_DIR/$KEY.err              # the last failed write's message (written under the lock)
 
 LOCK_FD=
-HOLDER_FILE=
-CHILD=
+HOLDER_FILE=                              # set once this run may have registered (release removes it)
+CHILD=                                    # the command's pid
+READY=0                                   # the command's process can receive signals (see run)
 SIGNALLED=0
-PENDING=
+PENDING=                                  # a signal that came before the command could take it
 
-# --- small helpers -------------------------------------------------------------------------------------
+# --- state helpers. They set variables instead of printing, so deciding needs no subshell: a subshell in
+# --- our process group would die from a terminal's Ctrl-C and its silence would read as an answer.
 
-read_value() {  # prints the file's first line; fails if unreadable
-    local v=""
-    { IFS= read -r v <"$BALANCING_FILE"; } 2>/dev/null || [[ -n $v ]] || return 1
-    printf '%s' "$v"
+VALUE='' WHY='' REPLY='' LIVE=0
+
+read_value() {  # VALUE=first line of the balancing file; fails if unreadable
+    VALUE=""
+    { IFS= read -r VALUE <"$BALANCING_FILE"; } 2>/dev/null || [[ -n $VALUE ]]
 }
 
-write_value() {  # write_value VALUE: prints the reason on stdout when it fails
-    local err
-    if err=$( { printf '%s\n' "$1" >"$BALANCING_FILE"; } 2>&1 ); then
-        return 0
+write_value() {  # write_value V; on failure WHY=the reason (Permission denied, Read-only file system, ...)
+    WHY=""
+    if [[ -d $STATE_DIR ]]; then
+        if { printf '%s\n' "$1" >"$BALANCING_FILE"; } 2>"$ERR_FILE"; then return 0; fi
+        { IFS= read -r WHY <"$ERR_FILE"; } 2>/dev/null || true
+        WHY=${WHY##*: }
+    else
+        if { printf '%s\n' "$1" >"$BALANCING_FILE"; } 2>/dev/null; then return 0; fi
     fi
-    printf '%s' "${err##*: }"
+    WHY=${WHY:-write failed}
     return 1
 }
 
-starttime() {  # starttime PID: the process start time (field 22 of /proc/PID/stat), fails if PID is gone
+starttime() {  # REPLY=start time of PID (field 22 of /proc/PID/stat); fails if PID is gone or a zombie
     local stat rest
     local -a f
+    REPLY=""
     { IFS= read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
     rest=${stat##*) }                      # the command name may hold spaces and parentheses
     read -r -a f <<<"$rest"
-    printf '%s' "${f[19]}"
+    [[ ${f[0]} != Z && ${f[0]} != X ]] || return 1
+    REPLY=${f[19]}
 }
 
 alive() {  # alive PID STARTTIME
-    local now
-    now=$(starttime "$1") || return 1
-    [[ $now == "$2" ]]
+    starttime "$1" && [[ $REPLY == "$2" ]]
 }
 
-lock() {
+lock() {  # idempotent; LOCK_FD is set only once the lock is held (an interrupted lock leaves nothing held)
+    local fd
+    [[ -z $LOCK_FD ]] || return 0
     command -v flock >/dev/null 2>&1 || die "flock (util-linux) is required to share the setting between runs"
-    mkdir -p -- "$HOLDERS_DIR"
-    exec {LOCK_FD}>>"$LOCK_FILE"
-    flock -x "$LOCK_FD"
+    [[ -d $HOLDERS_DIR ]] || mkdir -p -- "$HOLDERS_DIR"
+    exec {fd}>>"$LOCK_FILE"
+    if ! flock -x "$fd"; then
+        exec {fd}>&-
+        return 1
+    fi
+    LOCK_FD=$fd
 }
 
 unlock() {
     if [[ -n $LOCK_FD ]]; then
-        flock -u "$LOCK_FD" || true
-        exec {LOCK_FD}>&-
+        exec {LOCK_FD}>&-                  # closing the only descriptor releases the flock
         LOCK_FD=
     fi
 }
 
-# Remove holder files none of whose processes is alive; prints the number of live holders.
-prune_holders() {
-    local f pid st live n=0
+prune_holders() {  # with the lock: remove holder files none of whose processes lives; LIVE=live holders
+    local f pid st live
+    LIVE=0
     for f in "$HOLDERS_DIR"/*; do
         [[ -f $f ]] || continue
         live=0
@@ -138,52 +150,51 @@ prune_holders() {
             [[ -n ${pid:-} && -n ${st:-} ]] || continue
             if alive "$pid" "$st"; then live=1; break; fi
         done <"$f"
-        if ((live)); then n=$((n + 1)); else rm -f -- "$f"; fi
+        if ((live)); then LIVE=$((LIVE + 1)); else rm -f -- "$f"; fi
     done
-    printf '%d' "$n"
 }
 
-# With the lock held and no live holder: put back a value saved by holders that are all gone.
-restore_saved() {
-    local saved why
+restore_saved() {  # with the lock and no live holder: put back the value the first holder found
+    local saved=""
     [[ -f $SAVED_FILE ]] || return 0
-    IFS= read -r saved <"$SAVED_FILE" || true
+    { IFS= read -r saved <"$SAVED_FILE"; } 2>/dev/null || true
     if [[ $saved =~ ^[0-9]+$ ]]; then
-        if why=$(write_value "$saved"); then
-            rm -f -- "$SAVED_FILE"
-            return 0
+        if ! write_value "$saved"; then
+            say "could not restore $BALANCING_FILE to $saved: $WHY"
+            return 1
         fi
-        say "could not restore $BALANCING_FILE to $saved: $why"
-        return 1
     fi
     rm -f -- "$SAVED_FILE"
 }
 
-register_holder() {  # register_holder PID...: (re)write this wrapper's holder file atomically
-    local tmp p st
-    tmp=$HOLDERS_DIR/.$$.tmp
-    : >"$tmp"
+register_holder() {  # register_holder PID...: (re)write this run's holder file atomically (with the lock)
+    local tmp=$HOLDERS_DIR/.$$.tmp p lines=""
     for p in "$@"; do
-        st=$(starttime "$p") || continue
-        printf '%s %s\n' "$p" "$st" >>"$tmp"
+        if starttime "$p"; then lines+="$p $REPLY"$'\n'; fi
     done
+    printf '%s' "$lines" >"$tmp"
     mv -f -- "$tmp" "$HOLDERS_DIR/$$"
-    HOLDER_FILE=$HOLDERS_DIR/$$
 }
 
 # shellcheck disable=SC2329  # called from the EXIT trap
-release() {
-    [[ -n $HOLDER_FILE ]] || return 0
-    lock
-    rm -f -- "$HOLDER_FILE"
-    HOLDER_FILE=
-    if [[ $(prune_holders) == 0 ]]; then
-        restore_saved || true
+on_exit() {
+    local rc=$?
+    set +e
+    if [[ -n $HOLDER_FILE ]]; then
+        if lock; then
+            rm -f -- "$HOLDER_FILE" "$HOLDERS_DIR/.$$.tmp"
+            prune_holders
+            if ((LIVE == 0)); then restore_saved; fi
+            unlock
+        fi
     fi
-    unlock
+    if [[ -z $CHILD && -n $PENDING ]]; then rc=$((128 + $(signal_number "$PENDING"))); fi
+    exit "$rc"
 }
 
 # --- signals -----------------------------------------------------------------------------------------
+
+signal_number() { case $1 in HUP) echo 1 ;; INT) echo 2 ;; TERM) echo 15 ;; *) echo 0 ;; esac; }
 
 # shellcheck disable=SC2329  # called from forward (a trap)
 in_terminal_foreground() {  # our process group is the controlling terminal's foreground group
@@ -199,8 +210,8 @@ in_terminal_foreground() {  # our process group is the controlling terminal's fo
 # shellcheck disable=SC2329  # called from the signal traps
 forward() {
     SIGNALLED=1
-    if [[ -z $CHILD ]]; then
-        PENDING=$1        # the command has not started yet: it will get this signal as soon as it does
+    if ((!READY)); then
+        PENDING=$1        # the command cannot take it yet: it gets it as soon as it can (or never starts)
         return 0
     fi
     if [[ $1 == INT ]] && in_terminal_foreground; then
@@ -212,94 +223,108 @@ forward() {
 # --- commands ----------------------------------------------------------------------------------------
 
 status() {
-    local v saved="" n
-    v=$(read_value) || die "cannot read $BALANCING_FILE"
+    local saved=""
+    read_value || die "cannot read $BALANCING_FILE"
+    LIVE=0
     if [[ -d $HOLDERS_DIR ]]; then
         lock
-        n=$(prune_holders)
+        prune_holders
         [[ -f $SAVED_FILE ]] && IFS= read -r saved <"$SAVED_FILE"
         unlock
-    else
-        n=0
     fi
-    printf 'file=%s value=%s saved=%s holders=%s state_dir=%s\n' "$BALANCING_FILE" "$v" "${saved:--}" "$n" "$STATE_DIR"
+    printf 'file=%s value=%s saved=%s holders=%s state_dir=%s\n' "$BALANCING_FILE" "$VALUE" "${saved:--}" \
+        "$LIVE" "$STATE_DIR"
 }
 
 cleanup() {
-    [[ -d $HOLDERS_DIR ]] || { status; return 0; }
-    lock
-    if [[ $(prune_holders) == 0 ]]; then
-        restore_saved || { unlock; exit 1; }
+    if [[ -d $HOLDERS_DIR ]]; then
+        lock
+        prune_holders
+        if ((LIVE == 0)); then restore_saved || { unlock; exit 1; }; fi
+        unlock
     fi
-    unlock
     status
 }
 
-signal_number() { case $1 in HUP) echo 1 ;; INT) echo 2 ;; TERM) echo 15 ;; esac; }
-
-exec_unchanged() {  # run the command in place of this script (nothing to restore)
+exec_unchanged() {  # become the command (nothing to restore)
     trap - EXIT
+    unlock
     if [[ -n $PENDING ]]; then exit $((128 + $(signal_number "$PENDING"))); fi
     exec "$@"
 }
 
 run() {
-    local v n why rc
+    local v rc sync
 
     trap 'forward TERM' TERM
     trap 'forward HUP' HUP
     trap 'forward INT' INT
 
-    if ! v=$(read_value); then
+    if ! read_value; then
         say "cannot read $BALANCING_FILE: running the command with NUMA balancing unchanged"
         exec_unchanged "$@"
     fi
+    v=$VALUE
     if [[ ! $v =~ ^[0-9]+$ ]]; then
         say "unexpected content '$v' in $BALANCING_FILE: running the command with NUMA balancing unchanged"
         exec_unchanged "$@"
     fi
-
-    if ! { mkdir -p -- "$HOLDERS_DIR" && [[ -w $HOLDERS_DIR ]]; } 2>/dev/null; then
-        if [[ $v == 0 ]]; then exec_unchanged "$@"; fi
-        say "cannot use state directory $STATE_DIR: running the command with NUMA balancing unchanged ($v)"
+    if ! { [[ -d $HOLDERS_DIR ]] || mkdir -p -- "$HOLDERS_DIR"; } 2>/dev/null || [[ ! -w $HOLDERS_DIR ]]; then
+        [[ $v == 0 ]] || say "cannot use state directory $STATE_DIR: running the command with NUMA balancing" \
+            "unchanged ($v)"
         exec_unchanged "$@"
     fi
 
+    HOLDER_FILE=$HOLDERS_DIR/$$             # from here on, leaving in any way goes through on_exit
+    trap on_exit EXIT
     lock
-    n=$(prune_holders)
-    if [[ $n == 0 ]]; then
+    prune_holders
+    if ((LIVE == 0)); then
         # Nobody else holds it: a value saved by holders that were all killed is the real original.
         if [[ -f $SAVED_FILE ]]; then
             restore_saved || true
-            v=$(read_value) || v=0
+            read_value && [[ $VALUE =~ ^[0-9]+$ ]] && v=$VALUE
         fi
         if [[ $v == 0 ]]; then
-            unlock
-            exec_unchanged "$@"                        # already off: change nothing
+            exec_unchanged "$@"              # already off: change nothing
         fi
         printf '%s\n' "$v" >"$SAVED_FILE.tmp.$$"
         mv -f -- "$SAVED_FILE.tmp.$$" "$SAVED_FILE"
-        if ! why=$(write_value 0); then
+        if ! write_value 0; then
+            [[ -z $PENDING ]] || exit 1      # interrupted while writing: on_exit restores
             rm -f -- "$SAVED_FILE"
-            unlock
-            say "cannot write $BALANCING_FILE ($why): running the command with NUMA balancing unchanged ($v)"
+            say "cannot write $BALANCING_FILE ($WHY): running the command with NUMA balancing unchanged ($v)"
             exec_unchanged "$@"
         fi
     elif [[ $v != 0 ]]; then
         # Others hold it off but someone switched it back on: switch it off again, keep the saved original.
-        write_value 0 >/dev/null || say "cannot write $BALANCING_FILE: NUMA balancing stays at $v"
+        write_value 0 || say "cannot write $BALANCING_FILE ($WHY): NUMA balancing stays at $v"
     fi
-    trap release EXIT
     register_holder "$$"
     unlock
+    [[ -z $PENDING ]] || exit 1              # stopped during start-up: on_exit restores
 
-    # A background job of a non-interactive shell starts with SIGINT/SIGQUIT ignored: give them back.
-    ( trap - INT QUIT; exec "$@" ) &
+    # The command's process registers itself before it becomes the command (no moment when it runs
+    # unregistered), and only then may it be signalled: a background job of a non-interactive shell starts
+    # with SIGINT ignored, and a SIGINT sent before `trap - INT` would be lost. It says "ready" on a pipe.
+    exec {sync}<> <(:)
+    (
+        trap - INT QUIT TERM HUP EXIT
+        lock
+        register_holder "$$" "$BASHPID"
+        unlock
+        printf 'r\n' >&"$sync"
+        exec {sync}>&-
+        exec "$@"
+    ) &
     CHILD=$!
+    while :; do
+        if IFS= read -r -t 0.2 -u "$sync" _; then break; fi
+        kill -0 "$CHILD" 2>/dev/null || break   # died before it was ready
+    done
+    exec {sync}>&-
+    READY=1
     if [[ -n $PENDING ]]; then kill -s "$PENDING" "$CHILD" 2>/dev/null || true; fi
-    lock
-    register_holder "$$" "$CHILD"
-    unlock
 
     while :; do
         SIGNALLED=0
