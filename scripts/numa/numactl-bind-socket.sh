@@ -26,6 +26,10 @@
 #   devices/system/node/online (else the nodeN directories), nodeN/cpulist (else nodeN/cpumap),
 #   devices/system/node/has_memory (else has_normal_memory).
 #
+# On the live machine (SYSFS_ROOT unset or /sys) the CPUs and nodes are limited to those this process may use
+# (Cpus_allowed_list / Mems_allowed_list in /proc/self/status: a container's cpuset, taskset); a socket with
+# nothing left is an error.
+#
 # Environment
 #   SYSFS_ROOT   the sysfs directory to read (default /sys); point it at a recorded dump's sys/ to test.
 #   NUMACTL      the numactl program (default numactl, looked up in PATH); not needed with --dry-run.
@@ -196,12 +200,31 @@ if ((${#in_socket[@]} == 0)); then
     die "socket $socket not found in $SYS (sockets: ${ids[*]})"
 fi
 
+# On the live machine, stay inside what this process may use (a container's cpuset, taskset): numactl would
+# refuse anything else with a page of usage text. Recorded dumps are taken as they are.
+declare -a usable=()
+declare -A allowed_cpus=() allowed_mems=()
+restricted=0
+if [[ $SYS == /sys && -r /proc/self/status ]]; then
+    while IFS=$':\t ' read -r key val; do
+        case $key in
+            Cpus_allowed_list) for c in $(expand_list "$val"); do allowed_cpus[$c]=1; done; restricted=1 ;;
+            Mems_allowed_list) for n in $(expand_list "$val"); do allowed_mems[$n]=1; done ;;
+        esac
+    done </proc/self/status
+fi
+for c in "${!in_socket[@]}"; do
+    if ((!restricted)) || [[ -n ${allowed_cpus[$c]:-} ]]; then usable[c]=1; fi
+done
+((${#usable[@]})) || die "socket $socket: none of its CPUs ($(compress "${!in_socket[*]}")) is allowed for" \
+    "this process (Cpus_allowed_list in /proc/self/status)"
+
 declare -a chosen=()
 if [[ $mode == all ]]; then
-    for c in "${!in_socket[@]}"; do chosen[c]=1; done
+    for c in "${!usable[@]}"; do chosen[c]=1; done
 else
     declare -A core_seen=()
-    for c in "${!in_socket[@]}"; do                      # ascending: the first thread of a core wins
+    for c in "${!usable[@]}"; do                         # ascending: the first usable thread of a core wins
         sib=$(read_set "$CPU_DIR/cpu$c/topology" core_cpus_list thread_siblings_list core_cpus thread_siblings) \
             || sib=$c                                    # no sibling information: every CPU is a core
         key=" "
@@ -213,6 +236,7 @@ else
         fi
     done
 fi
+
 cpus=$(compress "${!chosen[*]}")
 
 # --- the socket's memory nodes -----------------------------------------------------------------------
@@ -243,7 +267,14 @@ if [[ -d $NODE_DIR ]]; then
             if [[ -n ${in_socket[c]:-} ]]; then nodes[n]=1; break; fi
         done
     done
-    ((${#nodes[@]})) || die "socket $socket: none of its CPUs ($(compress "${!in_socket[*]}")) is in an online NUMA node with memory in $NODE_DIR"
+    ((${#nodes[@]})) || die "socket $socket: none of its CPUs ($(compress "${!in_socket[*]}")) is in an online" \
+        "NUMA node with memory in $NODE_DIR"
+    if ((${#allowed_mems[@]})); then
+        socket_nodes=$(compress "${!nodes[*]}")
+        for n in "${!nodes[@]}"; do [[ -n ${allowed_mems[$n]:-} ]] || unset 'nodes[n]'; done
+        ((${#nodes[@]})) || die "socket $socket: its NUMA nodes ($socket_nodes) are not allowed for this process" \
+            "(Mems_allowed_list in /proc/self/status)"
+    fi
 else
     nodes[0]=1                                           # kernel without NUMA: everything is node 0
 fi

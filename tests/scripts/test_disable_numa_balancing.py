@@ -43,6 +43,7 @@ class Balancing:
         self.key = str(self.file).replace("/", "_")
         self.env = {**os.environ, "NUMA_BALANCING_FILE": str(self.file), "NUMA_BALANCING_STATE_DIR": str(self.state)}
         self.tmp = tmp
+        self.children: list[Child] = []
 
     @property
     def value(self) -> str:
@@ -66,7 +67,8 @@ class Balancing:
         p = subprocess.Popen([str(SCRIPT), "bash", "-c", CHILD, "child", str(d)],
                              env={**self.env, "LINGER": str(linger)}, start_new_session=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        return Child(p, d)
+        self.children.append(Child(p, d))
+        return self.children[-1]
 
 
 class Child:
@@ -74,8 +76,9 @@ class Child:
         self.p, self.d = popen, d
         deadline = time.monotonic() + 20
         while not (d / "pid").exists():
-            assert popen.poll() is None, popen.communicate()
-            assert time.monotonic() < deadline, "the command did not start"
+            if popen.poll() is not None or time.monotonic() > deadline:
+                popen.kill()
+                raise AssertionError(f"the command did not start: {popen.communicate()}")
             time.sleep(0.02)
         self.pid = int((d / "pid").read_text())
 
@@ -104,6 +107,8 @@ class Child:
 def bal(tmp_path):
     b = Balancing(tmp_path)
     yield b
+    for c in b.children:                          # nothing outlives a test, even a failed one
+        c.kill_all()
 
 
 def _alive(pid: int) -> bool:

@@ -151,9 +151,11 @@ def test_real_bind_physical_on_this_machine(numactl_path):
     r = run(["--socket", socket, "--mode", "physical", "--", "cat", "/proc/self/status"])
     assert r.returncode == 0, r.stderr
     cpus, mems = _status_lists(r.stdout)
-    exp_cpus, exp_mems = _live_expectation(socket)
+    exp_cpus, exp_nodes = _live_expectation(socket)
     assert cpus == exp_cpus
-    assert mems == exp_mems
+    assert set(exp_nodes) <= set(mems)           # the cpuset's nodes; the binding itself shows in numa_maps:
+    r = run(["--socket", socket, "--mode", "physical", "--", "cat", "/proc/self/numa_maps"])
+    assert {line.split()[1] for line in r.stdout.splitlines()} == {f"bind:{format_cpulist(exp_nodes)}"}
 
 
 def test_real_interleave_on_this_machine(numactl_path):
@@ -209,6 +211,17 @@ def test_real_physical_keeps_one_thread_per_core(tmp_path, numactl_path):
     assert _status_lists(r.stdout)[0] == (a,)
     r = run(["--socket", "0", "--mode", "all", "--", "cat", "/proc/self/status"], env={"SYSFS_ROOT": sysfs})
     assert _status_lists(r.stdout)[0] == (a, b)
+
+
+def test_live_binding_stays_inside_the_callers_affinity(numactl_path):
+    """Under taskset (as inside a container's cpuset) only the allowed CPUs of the socket are used; numactl
+    would otherwise refuse the others."""
+    socket = _live_socket()
+    last = max(os.sched_getaffinity(0))
+    r = subprocess.run(["taskset", "-c", str(last), str(BIND), "--socket", socket, "--mode", "all", "--", "cat",
+                        "/proc/self/status"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert _status_lists(r.stdout)[0] == (last,)
 
 
 def test_exec_leaves_only_the_command_so_signals_reach_it(numactl_path):
