@@ -13,7 +13,6 @@ another path: :func:`localize_argv` swaps a wrapper path that does not exist the
 from __future__ import annotations
 
 import os
-from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
@@ -26,6 +25,8 @@ SCRIPTS = (BALANCING_SCRIPT, BIND_SOCKET_SCRIPT)
 
 
 def _candidates() -> list[Path]:
+    from importlib import resources   # here, not at import: the planner imports this package
+
     dirs = [REPO_ROOT / "scripts" / "numa"]
     try:
         data = resources.files("orchestrator") / "data" / "numa"

@@ -55,18 +55,20 @@ usage() {
 
 die() { printf '%s: %s\n' "$PROG" "$*" >&2; exit 2; }
 
-# --- reading sysfs -----------------------------------------------------------------------------------
+# --- reading sysfs. Helpers set globals (LINE, LIST, RES) instead of printing: no subshell per file, which
+# --- matters on a 2-socket x 128-thread machine.
 
-read_first_line() {  # read_first_line FILE: prints its first line (NUL bytes dropped); fails if unreadable
-    local v=""
+LINE='' LIST='' RES=''
+
+read_first_line() {  # read_first_line FILE: LINE=its first line; fails if unreadable
+    LINE=""
     [[ -r $1 ]] || return 1
-    { IFS= read -r v <"$1"; } 2>/dev/null || [[ -n $v ]] || return 1
-    printf '%s' "$v"
+    { IFS= read -r LINE <"$1"; } 2>/dev/null || [[ -n $LINE ]]
 }
 
-# expand_list "0-3,8,10-11" -> "0 1 2 3 8 10 11"
-expand_list() {
-    local item lo hi out=() items=()
+expand_list() {  # expand_list "0-3,8,10-11": LIST="0 1 2 3 8 10 11"; fails on a malformed list
+    local item lo hi items=()
+    local -a out=()
     IFS=, read -r -a items <<<"$1"
     for item in "${items[@]}"; do
         item=${item//[[:space:]]/}
@@ -80,15 +82,14 @@ expand_list() {
             return 1
         fi
     done
-    printf '%s' "${out[*]:-}"
+    LIST=${out[*]:-}
 }
 
-# expand_mask "00000000,00000011" -> "0 4" (32-bit words, most significant first)
-expand_mask() {
+expand_mask() {  # expand_mask "00000000,00000011": LIST="0 4" (32-bit words, most significant first)
     local -a words=() out=()
-    local i w bit base
+    local i w bit base n
     IFS=, read -r -a words <<<"${1//[[:space:]]/}"
-    local n=${#words[@]}
+    n=${#words[@]}
     for ((i = n - 1; i >= 0; i--)); do
         w=${words[i]}
         [[ $w =~ ^[0-9a-fA-F]+$ ]] || return 1
@@ -98,34 +99,32 @@ expand_mask() {
             if (((w >> bit) & 1)); then out+=("$((base + bit))"); fi
         done
     done
-    printf '%s' "${out[*]:-}"
+    LIST=${out[*]:-}
 }
 
-# read_cpuset DIR LISTNAME MASKNAME...: the set in DIR/LISTNAME (a list) or DIR/MASKNAME (a mask), first found
-read_set() {
-    local dir=$1 name v
+read_set() {  # read_set DIR NAME...: LIST=the set in the first readable DIR/NAME (*list: a list, else a mask)
+    local dir=$1 name
     shift
     for name in "$@"; do
-        if v=$(read_first_line "$dir/$name"); then
-            if [[ $name == *list ]]; then expand_list "$v"; else expand_mask "$v"; fi
+        if read_first_line "$dir/$name"; then
+            if [[ $name == *list ]]; then expand_list "$LINE"; else expand_mask "$LINE"; fi
             return
         fi
     done
     return 1
 }
 
-# compress "0 1 2 3 8 10 11" (ascending) -> "0-3,8,10-11"
-compress() {
-    local res="" start="" prev="" x
+compress() {  # compress "0 1 2 3 8 10 11" (ascending): RES="0-3,8,10-11"
+    local start="" prev="" x
+    RES=""
     for x in $1 ""; do                                   # the empty sentinel flushes the last range
         if [[ -n $x && -n $prev && $x -eq $((prev + 1)) ]]; then prev=$x; continue; fi
         if [[ -n $start ]]; then
-            res+=${res:+,}$start
-            if [[ $prev != "$start" ]]; then res+=-$prev; fi
+            RES+=${RES:+,}$start
+            if [[ $prev != "$start" ]]; then RES+=-$prev; fi
         fi
         start=$x prev=$x
     done
-    printf '%s' "$res"
 }
 
 # print an argv as one shell-quoted line (plain words stay plain, commas included)
@@ -178,18 +177,19 @@ for d in "$CPU_DIR"/cpu[0-9]*; do
     [[ $n =~ ^[0-9]+$ ]] && present[n]=1
 done
 
-if v=$(read_first_line "$CPU_DIR/online"); then
-    list=$(expand_list "$v") || die "cannot parse $CPU_DIR/online: '$v'"
-    for c in $list; do [[ -n ${present[c]:-} ]] && online[c]=1; done
+if read_first_line "$CPU_DIR/online"; then
+    expand_list "$LINE" || die "cannot parse $CPU_DIR/online: '$LINE'"
+    for c in $LIST; do [[ -n ${present[c]:-} ]] && online[c]=1; done
 else
     for c in "${!present[@]}"; do
-        v=$(read_first_line "$CPU_DIR/cpu$c/online") || v=1    # no file: cannot be offlined (cpu0)
-        [[ $v == 1 ]] && online[c]=1
+        read_first_line "$CPU_DIR/cpu$c/online" || LINE=1    # no file: cannot be offlined (cpu0)
+        [[ $LINE == 1 ]] && online[c]=1
     done
 fi
 
 for c in "${!online[@]}"; do
-    pkg=$(read_first_line "$CPU_DIR/cpu$c/topology/physical_package_id") || continue
+    read_first_line "$CPU_DIR/cpu$c/topology/physical_package_id" || continue
+    pkg=$LINE
     packages[$pkg]=1
     [[ $pkg == "$socket" ]] && in_socket[c]=1
 done
@@ -208,16 +208,18 @@ restricted=0
 if [[ $SYS == /sys && -r /proc/self/status ]]; then
     while IFS=$':\t ' read -r key val; do
         case $key in
-            Cpus_allowed_list) for c in $(expand_list "$val"); do allowed_cpus[$c]=1; done; restricted=1 ;;
-            Mems_allowed_list) for n in $(expand_list "$val"); do allowed_mems[$n]=1; done ;;
+            Cpus_allowed_list) expand_list "$val"; for c in $LIST; do allowed_cpus[$c]=1; done; restricted=1 ;;
+            Mems_allowed_list) expand_list "$val"; for n in $LIST; do allowed_mems[$n]=1; done ;;
         esac
     done </proc/self/status
 fi
 for c in "${!in_socket[@]}"; do
     if ((!restricted)) || [[ -n ${allowed_cpus[$c]:-} ]]; then usable[c]=1; fi
 done
-((${#usable[@]})) || die "socket $socket: none of its CPUs ($(compress "${!in_socket[*]}")) is allowed for" \
-    "this process (Cpus_allowed_list in /proc/self/status)"
+compress "${!in_socket[*]}"
+socket_cpus=$RES
+((${#usable[@]})) || die "socket $socket: none of its CPUs ($socket_cpus) is allowed for this process" \
+    "(Cpus_allowed_list in /proc/self/status)"
 
 declare -a chosen=()
 if [[ $mode == all ]]; then
@@ -225,8 +227,9 @@ if [[ $mode == all ]]; then
 else
     declare -A core_seen=()
     for c in "${!usable[@]}"; do                         # ascending: the first usable thread of a core wins
-        sib=$(read_set "$CPU_DIR/cpu$c/topology" core_cpus_list thread_siblings_list core_cpus thread_siblings) \
-            || sib=$c                                    # no sibling information: every CPU is a core
+        read_set "$CPU_DIR/cpu$c/topology" core_cpus_list thread_siblings_list core_cpus thread_siblings \
+            || LIST=$c                                   # no sibling information: every CPU is a core
+        sib=$LIST
         key=" "
         for s in $sib; do [[ -n ${in_socket[s]:-} ]] && key+="$s "; done
         [[ $key == " " ]] && key=" $c "
@@ -237,16 +240,17 @@ else
     done
 fi
 
-cpus=$(compress "${!chosen[*]}")
+compress "${!chosen[*]}"
+cpus=$RES
 
 # --- the socket's memory nodes -----------------------------------------------------------------------
 
 declare -a node_ids=() nodes=()
 declare -A with_memory=()
 if [[ -d $NODE_DIR ]]; then
-    if v=$(read_first_line "$NODE_DIR/online"); then
-        list=$(expand_list "$v") || die "cannot parse $NODE_DIR/online: '$v'"
-        for n in $list; do node_ids[n]=1; done
+    if read_first_line "$NODE_DIR/online"; then
+        expand_list "$LINE" || die "cannot parse $NODE_DIR/online: '$LINE'"
+        for n in $LIST; do node_ids[n]=1; done
     else
         for d in "$NODE_DIR"/node[0-9]*; do
             [[ -d $d ]] || continue
@@ -254,23 +258,24 @@ if [[ -d $NODE_DIR ]]; then
             [[ $n =~ ^[0-9]+$ ]] && node_ids[n]=1
         done
     fi
-    if v=$(read_first_line "$NODE_DIR/has_memory") || v=$(read_first_line "$NODE_DIR/has_normal_memory"); then
-        list=$(expand_list "$v") || die "cannot parse the memory node list in $NODE_DIR: '$v'"
-        for n in $list; do with_memory[$n]=1; done
+    if read_first_line "$NODE_DIR/has_memory" || read_first_line "$NODE_DIR/has_normal_memory"; then
+        expand_list "$LINE" || die "cannot parse the memory node list in $NODE_DIR: '$LINE'"
+        for n in $LIST; do with_memory[$n]=1; done
     else
         for n in "${!node_ids[@]}"; do with_memory[$n]=1; done
     fi
     for n in "${!node_ids[@]}"; do
         [[ -n ${with_memory[$n]:-} ]] || continue
-        ncpus=$(read_set "$NODE_DIR/node$n" cpulist cpumap) || continue
-        for c in $ncpus; do
+        read_set "$NODE_DIR/node$n" cpulist cpumap || continue
+        for c in $LIST; do
             if [[ -n ${in_socket[c]:-} ]]; then nodes[n]=1; break; fi
         done
     done
-    ((${#nodes[@]})) || die "socket $socket: none of its CPUs ($(compress "${!in_socket[*]}")) is in an online" \
+    ((${#nodes[@]})) || die "socket $socket: none of its CPUs ($socket_cpus) is in an online" \
         "NUMA node with memory in $NODE_DIR"
     if ((${#allowed_mems[@]})); then
-        socket_nodes=$(compress "${!nodes[*]}")
+        compress "${!nodes[*]}"
+        socket_nodes=$RES
         for n in "${!nodes[@]}"; do [[ -n ${allowed_mems[$n]:-} ]] || unset 'nodes[n]'; done
         ((${#nodes[@]})) || die "socket $socket: its NUMA nodes ($socket_nodes) are not allowed for this process" \
             "(Mems_allowed_list in /proc/self/status)"
@@ -278,7 +283,8 @@ if [[ -d $NODE_DIR ]]; then
 else
     nodes[0]=1                                           # kernel without NUMA: everything is node 0
 fi
-mems=$(compress "${!nodes[*]}")
+compress "${!nodes[*]}"
+mems=$RES
 
 if [[ $interleave == on ]]; then memopt=--interleave=$mems; else memopt=--membind=$mems; fi
 argv=("$NUMACTL" "--physcpubind=$cpus" "$memopt" -- "$@")
