@@ -208,7 +208,10 @@ class WorkerProcess:
         return group_members(self.pgid)
 
     def failure_cause(self) -> str:
+        """The telling lines of this run's part of the log (see :func:`log_cause`)."""
         return log_cause(self.log_path, self.log_offset)
+
+    cause = failure_cause                                   # the name cluster's ProcessHandle protocol uses
 
     # -- health -------------------------------------------------------------------------------------------
 
@@ -330,12 +333,13 @@ class WorkerProcess:
 
 
 def start(spec: LaunchSpec, log_path: str | os.PathLike, *, cwd: str | os.PathLike | None = None,
-          check_port: bool = True) -> WorkerProcess:
+          check_port: bool = True, drop_env: Sequence[str] = ()) -> WorkerProcess:
     """Start ``spec`` in its own process group; stdout and stderr are appended to ``log_path``.
 
-    The environment is this process's with ``spec.env`` on top; stdin is /dev/null. With ``check_port``, a
-    port that is already taken is a :class:`LaunchError` before anything runs (a server already answering
-    there would otherwise look like ours).
+    The environment is this process's, minus the names in ``drop_env`` (say, what Ray injects into an actor:
+    ``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``), with ``spec.env`` on top; stdin is /dev/null. With
+    ``check_port``, a port that is already taken is a :class:`LaunchError` before anything runs (a server already
+    answering there would otherwise look like ours).
     """
     argv: Sequence[str] = localize_argv(spec.argv)
     if not argv:
@@ -346,7 +350,8 @@ def start(spec: LaunchSpec, log_path: str | os.PathLike, *, cwd: str | os.PathLi
         except LaunchError as e:
             raise LaunchError(f"worker {spec.name}: {e}") from None
     log_path = Path(log_path)
-    env = {**os.environ, **{str(k): str(v) for k, v in spec.env.items()}}
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    env.update({str(k): str(v) for k, v in spec.env.items()})
     try:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "ab", buffering=0)
@@ -371,9 +376,9 @@ def start(spec: LaunchSpec, log_path: str | os.PathLike, *, cwd: str | os.PathLi
 
 
 def launch(spec: LaunchSpec, log_path: str | os.PathLike, *, timeout: float, grace: float = 10.0,
-           cwd: str | os.PathLike | None = None) -> WorkerProcess:
+           cwd: str | os.PathLike | None = None, drop_env: Sequence[str] = ()) -> WorkerProcess:
     """:func:`start` then :meth:`WorkerProcess.wait_healthy`; on any failure nothing is left running."""
-    proc = start(spec, log_path, cwd=cwd)
+    proc = start(spec, log_path, cwd=cwd, drop_env=drop_env)
     try:
         proc.wait_healthy(timeout, grace=grace)
     except BaseException:

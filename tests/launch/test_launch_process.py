@@ -287,3 +287,15 @@ def test_log_cause_without_levels_and_without_errors(tmp_path):
     assert log_cause(tmp_path / "absent.log") == ""
     offset = len("one\n\ntwo\n")
     assert log_cause(log, offset) == "three | four"
+
+
+def test_env_is_merged_and_dropped_names_do_not_leak(tmp_path, free_port, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")              # as Ray sets it in an actor
+    monkeypatch.setenv("KEEP_ME", "kept")
+    spec = LaunchSpec("env", ("bash", "-c", 'echo "cvd=${CUDA_VISIBLE_DEVICES-unset} keep=$KEEP_ME '
+                                            'min=$GGML_OP_OFFLOAD_MIN_BATCH"'),
+                      env={"GGML_OP_OFFLOAD_MIN_BATCH": "64"}, port=free_port)
+    proc = start(spec, tmp_path / "env.log", drop_env=("CUDA_VISIBLE_DEVICES",))
+    wait_until(lambda: proc.poll() is not None)
+    assert "cvd=unset keep=kept min=64" in (tmp_path / "env.log").read_text()
+    assert proc.cause() == proc.failure_cause() == "cvd=unset keep=kept min=64"
