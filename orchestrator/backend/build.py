@@ -31,7 +31,10 @@ BUILD_FORMAT = 2  # bump when the cache layout or the fixed CMake flags change
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """What to build. ``cuda=None`` means: CUDA when ``nvcc`` is found."""
+    """What to build. ``cuda=None`` means: CUDA when ``nvcc`` is found *and* an NVIDIA GPU is present.
+
+    (nvcc alone is not enough: a CI image may carry the toolkit without a GPU, and a CUDA build for every
+    architecture takes hours on a small machine. ``cuda=True`` forces it.)"""
 
     flavor: str = "mainline"                 # "mainline" | "ik_llama.cpp"
     cuda: bool | None = None
@@ -227,10 +230,11 @@ def build(
     if source is not None and not source.exists():
         raise BackendError(f"{source}: source archive not found")
     nvcc = find_nvcc()
-    cuda = bool(nvcc) if opts.cuda is None else opts.cuda
+    detected = detect_cuda_archs() if nvcc and (opts.cuda is not False) else ()
+    cuda = bool(nvcc and detected) if opts.cuda is None else opts.cuda
     if cuda and not nvcc:
         raise BackendError("CUDA build requested but nvcc was not found (install the CUDA toolkit or add it to PATH)")
-    archs = opts.cuda_archs or (detect_cuda_archs() if cuda else ())
+    archs = opts.cuda_archs or detected
     key, spec = build_key(opts, source, cuda=cuda, archs=archs)
     root = cache / "llama.cpp"
     root.mkdir(parents=True, exist_ok=True)
