@@ -9,7 +9,7 @@
 ``python -m orchestrator.config FILE…`` validates files; ``--reference`` prints docs/topology.md.
 """
 
-from orchestrator.config.loader import load_topology, parse_topology
+from orchestrator.config.loader import load_topology, parse_overrides, parse_topology
 from orchestrator.config.schema import (
     KV_TYPES_IK_ONLY, KV_TYPES_MAINLINE, KV_TYPES_UNQUANTIZED, BackendConfig, GatewayConfig, ModelConfig,
     NodeConfig, RayConfig, RestartConfig, Topology, WorkersConfig, display_key,
@@ -19,5 +19,5 @@ from orchestrator.config.types import AUTO, is_auto, parse_duration
 __all__ = [
     "AUTO", "BackendConfig", "GatewayConfig", "KV_TYPES_IK_ONLY", "KV_TYPES_MAINLINE", "KV_TYPES_UNQUANTIZED",
     "ModelConfig", "NodeConfig", "RayConfig", "RestartConfig", "Topology", "WorkersConfig", "display_key",
-    "is_auto", "load_topology", "parse_duration", "parse_topology",
+    "is_auto", "load_topology", "parse_duration", "parse_overrides", "parse_topology",
 ]

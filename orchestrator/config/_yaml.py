@@ -62,6 +62,9 @@ def load_yaml(text: str) -> tuple[Any, Locations]:
         problem = err.problem or "malformed YAML"
         where = f" (column {mark.column + 1})" if mark is not None else ""
         context = f" {err.context}" if err.context else ""
+        lines = text.splitlines()
+        if mark is not None and mark.line < len(lines) and lines[mark.line][mark.column:mark.column + 1] == "\t":
+            raise YamlError(line, (), f"malformed YAML: a tab character{where}; YAML indents with spaces") from None
         raise YamlError(line, (), f"malformed YAML: {problem}{context}{where}") from None
     except yaml.YAMLError as err:  # pragma: no cover - unmarked errors are rare
         raise YamlError(None, (), f"malformed YAML: {err}") from None

@@ -145,6 +145,8 @@ def _describe_error(e: dict, path: tuple) -> str:
         model = _model_at(path[:-1])
         field = model.model_fields.get(path[-1]) if model is not None else None
         acc = accepts_of(field) if field is not None else None
+        if path == ("model",):
+            return "missing required key (every topology names its model: `model: FILE.gguf`)"
         return "missing required key" + (f" (expected {acc.text})" if acc is not None else "")
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return f"got {describe(value)} (expected a mapping of keys)"
@@ -174,3 +176,64 @@ def _first_error(err: ValidationError, source: str, locs: Locations) -> str:
     line, _, path, message = found[0]
     more = f" (+{len(found) - 1} more error{'s' if len(found) > 2 else ''})" if len(found) > 1 else ""
     return _fmt(source, line or None, path, message) + more
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["workers.threads=8", "nodes.0.gpus=[0,1]"]`` → ``{"workers.threads": 8, "nodes.0.gpus": [0, 1]}``;
+    each value is read as YAML, so it is typed as it would be in the file."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, like workers.threads=8")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
+    return out
+
+
+def validate_changes(topo: Topology, changes: dict[str, Any]) -> Topology:
+    data = _lists(topo.model_dump(exclude_unset=True))
+    for key, value in changes.items():
+        path = _split_key(key)
+        if not path:
+            raise ConfigError(f"override {key!r}: empty key")
+        node: Any = data
+        for i, part in enumerate(path[:-1]):
+            nxt_is_index = isinstance(path[i + 1], int)
+            if isinstance(part, int):
+                if not isinstance(node, list) or part > len(node):
+                    raise ConfigError(f"override {display_key(path)}: no item {part} in {display_key(path[:i])}")
+                if part == len(node):
+                    node.append({})
+                node = node[part]
+            else:
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {display_key(path)}: {display_key(path[:i])} is not a mapping")
+                if part not in node:
+                    node[part] = [] if nxt_is_index else {}
+                    if part == "nodes" and nxt_is_index:
+                        node[part] = [_lists(n.model_dump(exclude_unset=True)) for n in topo.nodes]
+                node = node[part]
+        last = path[-1]
+        if isinstance(last, int) or not isinstance(node, dict):
+            raise ConfigError(f"override {display_key(path)}: expected a key of a mapping")
+        node[last] = value
+    try:
+        new = Topology.model_validate(data, context={"base_dir": os.getcwd()})
+    except ValidationError as err:
+        raise ConfigError(_first_error(err, "override", Locations())) from None
+    new._source = topo._source
+    new._locations = topo._locations
+    return new
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_lists(v) for v in value]
+    return value

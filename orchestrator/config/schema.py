@@ -15,7 +15,7 @@ from orchestrator.config.types import (
     AUTO, Alias, ArgList, AutoBool, AutoInt, AutoSize, AutoSizeList, Bool, Choice, Duration, EnvVarName,
     FilePath, GpuSelection, Host, Int, Name, Namespace, Port, RayAddress, Text, TiB, fail, is_auto,
 )
-from orchestrator.units import GiB, MiB
+from orchestrator.units import MiB
 
 # KV cache types llama.cpp accepts for -ctk/-ctv (common/arg.cpp kv_cache_types); q6_0 and q8_KV are
 # ik_llama.cpp only (common/common.cpp kv_cache_type_from_str).
@@ -510,6 +510,14 @@ class Topology(Section):
                 raise self.error(key, f"{what} {path} is a directory, not a file")
         if self.backend.binary != AUTO and not os.access(self.backend.binary, os.X_OK):
             raise self.error("backend.binary", f"{self.backend.binary} is not executable")
+
+    def override(self, changes: "dict[str, Any]") -> "Topology":
+        """A new Topology with dotted keys changed (``{"nodes.0.vram_limit": "12GiB", "workers.threads": 8}``),
+        validated exactly like the file: for bench sweeps and command-line overrides. Keys the file left out
+        stay decided by the plan. Raises ConfigError naming the key."""
+        from orchestrator.config.loader import validate_changes
+
+        return validate_changes(self, changes)
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (sizes in bytes, durations in seconds, paths absolute); loading it again
