@@ -103,6 +103,8 @@ Conventions:
 - YAML reads `on`/`off`/`yes`/`no` as booleans; keys whose values are on/off (`smt`, `flash_attn`) accept
   both spellings.
 - A section may be written empty (`gateway:`): all its keys take their defaults.
+- Top-level keys starting with `x-` are ignored: a place for YAML anchors
+  (`x-gpu-node: &gpu {gpus: all, vram_reserve: 1GiB}`, then `- {<<: *gpu, name: a}`).
 
 `topologies/example.yaml` writes out every key with its default and a comment; the other files in
 `topologies/` are realistic starting points (this machine, 1 socket + 1 GPU, 2 sockets + 2 or 8 GPUs, an H200).

@@ -87,8 +87,8 @@ class ModelConfig(Section):
     shrinks a number you give: if it cannot fit, `plan` refuses with the numbers. auto: the plan chooses."""
 
     parallel: AutoInt(1, 256) = AUTO
-    """Parallel request slots per worker (llama-server `-np`); each slot gets context / parallel tokens.
-    auto: the plan chooses."""
+    """Parallel request slots per worker (llama-server `-np`); each slot gets context / parallel tokens
+    (unless the KV cache is unified). auto: the plan chooses."""
 
     cache_type_k: Choice(AUTO, *KV_TYPES_MAINLINE, *KV_TYPES_IK_ONLY) = AUTO
     """KV cache type for K (`-ctk`). q6_0 and q8_KV exist only in ik_llama.cpp. auto: the plan chooses
