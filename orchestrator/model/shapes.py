@@ -226,7 +226,10 @@ def scaled(shape: ModelShape, scale: float = 1.0, *, layers: int | None = None) 
             title=s.title.replace("(synthetic)", f"(synthetic, scale {scale:g})"),
         )
     if layers is not None:
-        n_dense = min(s.n_dense_lead, max(0, layers - 1)) if s.n_dense_lead else 0
+        if s.n_dense_lead and layers < 2:
+            raise ModelError(f"--layers {layers}: {s.like} needs at least 2 layers (a leading dense layer and a "
+                             f"MoE layer)")
+        n_dense = min(s.n_dense_lead, layers - 1) if s.n_dense_lead else 0
         if s.sliding_window and layers % 2:
             raise ModelError(f"--layers {layers}: {s.like} alternates sliding-window and full attention layers; "
                              f"use an even number")

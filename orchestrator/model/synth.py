@@ -227,7 +227,8 @@ def make_blocks(qtype: str, n_blocks: int, rms: float, rng: _Rng, *, signed: boo
         raw[:, 208:210] = np.full((n_blocks, 1), d, dtype=np.float16).view(np.uint8)
     elif qtype == "mxfp4":
         # e8m0 exponent + 16 bytes of FP4 codes (symmetric table: no bias); exponent varies by one step
-        e = 128 + int(round(np.log2(rms / _MXFP4_RMS)))
+        # half the blocks one exponent lower: mean square = (1 + 1/4) / 2 of the upper one's
+        e = 128 + int(round(np.log2(rms / (_MXFP4_RMS * np.sqrt(0.625)))))
         if not (1 <= e <= 254):
             raise ValueError(f"mxfp4 scale exponent {e} out of range")
         raw[:, 0] = e - (raw[:, 1] & 1)
