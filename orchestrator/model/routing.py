@@ -124,6 +124,11 @@ def _lib_order(libs: list[Path]) -> list[Path]:
     return sorted(libs, key=rank)
 
 
+def _wanted(name: str) -> bool:
+    """libllama and the ggml libraries; not the tools' own libraries (server, bench, common)."""
+    return name == "libllama.a" or (name.startswith("libggml") and name.endswith(".a"))
+
+
 def dev_tree_from_cache(cache: Path | None = None) -> DevTree | None:
     """The newest cached ``orchestrator build`` that kept its libraries and headers."""
     from orchestrator.backend.build import cached_builds
@@ -133,7 +138,7 @@ def dev_tree_from_cache(cache: Path | None = None) -> DevTree | None:
         names = dev.get("libs") or []
         libdir = prefix / dev.get("lib", "lib")
         incdir = prefix / dev.get("include", "include")
-        libs = [libdir / n for n in names if (libdir / n).is_file()]
+        libs = [libdir / n for n in names if _wanted(n) and (libdir / n).is_file()]
         if libs and any(p.name == "libllama.a" for p in libs) and (incdir / "llama.h").is_file():
             return DevTree(tuple(_lib_order(libs)), (incdir,), f"build cache {prefix}")
     return None
@@ -141,7 +146,7 @@ def dev_tree_from_cache(cache: Path | None = None) -> DevTree | None:
 
 def dev_tree_from_dirs(build_dir: Path, include_dirs: list[Path]) -> DevTree:
     """A llama.cpp CMake build tree (static libs anywhere under it) plus header directories."""
-    libs = [p for p in build_dir.rglob("*.a") if p.name.startswith(("libllama.a", "libggml"))]
+    libs = [p for p in build_dir.rglob("*.a") if _wanted(p.name)]
     if not any(p.name == "libllama.a" for p in libs):
         raise BackendError(f"{build_dir}: no libllama.a under it (build llama.cpp with BUILD_SHARED_LIBS=OFF)")
     for d in include_dirs:

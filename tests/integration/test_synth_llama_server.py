@@ -16,7 +16,7 @@ from orchestrator.model import synth
 
 pytestmark = pytest.mark.integration
 
-MODELS = [("qwen3-30b-a3b", 0.05, "q4_0"), ("qwen3-235b-a22b", 0.03, "q8_0"), ("deepseek-v3", 0.03, "q4_0"),
+MODELS = [("qwen3-30b-a3b", 0.125, "q4_0"), ("qwen3-235b-a22b", 0.03, "q8_0"), ("deepseek-v3", 0.03, "q4_0"),
           ("gpt-oss-120b", 0.05, "q4_0")]
 
 

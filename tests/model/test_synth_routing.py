@@ -72,7 +72,8 @@ def _fake_build(cache: Path, key: str, libs: list[str]) -> Path:
 
 def test_dev_tree_from_the_build_cache_orders_libs_for_static_linking(tmp_path):
     prefix = _fake_build(tmp_path, "mainline-cpu-abc",
-                         ["libggml-base.a", "libggml-cpu.a", "libggml.a", "libllama.a"])
+                         ["libllama-common.a", "libggml-base.a", "libggml-cpu.a", "libggml.a", "libllama.a",
+                          "libllama-server-impl.a"])
     tree = routing.dev_tree_from_cache(tmp_path)
     assert tree is not None and str(prefix) in tree.origin
     assert [p.name for p in tree.libs] == ["libllama.a", "libggml.a", "libggml-cpu.a", "libggml-base.a"]
