@@ -186,14 +186,19 @@ def _cuda_link_flags() -> list[str]:
     return flags + ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
 
 
-def compile_argv(tree: DevTree, out: Path, cxx: str = "c++") -> list[str]:
+def compile_argv(tree: DevTree, out: Path, cxx: str = "c++", extra: tuple[str, ...] = ()) -> list[str]:
     argv = [cxx, "-O2", "-std=c++17", str(SOURCE), "-o", str(out)]
     argv += [f"-I{d}" for d in tree.include_dirs]
     argv += ["-Wl,--start-group", *[str(p) for p in tree.libs], "-Wl,--end-group"]
     if tree.cuda:
         argv += _cuda_link_flags()
-    argv += ["-fopenmp", "-lpthread", "-ldl", "-lm"]
+    argv += [*extra, "-fopenmp", "-lpthread", "-ldl", "-lm"]
     return argv
+
+
+# libraries a llama.cpp build may need beyond the fixed list, added when the linker asks for them
+# (GGML_CUDA_NCCL is on by default and links NCCL when the build machine has it)
+_ON_DEMAND = (("undefined reference to `nccl", "-lnccl"),)
 
 
 def _tool_key(tree: DevTree, cxx: str) -> str:
@@ -225,9 +230,16 @@ def build_tool(tree: DevTree | None = None, *, cache: Path | None = None) -> Pat
         if os.access(exe, os.X_OK):
             return exe
         tmp = root / f"{TOOL}-{key}.partial"
-        argv = compile_argv(tree, tmp, cxx)
+        extra: list[str] = []
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+            while True:
+                argv = compile_argv(tree, tmp, cxx, tuple(extra))
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                more = [flag for needle, flag in _ON_DEMAND
+                        if proc.returncode != 0 and needle in proc.stderr and flag not in extra]
+                if not more:
+                    break
+                extra += more
             if proc.returncode != 0:
                 tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-15:])
                 raise BackendError(f"building {TOOL} against {tree.origin} failed (exit {proc.returncode}):\n{tail}")

@@ -78,9 +78,9 @@ STYLES = {
 
 # RMS of the integer codes of each block format (before scaling)
 _Q4_0_RMS = float(np.sqrt(np.mean((np.arange(16) - 8.0) ** 2)))                      # 4.637
-_Q8_0_RMS = float(np.sqrt(np.mean(np.arange(-128, 128, dtype=np.float64) ** 2)))    # 73.9
+_Q8_0_RMS = float(np.sqrt(np.mean(np.arange(-32, 32, dtype=np.float64) ** 2)))      # 18.5 (codes -32..31)
 _Q6_K_RMS = float(np.sqrt(np.mean((np.arange(64) - 32.0) ** 2)))                     # 18.5
-_Q6_K_SUBSCALE = 16                                                                  # |int8 sub-block scale|
+_Q6_K_SUBSCALE = 4                                                                   # |int8 sub-block scale|
 _MXFP4_K = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float64)
 _MXFP4_RMS = float(np.sqrt(np.mean(_MXFP4_K ** 2)))                                 # 5.85 (element = k * 2^(e-128))
 
@@ -217,6 +217,10 @@ def make_blocks(qtype: str, n_blocks: int, rms: float, rng: _Rng, *, signed: boo
         d = np.float16(rms / _Q4_0_RMS)
         raw[:, 0:2] = np.where(sign_bit[:, None].astype(bool), -d, d).astype(np.float16).reshape(-1, 1).view(np.uint8)
     elif qtype == "q8_0":
+        # int8 codes in -32..31 (like a trained tensor's, most codes are far from +-127), which keeps the f16
+        # scale a normal number even for the widest rows
+        qs = raw[:, 2:].view(np.int8)
+        qs >>= 2
         d = np.float16(rms / _Q8_0_RMS)
         raw[:, 0:2] = np.where(sign_bit[:, None].astype(bool), -d, d).astype(np.float16).reshape(-1, 1).view(np.uint8)
     elif qtype == "q6_k":

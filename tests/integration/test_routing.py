@@ -78,3 +78,11 @@ def test_cli_check_routing(tmp_path, tool):
     assert res.returncode == 0, res.stderr
     assert "routing check: ok" in res.stderr
     assert res.stdout.strip() == str(out)
+
+
+def test_tool_is_built_once(tool):
+    import time
+
+    t0 = time.monotonic()
+    assert routing.build_tool() == tool
+    assert time.monotonic() - t0 < 1.0  # cached: no compiler run

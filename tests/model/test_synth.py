@@ -281,3 +281,20 @@ def test_cli_signal_mid_write_leaves_nothing(tmp_path, sig):
     assert proc.returncode == 128 + signal.SIGINT
     assert "interrupted" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("like", S.names())
+@pytest.mark.parametrize("quant", S.QUANTS)
+def test_every_full_size_scale_is_a_normal_f16(like, quant):
+    """Subnormal or zero scales would be legal but not sane: every block scale of every tensor is a normal f16."""
+    for sp in S.tensor_specs(S.get(like), quant):
+        if sp.type == "f32":
+            continue
+        b = synth.make_blocks(sp.type, 64, synth._scale_for(sp), synth._Rng(0))
+        if sp.type in ("q4_0", "q8_0"):
+            d = np.abs(b[:, :2].copy().view(np.float16).astype(np.float32))
+        elif sp.type == "q6_k":
+            d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+        else:
+            d = np.ldexp(np.float32(1.0), b[:, :1].astype(np.int32) - 128)
+        assert (d >= np.finfo(np.float16).tiny).all() and np.isfinite(d).all(), sp.name

@@ -112,3 +112,19 @@ def test_no_dev_tree_says_what_to_do(tmp_path, monkeypatch):
 def test_build_tree_without_libllama(tmp_path):
     with pytest.raises(BackendError, match="libllama.a"):
         routing.dev_tree_from_dirs(tmp_path, [tmp_path])
+
+
+def test_a_failing_link_reports_the_linker_and_leaves_no_binary(tmp_path):
+    """A real compiler against empty archives: the link fails, the error carries its last lines."""
+    import shutil as _sh
+
+    if not (_sh.which("c++") or _sh.which("g++")):
+        pytest.fail("a C++ compiler is required (scripts/setup.sh installs g++)")
+    prefix = _fake_build(tmp_path, "broken", ["libggml-base.a", "libggml.a", "libllama.a"])
+    (prefix / "include" / "llama.h").write_text("#error this is not llama.h\n")
+    tree = routing.dev_tree_from_cache(tmp_path)
+    with pytest.raises(BackendError) as e:
+        routing.build_tool(tree, cache=tmp_path)
+    assert "failed" in str(e.value) and "llama.h" in str(e.value)
+    left = [p.name for p in (tmp_path / "native").iterdir() if not p.name.startswith(".")]
+    assert left == []
