@@ -215,6 +215,9 @@ def _tool_key(tree: DevTree, cxx: str) -> str:
 
 def build_tool(tree: DevTree | None = None, *, cache: Path | None = None) -> Path:
     """Compile expert_usage (once per source/libraries/flags) and return its path."""
+    if not SOURCE.is_file():
+        raise BackendError(f"{SOURCE} not found: the routing tool is built from a source checkout "
+                           f"(pip install -e .)")
     tree = tree or find_dev_tree()
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or ""
     if not cxx:
