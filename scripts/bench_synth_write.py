@@ -67,7 +67,7 @@ def raw_random_speed(path: Path, nbytes: int) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--like", default="qwen3-30b-a3b")
-    ap.add_argument("--quant", default="q4_0")
+    ap.add_argument("--quant", default=None, help="q4_0 or q8_0 (default: the model's)")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--layers", type=int)
     ap.add_argument("--dir", type=Path, default=Path("."), help="directory on the disk to measure (default .)")
@@ -78,7 +78,7 @@ def main() -> int:
     shape = shapes.scaled(shapes.get(a.like), a.scale, layers=a.layers)
     specs = shapes.tensor_specs(shape, a.quant)
     size = shapes.total_bytes(specs)
-    print(f"model: {a.like} {a.quant} scale {a.scale} ({shapes.describe(shape)}), {size / 1e9:.2f} GB of tensors")
+    print(f"model: {a.like} {a.quant or shape.default_quant} scale {a.scale} ({shapes.describe(shape)}), {size / 1e9:.2f} GB of tensors")
     print(f"disk:  {a.dir.resolve()} ({os.cpu_count()} CPUs)")
 
     # 1. generator alone

@@ -35,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=_positive_float, default=1.0, metavar="F",
                    help="shrink width and depth by F (0 < F <= 1; default 1: the full-size shape)")
     p.add_argument("--layers", type=int, metavar="N", help="number of layers (after --scale); full width kept")
-    p.add_argument("--quant", choices=["q4_0", "q8_0"], default="q4_0",
-                   help="type of the quantized weights (default q4_0; gpt-oss experts are always MXFP4)")
+    p.add_argument("--quant", choices=["q4_0", "q8_0"], default=None,
+                   help="type of the quantized weights (default: q4_0; gpt-oss: q8_0 around its MXFP4 experts, "
+                        "as in the released file)")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed and options: same file)")
     p.add_argument("--dry-run", action="store_true", help="print the shape and the file size, write nothing")
     p.add_argument("--list", action="store_true", help="list the model shapes and exit")

@@ -93,6 +93,7 @@ class ModelShape:
     add_bos: bool = False
     chat_template: str = ""
     tied_embeddings: bool = False
+    default_quant: str = "q4_0"          # gpt-oss: q8_0, the type llama-quantize's MXFP4_MOE gives non-experts
     scale: float = 1.0                   # 1.0 = the real shape
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -150,7 +151,7 @@ _GPT_OSS_COMMON = dict(arch="gpt-oss", n_vocab=201088, n_embd=2880, n_head=64, n
                        n_ff_exp=2880, n_expert_used=4, n_ctx_train=131072, rope_freq_base=150000.0, rms_eps=1e-5,
                        sliding_window=128, mxfp4_experts=True, rope_scaling="yarn", rope_factor=32.0,
                        rope_orig_ctx=4096, tokenizer_pre="gpt-4o", specials=_GPT_OSS_SPECIALS, add_bos=False,
-                       chat_template=_HARMONY)
+                       chat_template=_HARMONY, default_quant="q8_0")
 
 SHAPES: dict[str, ModelShape] = {s.like: s for s in (
     ModelShape(like="qwen3-30b-a3b", title="Qwen3-30B-A3B (synthetic)", n_embd=2048, n_layer=48, n_head=32,
@@ -274,8 +275,11 @@ def _out_type(quant: str, n_embd: int) -> str:
     return "q6_k"
 
 
-def tensor_specs(s: ModelShape, quant: str = "q4_0") -> list[TensorSpec]:
-    """Every tensor llama.cpp's loader creates for ``s``, in the order convert_hf_to_gguf writes them."""
+def tensor_specs(s: ModelShape, quant: str | None = None) -> list[TensorSpec]:
+    """Every tensor llama.cpp's loader creates for ``s``, in the order convert_hf_to_gguf writes them.
+
+    ``quant`` (default: the model's ``default_quant``) is the type of the quantized weights."""
+    quant = quant or s.default_quant
     if quant not in QUANTS:
         raise ModelError(f"--quant {quant!r}: expected one of {', '.join(QUANTS)}")
     q, E, V = quant, s.n_embd, s.n_vocab
@@ -358,11 +362,12 @@ def fan_in(spec: TensorSpec) -> int:
     return spec.ne[0]
 
 
-def file_type(s: ModelShape, quant: str) -> int:
+def file_type(s: ModelShape, quant: str | None = None) -> int:
+    quant = quant or s.default_quant
     return FILE_TYPE["mxfp4_moe"] if s.mxfp4_experts else FILE_TYPE[quant]
 
 
-def metadata(s: ModelShape, quant: str = "q4_0") -> list[tuple[str, object, str]]:
+def metadata(s: ModelShape, quant: str | None = None) -> list[tuple[str, object, str]]:
     """GGUF key/values (key, value, type) llama.cpp reads for ``s``; types: u32, i32, f32, bool, str.
 
     The tokenizer arrays are added by the writer (they depend on the generated vocabulary).

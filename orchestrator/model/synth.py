@@ -391,7 +391,7 @@ def _kv(key: str, kind: str, val) -> bytes:
     raise ValueError(kind)  # pragma: no cover
 
 
-def gguf_header(shape: S.ModelShape, quant: str, specs: list[S.TensorSpec]) -> bytes:
+def gguf_header(shape: S.ModelShape, quant: str | None, specs: list[S.TensorSpec]) -> bytes:
     """Header, metadata (with the generated tokenizer) and tensor infos, padded to the data alignment."""
     kvs = [(k, kind, v) for k, v, kind in S.metadata(shape, quant)]
     tokens, types, merges, special = build_vocab(shape)
@@ -419,7 +419,7 @@ def gguf_header(shape: S.ModelShape, quant: str, specs: list[S.TensorSpec]) -> b
     return head + bytes(_pad(len(head)))
 
 
-def plan(like: str, *, scale: float = 1.0, quant: str = "q4_0", layers: int | None = None
+def plan(like: str, *, scale: float = 1.0, quant: str | None = None, layers: int | None = None
          ) -> tuple[S.ModelShape, list[S.TensorSpec]]:
     shape = S.scaled(S.get(like), scale, layers=layers)
     return shape, S.tensor_specs(shape, quant)
@@ -430,7 +430,7 @@ def write_model(
     like: str,
     *,
     scale: float = 1.0,
-    quant: str = "q4_0",
+    quant: str | None = None,
     seed: int = 0,
     layers: int | None = None,
     pool_bytes: int = POOL_BYTES,
@@ -443,6 +443,7 @@ def write_model(
     if style not in STYLES:
         raise ModelError(f"weight style {style!r}: expected one of {', '.join(STYLES)}")
     shape, specs = plan(like, scale=scale, quant=quant, layers=layers)
+    quant = quant or shape.default_quant
     data_bytes = S.total_bytes(specs, ALIGNMENT)
     parent = out.parent if str(out.parent) else Path(".")
     if out.is_dir():

@@ -166,3 +166,13 @@ def test_bad_layers():
 def test_bad_quant():
     with pytest.raises(ModelError, match="--quant"):
         S.tensor_specs(S.get("qwen3-30b-a3b"), "q2_k")
+
+
+def test_default_quant_follows_the_released_files():
+    # gpt-oss ships MXFP4 experts with Q8_0 around them (llama-quantize MXFP4_MOE); the others default to Q4_0
+    g = S.get("gpt-oss-120b")
+    types = {t.type for t in S.tensor_specs(g) if t.type != "f32"}
+    assert types == {"mxfp4", "q8_0"}
+    q = S.get("qwen3-30b-a3b")
+    assert {t.type for t in S.tensor_specs(q) if t.type != "f32"} == {"q4_0", "q6_k"}
+    assert dict((k, v) for k, v, _ in S.metadata(q))["general.file_type"] == 2
