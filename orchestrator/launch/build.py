@@ -6,7 +6,7 @@ around them. It reads no hardware and starts nothing; its only I/O is finding th
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from orchestrator.launch.numa import NumaPolicy, numactl_argv
 from orchestrator.launch.spec import LaunchSpec
@@ -54,3 +54,31 @@ def _check_flag(name: str, argv: list[str], flags: tuple[str, ...], expected: st
                 continue
             if value != expected:
                 raise ValueError(f"worker {name}: llama-server argv has {f} {value} but the spec says {expected}")
+
+
+class PlannedWorker(Protocol):
+    """What :func:`spec_for_worker` reads from the planner's ``orchestrator.plan.types.WorkerPlan``."""
+
+    name: str
+    node: str
+    host: str
+    port: int
+    args: tuple[str, ...]                 # llama-server's own flags (no binary, no wrappers)
+    env: Mapping[str, str]
+    numa: object                          # a NumaPlan: mode, cpus, cpu_nodes, mem_nodes
+    disable_numa_balancing: bool
+    model_alias: str
+
+
+def spec_for_worker(worker: PlannedWorker, binary: str, *, resources: Mapping[str, float] | None = None,
+                    local_node: str | None = None, numactl: str = "numactl") -> LaunchSpec:
+    """The :class:`LaunchSpec` of one planned worker: ``binary`` + the plan's flags under its NUMA wrappers.
+
+    ``local_node``: the topology name of the machine the deployment is driven from; a worker planned there gets
+    ``node=None`` (run locally), others keep their node name for Ray's placement.
+    """
+    node = None if worker.node in (None, local_node) else worker.node
+    return worker_spec(worker.name, [binary, *worker.args], numa=NumaPolicy.from_plan(worker.numa),
+                       disable_numa_balancing=bool(worker.disable_numa_balancing), env=dict(worker.env),
+                       host=worker.host, port=int(worker.port), node=node, resources=resources,
+                       model_alias=getattr(worker, "model_alias", "model"), numactl=numactl)

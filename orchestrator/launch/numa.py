@@ -124,6 +124,18 @@ class NumaPolicy:
         parts.append(f"mem {format_cpulist(self.mem_nodes)}")
         return " ".join(parts)
 
+    @classmethod
+    def from_plan(cls, numa) -> "NumaPolicy":
+        """From the planner's ``orchestrator.plan.types.NumaPlan`` (or anything with ``mode``, ``cpus``,
+        ``cpu_nodes``, ``mem_nodes``). ``none`` drops the CPU list (no numactl at all); a bind/interleave without
+        ``mem_nodes`` uses ``cpu_nodes`` for memory too (the planner binds both to the same nodes)."""
+        mode = getattr(numa, "mode", "none") or "none"
+        if mode == "none":
+            return cls.none()
+        cpus, cpu_nodes = tuple(getattr(numa, "cpus", ())), tuple(getattr(numa, "cpu_nodes", ()))
+        mem = tuple(getattr(numa, "mem_nodes", ())) or cpu_nodes
+        return cls(mode, cpus, cpu_nodes, mem)
+
     def to_dict(self) -> dict:
         return {"mode": self.mode, "cpus": list(self.cpus), "cpu_nodes": list(self.cpu_nodes),
                 "mem_nodes": list(self.mem_nodes)}

@@ -299,3 +299,22 @@ def test_env_is_merged_and_dropped_names_do_not_leak(tmp_path, free_port, monkey
     wait_until(lambda: proc.poll() is not None)
     assert "cvd=unset keep=kept min=64" in (tmp_path / "env.log").read_text()
     assert proc.cause() == proc.failure_cause() == "cvd=unset keep=kept min=64"
+
+
+def test_a_planned_worker_runs(llama_server_path, tiny_gguf, free_port, tmp_path, balancing, numactl_path):
+    """planner WorkerPlan -> spec_for_worker -> start -> healthy -> stop, on the real llama-server."""
+    from orchestrator.launch import spec_for_worker
+    from orchestrator.plan.types import NumaPlan, Prediction, WorkerPlan
+
+    fake, env = balancing
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    plan = WorkerPlan(name="planned", node="local", host="127.0.0.1", port=free_port, gpus=(),
+                      args=tuple(server_argv("x", tiny_gguf, free_port, "--numa", "numactl")[1:]),
+                      env={**env, "CUDA_VISIBLE_DEVICES": ""}, numa=NumaPlan("bind", cpus, (0,), (0,), False, "numactl"),
+                      disable_numa_balancing=True, placement=(), memory=(), predicted=Prediction(), decisions=())
+    spec = spec_for_worker(plan, llama_server_path, local_node="local")
+    with launch(spec, tmp_path / "planned.log", timeout=120) as proc:
+        assert completion(spec.connect_url)["tokens_predicted"] == 4
+        assert fake.read_text().strip() == "0"
+    assert proc.returncode == 0
+    assert fake.read_text().strip() == "1"

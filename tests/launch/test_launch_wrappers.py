@@ -126,3 +126,44 @@ def _expand(text: str) -> list[str]:
     from orchestrator.launch.numa import parse_cpulist
 
     return [str(c) for c in parse_cpulist(text)]
+
+
+def _worker_plan(numa, **kw):
+    from orchestrator.plan.types import Prediction, WorkerPlan
+
+    base = dict(name="socket1", node="box", host="127.0.0.1", port=9003, gpus=(0,),
+                args=("-m", "/m/model.gguf", "--host", "127.0.0.1", "--port", "9003", "--numa", "numactl"),
+                env={"CUDA_VISIBLE_DEVICES": "0", "GGML_OP_OFFLOAD_MIN_BATCH": "128"}, numa=numa,
+                disable_numa_balancing=True, placement=(), memory=(), predicted=Prediction(), decisions=(),
+                model_alias="demo")
+    base.update(kw)
+    return WorkerPlan(**base)
+
+
+def test_spec_for_a_planned_worker():
+    from orchestrator.launch import spec_for_worker
+    from orchestrator.plan.types import NumaPlan
+
+    plan = _worker_plan(NumaPlan("bind", cpus=(16, 17, 18, 19), cpu_nodes=(1,), mem_nodes=(1,), numa_flag="numactl"))
+    spec = spec_for_worker(plan, "/opt/llama/bin/llama-server", resources={"node:box": 0.01})
+    assert spec.argv == (BAL, "numactl", "--physcpubind=16-19", "--membind=1", "--", "/opt/llama/bin/llama-server",
+                         "-m", "/m/model.gguf", "--host", "127.0.0.1", "--port", "9003", "--numa", "numactl")
+    assert dict(spec.env) == {"CUDA_VISIBLE_DEVICES": "0", "GGML_OP_OFFLOAD_MIN_BATCH": "128"}
+    assert (spec.name, spec.node, spec.port, spec.model_alias) == ("socket1", "box", 9003, "demo")
+    assert dict(spec.resources) == {"node:box": 0.01}
+    assert spec_for_worker(plan, "llama-server", local_node="box").node is None
+
+
+@pytest.mark.parametrize("numa_plan,prefix", [
+    (dict(mode="none", cpus=(0, 1, 2, 3)), []),                                   # cpus listed, no numactl
+    (dict(mode="interleave", cpus=(), cpu_nodes=(0, 1), mem_nodes=(0, 1)),
+     ["numactl", "--cpunodebind=0-1", "--interleave=0-1", "--"]),
+    (dict(mode="bind", cpus=(), cpu_nodes=(2,), mem_nodes=()), ["numactl", "--cpunodebind=2", "--membind=2", "--"]),
+])
+def test_numa_plan_translation(numa_plan, prefix):
+    from orchestrator.launch import spec_for_worker
+    from orchestrator.plan.types import NumaPlan
+
+    spec = spec_for_worker(_worker_plan(NumaPlan(**numa_plan), disable_numa_balancing=False), "llama-server")
+    assert list(spec.argv[: len(prefix)]) == prefix
+    assert spec.argv[len(prefix)] == "llama-server"
