@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=_positive, default=4096, help="context size in tokens (default: 4096)")
     p.add_argument("--parallel", type=_positive, default=1, help="parallel sequences, llama-server -np (default: 1)")
     p.add_argument("--ubatch", type=_positive, default=512, help="micro-batch, llama-server -ub (default: 512)")
+    p.add_argument("--batch", type=_positive, default=2048,
+                   help="logical batch, llama-server -b (default: 2048); the micro-batch is at most this")
     p.add_argument("--kv", choices=KV_TYPES, default="f16", help="KV cache type for K and V (default: f16)")
     p.add_argument("--kv-unified", action="store_true", help="one KV stream shared by all sequences (-kvu)")
     p.add_argument("--no-flash-attn", action="store_true", help="size for flash attention off (-fa off)")
@@ -64,20 +66,21 @@ def _memory(model, args) -> dict:
     if not fa and args.kv not in ("f16", "f32", "bf16"):
         from orchestrator.errors import ConfigError
         raise ConfigError(f"--kv {args.kv} needs flash attention (llama.cpp rejects a quantized V cache without it)")
-    s = ServerSettings(n_ctx=args.ctx, n_parallel=args.parallel, n_ubatch=args.ubatch, flash_attn=fa,
-                       type_k=args.kv, type_v=args.kv, kv_unified=args.kv_unified)
+    s = ServerSettings(n_ctx=args.ctx, n_parallel=args.parallel, n_ubatch=args.ubatch, n_batch=args.batch,
+                       flash_attn=fa, type_k=args.kv, type_v=args.kv, kv_unified=args.kv_unified)
     lay = context_layout(model, s.n_ctx, s.n_parallel, n_ubatch=s.n_ubatch, kv_unified=s.kv_unified,
-                         flash_attn=fa)
+                         flash_attn=fa, n_batch=s.n_batch)
     kv = kv_cache_bytes(model, s.n_ctx, s.n_parallel, s.type_k, s.type_v, kv_unified=s.kv_unified,
-                        n_ubatch=s.n_ubatch, flash_attn=fa)
+                        n_ubatch=s.n_ubatch, flash_attn=fa, n_batch=s.n_batch)
     comp = compute_buffer_estimate(model, n_ubatch=s.n_ubatch, n_ctx=s.n_ctx, device="cpu", flash_attn=fa,
                                    n_parallel=s.n_parallel, kv_unified=s.kv_unified, type_k=s.type_k,
-                                   type_v=s.type_v)
+                                   type_v=s.type_v, n_batch=s.n_batch)
     out_b = output_buffer_bytes(model, s.n_parallel)
     weights = model.loaded_bytes()
     return {
         "settings": {"n_ctx": s.n_ctx, "n_parallel": s.n_parallel, "n_ubatch": s.n_ubatch, "type_k": s.type_k,
                      "type_v": s.type_v, "kv_unified": s.kv_unified, "flash_attn": fa},
+        "n_batch": s.n_batch, "n_ubatch_effective": lay.n_ubatch,
         "n_ctx_padded": lay.n_ctx, "n_ctx_seq": lay.n_ctx_seq, "n_stream": lay.n_stream,
         "swa_cells": lay.cells_swa,
         "weights": weights,
@@ -183,8 +186,10 @@ def render(model, mem: dict) -> str:
 
     s = mem["settings"]
     lines.append(f"memory for ctx {s['n_ctx']} (padded {mem['n_ctx_padded']}), parallel {s['n_parallel']}"
-                 + (" unified" if s["kv_unified"] else "") + f", ubatch {s['n_ubatch']}, kv {s['type_k']}, "
-                 f"flash attention {'on' if s['flash_attn'] else 'off'}:")
+                 + (" unified" if s["kv_unified"] else "") + f", ubatch {mem['n_ubatch_effective']}"
+                 + (f" (--ubatch {s['n_ubatch']} is capped by --batch {mem['n_batch']})"
+                    if mem["n_ubatch_effective"] < min(s["n_ubatch"], mem["n_ctx_padded"]) else "")
+                 + f", kv {s['type_k']}, flash attention {'on' if s['flash_attn'] else 'off'}:")
     lines.append(f"  weights loaded   {fmt_bytes(mem['weights']):>12s}")
     lines.append(f"  KV cache         {fmt_bytes(mem['kv_cache']):>12s}   ({fmt_bytes(mem['kv_per_token'])} per token of context"
                  + (f"; SWA layers {mem['swa_cells']} cells" if mem["swa_cells"] else "") + ")")

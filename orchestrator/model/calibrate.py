@@ -204,7 +204,7 @@ def run_cases(cases: list[Case], server: str, out: Path, *, model_dir: Path, tim
         t0 = time.monotonic()
         r = run_server(server, str(path), c.args(), timeout=timeout,
                        batch_tokens=c.ubatch if c.batch else None,
-                       probe=_nvidia_used if before is not None else None)
+                       probe=_nvidia_used if before is not None else None, n_vocab=spec.n_vocab)
         rep = parse_load_log(r.log)
         row = {"case": dataclasses.asdict(c), "argv": [os.path.basename(r.argv[0]), *r.argv[1:]],
                "loaded": r.loaded, "batch_ok": r.batch_ok, "error": r.error, "seconds": round(time.monotonic() - t0, 1),
@@ -252,8 +252,17 @@ def report(dirs: list[Path], *, model_dir: Path) -> tuple[list[dict], bool]:
                 m = meas.get(dev, {"model": 0, "kv": 0, "compute": 0, "output": 0, "total": 0})
                 ok = within(p["total"], m["total"])
                 ok_all &= ok
-                rows.append({"name": c.name, "device": dev, "pred": p, "meas": m, "ok": ok,
-                             "err": (p["total"] - m["total"]) / m["total"] if m["total"] else 0.0})
+                out = {"name": c.name, "device": dev, "pred": p, "meas": m, "ok": ok,
+                       "err": (p["total"] - m["total"]) / m["total"] if m["total"] else 0.0}
+                if dev.startswith("cuda") and row.get("nvidia_used_before"):
+                    gi = int(dev[4:])
+                    before = row["nvidia_used_before"][gi]
+                    for stage in ("loaded", "batch"):
+                        used = row.get(f"nvidia_used_{stage}")
+                        if used:
+                            out[f"nvml_{stage}"] = used[gi] - before
+                    out["pred_with_overhead"] = p["total"] + p["overhead"]
+                rows.append(out)
     return rows, ok_all
 
 
@@ -269,6 +278,15 @@ def format_report(rows: list[dict]) -> str:
         lines.append(f"{r['name']:34s} {r['device']:6s} {f(p['weights'])} {f(m['model'])}  {f(p['kv'])} {f(m['kv'])}  "
                      f"{f(p['compute'])} {f(m['compute'])}  {f(p['total'])} {f(m['total'])} {r['err'] * 100:6.2f}% "
                      f"{'yes' if r['ok'] else 'NO'}")
+    gpu = [r for r in rows if "pred_with_overhead" in r]
+    if gpu:
+        lines.append("")
+        lines.append(f"{'case':34s} {'dev':6s} {'buffers (log)':>14s} {'nvidia-smi loaded':>18s} "
+                     f"{'after 1st batch':>16s} {'pred + overhead':>16s} (MiB; nvidia-smi minus its value before)")
+        for r in gpu:
+            nl, nb = r.get("nvml_loaded"), r.get("nvml_batch")
+            lines.append(f"{r['name']:34s} {r['device']:6s} {r['meas']['total'] / MiB:14.1f} "
+                         f"{(nl or 0) / MiB:18.1f} {(nb or 0) / MiB:16.1f} {r['pred_with_overhead'] / MiB:16.1f}")
     return "\n".join(lines)
 
 

@@ -95,6 +95,7 @@ class ModelInfo:
     def __post_init__(self) -> None:
         if not self._by_name:
             object.__setattr__(self, "_by_name", {t.name: t for t in self.tensors})
+        object.__setattr__(self, "_swa_set", frozenset(self.swa_layers))
 
     # ---- lookups -----------------------------------------------------------------------------------------
     @property
@@ -122,15 +123,7 @@ class ModelInfo:
         return self.n_head_layers[layer] if self.n_head_layers else self.n_head
 
     def is_swa(self, layer: int) -> bool:
-        return layer in self._swa_set
-
-    @property
-    def _swa_set(self) -> frozenset[int]:
-        s = self.__dict__.get("_swa_cache")
-        if s is None:
-            s = frozenset(self.swa_layers)
-            object.__setattr__(self, "_swa_cache", s)
-        return s
+        return layer in self._swa_set  # type: ignore[attr-defined]  # set in __post_init__
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -194,12 +187,13 @@ class ModelInfo:
 
     @property
     def params_active(self) -> int:
-        """Parameters used per token: everything computed in the trunk except the routed experts, plus
-        ``n_expert_used / n_expert`` of them. Embeddings count (a row is read per token); MTP blocks don't."""
+        """Parameters used per token: every matrix of the trunk except the routed experts, plus
+        ``n_expert_used / n_expert`` of them. The token embeddings are a lookup and do not count (OpenAI's
+        convention for gpt-oss: 5.1 B active of 117 B); the output matrix does; MTP blocks do not."""
         total = 0
         routed = 0
         for t in self.tensors:
-            if self._is_nextn(t):
+            if self._is_nextn(t) or t.cls is TensorClass.EMBEDDINGS:
                 continue
             if t.cls is TensorClass.ROUTED_EXPERT:
                 routed += t.n_elements

@@ -112,8 +112,6 @@ def context_layout(model: ModelInfo, n_ctx: int, n_parallel: int = 1, *, n_ubatc
     total = pad(n_ctx, 256)
     if kv_unified or n_parallel == 1:
         per_stream, n_stream = total, 1
-        if n_parallel > 1:
-            per_stream = total
     else:
         per_stream = pad(total // n_parallel, 256)
         n_stream = n_parallel

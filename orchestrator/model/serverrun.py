@@ -45,7 +45,7 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 def run_server(binary: str, model: str, args: list[str], *, timeout: float = 300.0,
                batch_tokens: int | None = None, env: dict | None = None,
-               probe: Callable[[], Any] | None = None) -> ServerRun:
+               probe: Callable[[], Any] | None = None, n_vocab: int = 32000) -> ServerRun:
     """Start ``binary -m model ARGS --host 127.0.0.1 --port P -lv 4``, wait until it has loaded (or died), send
     one completion of ``batch_tokens`` prompt tokens when asked, stop it, and return its log. ``probe`` is
     called while the server runs, once loaded and again after the batch (e.g. to read GPU memory)."""
@@ -78,8 +78,9 @@ def run_server(binary: str, model: str, args: list[str], *, timeout: float = 300
             if loaded and probe is not None:
                 probes["loaded"] = probe()
             if loaded and batch_tokens:
-                # token ids 300.. are plain pieces in the calibration vocabularies
-                prompt = [300 + (i % 5000) for i in range(batch_tokens)]
+                # ids from 259 on are plain pieces in the calibration vocabularies (after <unk>, <s>, </s>, bytes)
+                span = max(1, min(5000, n_vocab - 259))
+                prompt = [259 + (i % span) for i in range(batch_tokens)]
                 try:
                     _post(f"http://127.0.0.1:{port}/completion",
                           {"prompt": prompt, "n_predict": 1, "cache_prompt": False},

@@ -60,8 +60,9 @@ def test_qwen3moe_hparams_and_classes(tiny_models, tiny_specs):
     assert sum(sum(m.layer_bytes(i).values()) for i in range(3)) + sum(m.global_bytes().values()) == m.weights_bytes
     # active parameters: everything but the experts, plus 2 of 8 experts
     routed = sum(t.n_elements for t in m.tensors if t.cls is TensorClass.ROUTED_EXPERT)
+    embd = m.tensor("token_embd.weight").n_elements
     assert m.params_total == sum(t.n_elements for t in m.tensors)
-    assert m.params_active == m.params_total - routed + routed * 2 // 8
+    assert m.params_active == m.params_total - embd - routed + routed * 2 // 8
 
 
 def test_deepseek2_mla_dense_lead_shared_experts(tiny_models):
@@ -98,7 +99,7 @@ def test_gpt_oss_sliding_window_layers_and_expert_biases(tiny_models):
 def test_dense_llama_has_no_experts(tiny_models):
     m = read_model(tiny_models["llama"])
     assert (m.n_expert, m.n_expert_used, m.moe_layers) == (0, 0, ())
-    assert m.params_active == m.params_total
+    assert m.params_active == m.params_total - m.tensor("token_embd.weight").n_elements
     assert m.bytes_by_class()[TensorClass.DENSE_FFN] > 0
 
 
