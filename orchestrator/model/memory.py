@@ -290,7 +290,8 @@ def compute_buffer_estimate(model: ModelInfo, *, n_ubatch: int, n_ctx: int, devi
             else:
                 scores = 0
     else:
-        act, phase = T * E * 4, "inputs"
+        # a host that only feeds the GPUs: the token-embedding rows it looks up and the embeddings input
+        act, phase = 2 * T * E * 4, "inputs"
     outputs = 0
     if out_phase > act:
         outputs = out_phase
@@ -385,38 +386,40 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where weights live, in llama.cpp's terms: ``gpu_layers`` (the layers ``-ngl`` puts on ``gpu``; the
-    output layer goes with the last one) and ``cpu_tensor_classes`` overridden to the host for those layers
-    (``-ot exps=CPU``/``--cpu-moe``: ``{ROUTED_EXPERT}``; ``--n-cpu-moe N``: ``cpu_moe_layers``)."""
+    """Where weights live, in llama.cpp's terms. ``gpu_layers``: the layers on ``gpu`` (``-ngl N`` offloads the
+    last N-1 layers and the output layer). ``cpu_moe_layers``: GPU layers whose routed experts stay in host
+    memory (``--cpu-moe`` / ``-ot exps=CPU``: all of them; ``--n-cpu-moe N``: layers 0..N-1). The token
+    embeddings always stay on the host; the output layer goes with the last layer unless ``output_on_gpu``
+    says otherwise."""
 
     gpu_layers: tuple[int, ...] = ()
     gpu: str = "cuda0"
-    cpu_moe_layers: tuple[int, ...] = ()    # GPU layers whose routed experts stay on the host
-    output_on_gpu: bool | None = None       # default: when the last layer is on the GPU
+    cpu_moe_layers: tuple[int, ...] = ()
+    output_on_gpu: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_gpu_set", frozenset(self.gpu_layers))
+        object.__setattr__(self, "_cpu_moe_set", frozenset(self.cpu_moe_layers))
 
     def device_of(self, model: ModelInfo, t: TensorInfo) -> str:
-        if not self.gpu_layers:
+        gpu_set: frozenset[int] = self._gpu_set  # type: ignore[attr-defined]
+        if not gpu_set:
             return "cpu"
         if t.layer is None:
             if t.cls is TensorClass.EMBEDDINGS:
                 return "cpu"          # llama.cpp keeps the input layer on the host
             out = self.output_on_gpu
             if out is None:
-                out = (model.n_layers - 1) in self.gpu_layers or model.n_trunk_layers - 1 in self.gpu_layers
+                out = (model.n_layers - 1) in gpu_set or (model.n_trunk_layers - 1) in gpu_set
             return self.gpu if out else "cpu"
-        if t.layer not in self._gpu_set:
+        if t.layer not in gpu_set:
             return "cpu"
-        if t.cls is TensorClass.ROUTED_EXPERT and t.layer in self._cpu_moe_set:
+        if t.cls is TensorClass.ROUTED_EXPERT and t.layer in self._cpu_moe_set:  # type: ignore[attr-defined]
             return "cpu"
         return self.gpu
 
-    @property
-    def _gpu_set(self) -> frozenset[int]:
-        return frozenset(self.gpu_layers)
-
-    @property
-    def _cpu_moe_set(self) -> frozenset[int]:
-        return frozenset(self.cpu_moe_layers)
+    def on_gpu(self, layer: int) -> bool:
+        return layer in self._gpu_set  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -447,12 +450,12 @@ def predict_memory(model: ModelInfo, settings: ServerSettings, placement: Placem
         dev = placement.device_of(model, t)
         size = cuda_tensor_bytes(t) if dev.startswith("cuda") else pad(t.bytes, CPU_ALIGN)
         weights[dev] = weights.get(dev, 0) + size
-        if dev == "cpu" and t.layer is not None and t.layer in placement._gpu_set:
+        if dev == "cpu" and t.layer is not None and placement.on_gpu(t.layer):
             host_weights.append(t)
     kv_kw = dict(kv_unified=s.kv_unified, n_ubatch=s.n_ubatch, flash_attn=s.flash_attn, swa_full=s.swa_full,
                  n_batch=s.n_batch, flavor=s.flavor)
     gpu_layers = [i for i in placement.gpu_layers if i < model.n_trunk_layers]
-    cpu_layers = [i for i in range(model.n_trunk_layers) if i not in placement._gpu_set]
+    cpu_layers = [i for i in range(model.n_trunk_layers) if not placement.on_gpu(i)]
     out: dict[str, DeviceMemory] = {}
     common = dict(n_ubatch=s.n_ubatch, n_ctx=s.n_ctx, flash_attn=s.flash_attn, n_parallel=s.n_parallel,
                   kv_unified=s.kv_unified, n_outputs=s.n_outputs, type_k=s.type_k, type_v=s.type_v,

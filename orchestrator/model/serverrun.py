@@ -43,6 +43,21 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(resp.read().decode())
 
 
+def _reap_group(pgid: int, grace: float = 5.0) -> None:
+    """Make sure nothing of the process group we started survives (children of llama-server, if any)."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_server(binary: str, model: str, args: list[str], *, timeout: float = 300.0,
                batch_tokens: int | None = None, env: dict | None = None,
                probe: Callable[[], Any] | None = None, n_vocab: int = 32000) -> ServerRun:
@@ -108,6 +123,7 @@ def run_server(binary: str, model: str, args: list[str], *, timeout: float = 300
                     except ProcessLookupError:
                         pass
                     proc.wait()
+            _reap_group(proc.pid)
             logf.seek(0)
             log = logf.read().decode("utf-8", "replace")
     return ServerRun(argv, log, loaded, batch_ok, error, time.monotonic() - t0, exit_code, probes)
