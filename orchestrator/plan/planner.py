@@ -47,9 +47,10 @@ class _Candidate:
     speed: SpeedInputs
 
 
-def _kv_layers(model: ModelInfo, req: PlanRequest) -> list[int]:
-    n_ctx = req.context
-    return [M.kv_bytes(model, n_ctx, req.parallel, req.type_k, req.type_v, layer) for layer in range(model.n_layers)]
+def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on", flavor: str = "mainline"
+               ) -> list[int]:
+    return M.kv_by_layer(model, n_ctx=req.context, n_parallel=req.parallel, type_k=req.type_k, type_v=req.type_v,
+                         n_ubatch=ub, n_batch=max(ub, 2048), flash_attn=fa != "off", flavor=flavor)
 
 
 def _flash_attn(req: PlanRequest, has_gpu: bool) -> str:
@@ -145,29 +146,42 @@ def _place(costs, kv_layer, budgets, mode, req):
     return place_layer_split(costs, kv_layer, budgets)
 
 
-def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine):
+def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine,
+              flavor="mainline"):
+    """Place the model for micro-batch ``ub`` and predict its speed."""
     n_ctx = req.context
-    compute = M.compute_bytes(model, n_ubatch=ub, n_ctx=n_ctx, device="cuda", flash_attn=fa != "off")
-    overhead = M.cuda_overhead(model)
-    budgets = []
-    for g in gpus:
-        free, _why = _gpu_free(g, node_req)
-        budgets.append(GpuBudget(g.index, g.name, free - node_req.vram_reserve - overhead - compute))
+    overhead = M.cuda_overhead(model, ub)
+
+    def budgets_for(staging: int) -> tuple[list[GpuBudget], int]:
+        compute = M.gpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                      n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                      type_v=req.type_v, has_output=True, staging=staging, flavor=flavor)
+        out = []
+        for g in gpus:
+            free, _why = _gpu_free(g, node_req)
+            out.append(GpuBudget(g.index, g.name, free - node_req.vram_reserve - overhead - compute))
+        return out, compute
+
+    budgets, compute = budgets_for(0)
     placement = _place(costs, kv_layer, budgets, mode, req)
-    # a CPU-resident expert tensor copied to the GPU for a big batch needs room in the compute buffer
-    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
-    if cpu_layers and req.expert_layers_on_cpu is None:
-        staging = max(costs.layer_experts[i] for i in cpu_layers)
-        budgets2 = [GpuBudget(b.index, b.name, b.budget - staging) for b in budgets]
-        placement = _place(costs, kv_layer, budgets2, mode, req)
-        compute += staging
+    # CPU-resident experts are copied into the GPU's compute buffer for big batches: make room, place again
+    for _ in range(3):
+        staging = M.staging_bytes(model, placement.cpu_expert_layers)
+        if not staging:
+            break
+        budgets, compute2 = budgets_for(staging)
+        again = _place(costs, kv_layer, budgets, mode, req)
+        compute = compute2
+        if again.cpu_expert_layers == placement.cpu_expert_layers:
+            placement = again
+            break
+        placement = again
     speed, _ = _speed_inputs(machine, gpus, load_mode, host_nodes, threads)
     if req.op_offload_min_batch is not None:
         threshold, why = req.op_offload_min_batch, "set by the topology"
     else:
         threshold, why = op_offload_threshold(costs, placement, speed, max_batch=max(ub, 4096))
-    kv_read = 0.0
-    tg, tg_bytes = predict_tg(costs, placement, speed, kv_read)
+    tg, tg_bytes = predict_tg(costs, placement, speed, 0.0)
     pp = predict_pp(costs, placement, speed, ub, threshold)
     return _Candidate(ub, placement, threshold, why, tg, tg_bytes, pp, compute, overhead, speed)
 
@@ -211,7 +225,8 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                                                   f"(build one with `orchestrator build --cuda`)"))
         gpus = []
     fa = _flash_attn(req, has_gpu)
-    kv_layer = _kv_layers(model, req)
+    flavor = backend.flavor
+    kv_layer = _kv_layers(model, req, fa=fa, flavor=flavor)
     mode, mode_why = _split_mode(req, backend, model, len(gpus), fa)
     n_ctx = req.context
 
@@ -228,8 +243,8 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         # host memory of the anchor node decides pinned vs mmap; evaluate with a first guess of CPU bytes
         load_mode_req = req.load_mode
         ubs = [req.ubatch] if req.ubatch else list(UBATCH_CANDIDATES)
-        first = _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, 512, "pinned", (), 1, machine) \
-            if not req.ubatch else None
+        first = _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, 512, "pinned", (), 1, machine,
+                          flavor) if not req.ubatch else None
         host_guess = (first.placement.cpu_weights if first else costs.total_bytes)
         cpu = choose_cpu(machine, host_bytes=host_guess, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
                          package=package, policy=req.numa, smt=req.smt, threads=req.threads,
@@ -252,8 +267,9 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         errors = []
         for ub in ubs:
             try:
-                cands.append(_evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode,
-                                       cpu.host_nodes, cpu.threads, machine))
+                kv_ub = _kv_layers(model, req, ub=ub, fa=fa, flavor=flavor)
+                cands.append(_evaluate(model, costs, kv_ub, gpus, node_req, req, mode, fa, ub, load_mode,
+                                       cpu.host_nodes, cpu.threads, machine, flavor))
             except _DoesNotFit as e:
                 errors.append((ub, e))
         if not cands:
@@ -296,9 +312,12 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
             memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
                                        compute=best.compute_gpu, overhead=best.overhead_gpu,
                                        budget=free - node_req.vram_reserve))
-        cpu_compute = M.compute_bytes(model, n_ubatch=ub, n_ctx=n_ctx, device="cpu", flash_attn=fa != "off",
-                                      cpu_layers=len(placement.cpu_expert_layers))
-        memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute))
+        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                          n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                          type_v=req.type_v, has_layers=placement.n_gpu_layers <= model.n_layers,
+                                          has_output=placement.n_gpu_layers <= model.n_layers, flavor=flavor)
+        memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
+                                   overhead=M.output_bytes(model, req.parallel)))
         pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes)
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in gpus)}
     else:
@@ -321,9 +340,11 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         tg, tg_bytes = predict_tg(costs, placement, speed)
         pp = predict_pp(costs, placement, speed, ub, None)
         pred = Prediction(pp=pp, tg=tg, tg_bytes_per_token=tg_bytes)
-        cpu_compute = M.compute_bytes(model, n_ubatch=ub, n_ctx=n_ctx, device="cpu", flash_attn=fa != "off",
-                                      cpu_layers=model.n_layers)
-        memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute)]
+        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                          n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                          type_v=req.type_v, has_layers=True, has_output=True, flavor=flavor)
+        memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
+                               overhead=M.output_bytes(model, req.parallel))]
         env = {"CUDA_VISIBLE_DEVICES": ""} if machine.gpus else {}
         gpu_names = []
     decisions.extend(cpu.decisions)
@@ -335,9 +356,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
             f"model {model.paths[0]}: host memory needed {fmt_bytes(host_total)} + ram_reserve "
             f"{fmt_bytes(node_req.ram_reserve)} exceeds the {fmt_bytes(avail_host)} free on nodes "
             f"{list(cpu.host_nodes) or 'all'}: add GPUs or memory, lower the context, or use load_mode: mmap")
-    if threshold is not None and not req.op_offload_min_batch and backend.flavor == "mainline":
-        env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
-    elif threshold is not None and backend.flavor == "mainline":
+    if threshold is not None and backend.flavor == "mainline":
         env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
     ot = cpu_expert_override(
         [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ""
@@ -434,7 +453,7 @@ def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pla
         warn = (f"model.context {request.context} exceeds the model's training context {model.n_ctx_train}")
     else:
         warn = None
-    kv_total = sum(_kv_layers(model, request))
+    kv_total = sum(_kv_layers(model, request, flavor=backend.flavor))
     workers: list[WorkerPlan] = []
     decisions: list[Decision] = []
     port = request.port_base
