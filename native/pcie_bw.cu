@@ -1,10 +1,12 @@
 /* pcie_bw: pinned host<->device copy bandwidth per GPU, with the host buffer on each NUMA node in turn.
  *
  *   pcie_bw --node 0:0-7 --node 1:8-15 [--devices all|0,1] [--bytes 268435456] [--reps 8]
+ *           [--alloc register|hostalloc]
  *
  * For each NUMA node (outer loop, so each host buffer is allocated, touched and pinned once): the thread is
  * pinned to the node's CPUs, the buffer is bound to the node (mbind MPOL_BIND), touched, its placement checked
- * (move_pages) and pinned with cudaHostRegister(Portable). Then for each GPU: one warm-up copy each way and
+ * (move_pages) and pinned with cudaHostRegister(Portable) (--alloc hostalloc: cudaHostAlloc(Portable) with the
+ * thread's memory policy bound to the node instead, what frameworks' pinned allocators do). Then for each GPU: one warm-up copy each way and
  * --reps timed cudaMemcpyAsync copies each way, timed with CUDA events (the same call a framework's pinned
  * copy makes). Best and median bandwidths are reported. Devices are identified by PCI bus id (run with
  * CUDA_DEVICE_ORDER=PCI_BUS_ID). One JSON object per line on stdout.
@@ -18,7 +20,8 @@
 #define MAX_NODE_ARGS 256
 
 static void usage(void) {
-    fprintf(stderr, "usage: pcie_bw --node NODE:CPULIST [--node ...] [--devices all|LIST] [--bytes N] [--reps N]\n");
+    fprintf(stderr, "usage: pcie_bw --node NODE:CPULIST [--node ...] [--devices all|LIST] [--bytes N] [--reps N] "
+                    "[--alloc register|hostalloc]\n");
     exit(2);
 }
 
@@ -38,6 +41,7 @@ int main(int argc, char **argv) {
     const char *devices = "all";
     size_t bytes = (size_t)256 << 20;
     int reps = 8;
+    int hostalloc = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--node") && i + 1 < argc) {
             char *spec = argv[++i], *colon = strchr(spec, ':');
@@ -51,6 +55,10 @@ int main(int argc, char **argv) {
             bytes = (size_t)strtoull(argv[++i], NULL, 10);
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
             reps = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--alloc") && i + 1 < argc) {
+            i++;
+            if (!strcmp(argv[i], "hostalloc")) hostalloc = 1;
+            else if (strcmp(argv[i], "register")) usage();
         } else {
             usage();
         }
@@ -98,22 +106,46 @@ int main(int argc, char **argv) {
         int ncpu = orch_parse_list(node_cpus[k], cpus, ORCH_MAX_CPUS);
         if (ncpu > 0) orch_pin_to_cpus(cpus, ncpu);
         double t_alloc = orch_now();
-        void *host = orch_alloc_on_node(bytes, node_id[k]);
-        if (!host) {
-            printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cannot bind %zu bytes to node %d: %s\"}\n",
-                   node_id[k], bytes, node_id[k], strerror(errno));
-            fflush(stdout);
-            continue;
-        }
-        memset(host, 1, bytes);
-        int placed = orch_node_of(host, bytes);
-        cudaError_t re = cudaHostRegister(host, bytes, cudaHostRegisterPortable);
-        if (re != cudaSuccess) {
-            printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cudaHostRegister: %s\"}\n", node_id[k],
-                   cudaGetErrorString(re));
-            munmap(host, bytes);
-            fflush(stdout);
-            continue;
+        void *host = NULL;
+        int placed = -1;
+        if (hostalloc) {
+            if (orch_thread_membind(node_id[k]) != 0) {
+                printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cannot bind memory to node %d: %s\"}\n",
+                       node_id[k], node_id[k], strerror(errno));
+                fflush(stdout);
+                continue;
+            }
+            cudaError_t ae = cudaHostAlloc(&host, bytes, cudaHostAllocPortable);
+            if (ae == cudaSuccess) memset(host, 1, bytes);
+            orch_thread_membind(-1);
+            if (ae != cudaSuccess) {
+                printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cudaHostAlloc: %s\"}\n", node_id[k],
+                       cudaGetErrorString(ae));
+                fflush(stdout);
+                continue;
+            }
+            placed = orch_node_of(host, bytes);
+        } else {
+            host = orch_alloc_on_node(bytes, node_id[k]);
+            if (!host) {
+                printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cannot bind %zu bytes to node %d: %s\"}\n",
+                       node_id[k], bytes, node_id[k], strerror(errno));
+                fflush(stdout);
+                continue;
+            }
+#ifdef MADV_HUGEPAGE
+            madvise(host, bytes, MADV_HUGEPAGE);  /* fewer, larger pages to pin and map for DMA */
+#endif
+            memset(host, 1, bytes);
+            placed = orch_node_of(host, bytes);
+            cudaError_t re = cudaHostRegister(host, bytes, cudaHostRegisterPortable);
+            if (re != cudaSuccess) {
+                printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cudaHostRegister: %s\"}\n", node_id[k],
+                       cudaGetErrorString(re));
+                munmap(host, bytes);
+                fflush(stdout);
+                continue;
+            }
         }
         double alloc_s = orch_now() - t_alloc;
         for (int i = 0; i < n_dev; i++) {
@@ -139,13 +171,18 @@ int main(int argc, char **argv) {
             dev_seconds[i] += secs;
             printf("{\"kind\":\"gpu\",\"device\":%d,\"pci\":\"%s\",\"node\":%d,\"placed_node\":%d,\"bytes\":%zu,"
                    "\"reps\":%d,\"h2d_best\":%.0f,\"h2d_median\":%.0f,\"d2h_best\":%.0f,\"d2h_median\":%.0f,"
-                   "\"seconds\":%.3f,\"host_alloc_seconds\":%.3f}\n",
+                   "\"seconds\":%.3f,\"host_alloc_seconds\":%.3f,\"alloc\":\"%s\"}\n",
                    devs[i], pci[i], node_id[k], placed, bytes, r_max, orch_max(h2d, r_max),
-                   orch_median(h2d, r_max), orch_max(d2h, r_max), orch_median(d2h, r_max), secs, alloc_s);
+                   orch_median(h2d, r_max), orch_max(d2h, r_max), orch_median(d2h, r_max), secs, alloc_s,
+                   hostalloc ? "hostalloc" : "register");
             fflush(stdout);
         }
-        cudaHostUnregister(host);
-        munmap(host, bytes);
+        if (hostalloc) {
+            cudaFreeHost(host);
+        } else {
+            cudaHostUnregister(host);
+            munmap(host, bytes);
+        }
     }
     printf("{\"kind\":\"done\",\"seconds\":%.3f}\n", orch_now() - t_init);
     return 0;

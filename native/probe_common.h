@@ -84,6 +84,17 @@ static inline void *orch_alloc_on_node(size_t bytes, int node) {
     return p;
 }
 
+/* Bind (node >= 0) or reset (node < 0) this thread's memory policy: for allocators we do not control
+ * (cudaHostAlloc), whose pages are then taken from `node`. Returns 0 or -1 with errno set. */
+static inline int orch_thread_membind(int node) {
+    if (node < 0) return (int)syscall(SYS_set_mempolicy, 0 /* MPOL_DEFAULT */, NULL, 0UL);
+    unsigned long mask[ORCH_MAX_NODES / (8 * sizeof(unsigned long))];
+    memset(mask, 0, sizeof(mask));
+    if (node >= ORCH_MAX_NODES) { errno = EINVAL; return -1; }
+    mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
+    return (int)syscall(SYS_set_mempolicy, ORCH_MPOL_BIND, mask, (unsigned long)ORCH_MAX_NODES + 1);
+}
+
 /* The NUMA node most of a buffer's pages live on (sampling up to 64 pages), -1 if the kernel will not say. */
 static inline int orch_node_of(void *buf, size_t bytes) {
     long page = sysconf(_SC_PAGESIZE);

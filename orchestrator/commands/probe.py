@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-backend", choices=("auto", "nvcc", "cudart"), default="auto",
                    help="how to reach the GPUs: native/pcie_bw.cu built with nvcc, or libcudart through ctypes "
                         "(default: nvcc when present)")
+    p.add_argument("--gpu-alloc", choices=("register", "hostalloc"), default="register",
+                   help="pinned host buffer: mmap+mbind+cudaHostRegister (default) or cudaHostAlloc under a bound "
+                        "memory policy")
     p.add_argument("--host-bytes", metavar="SIZE", help="host buffer per memory node (default: 4x the last-level "
                                                         "cache, 512 MiB to 4 GiB)")
     p.add_argument("--gpu-bytes", metavar="SIZE", default="256MiB", help="bytes per copy (default 256MiB)")
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda s: None) if args.json else (lambda s: print(f"orchestrator probe: {s}", file=sys.stderr))
     res = run_probe(machine, refresh=args.refresh, host=not args.gpu_only, gpu=not args.host_only,
                     host_bytes=host_bytes, host_reps=args.reps or HOST_REPS, gpu_bytes=gpu_bytes,
-                    gpu_reps=args.reps or GPU_REPS, gpu_backend=args.gpu_backend, log=log)
+                    gpu_reps=args.reps or GPU_REPS, gpu_backend=args.gpu_backend, gpu_alloc=args.gpu_alloc, log=log)
     bw = res.bandwidth
     if args.json:
         json.dump(res.to_json(), sys.stdout, indent=1)

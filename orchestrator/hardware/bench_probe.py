@@ -1,6 +1,7 @@
 """Benchmark: our PCIe probe against torch's pinned copies, same machine, same run.
 
-    python3 -m orchestrator.hardware.bench_probe [--backends nvcc,cudart] [--bytes 256MiB] [--reps 8] [--json OUT]
+    python3 -m orchestrator.hardware.bench_probe [--backends nvcc,cudart] [--allocs register,hostalloc]
+                                                 [--bytes 256MiB] [--reps 8] [--host] [--json OUT]
 
 For every GPU it prints the best pinned H2D and D2H bandwidth our probe measured (over the NUMA nodes the
 host buffer was put on) and torch's (``tensor.copy_(pinned, non_blocking=True)`` timed with CUDA events, the
@@ -62,6 +63,9 @@ def torch_pinned(nbytes: int, reps: int, nodes: list[tuple[int, tuple[int, ...]]
                         res.append(max(vals))
                 out[(i, node)] = tuple(res)
                 del h
+                # torch caches pinned blocks: without this the next node would reuse this node's buffer
+                if hasattr(torch._C, "_host_emptyCache"):
+                    torch._C._host_emptyCache()
             del d
             torch.cuda.empty_cache()
     finally:
@@ -70,12 +74,14 @@ def torch_pinned(nbytes: int, reps: int, nodes: list[tuple[int, tuple[int, ...]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from orchestrator.hardware.probe import gpu_nodes, gpu_seconds, run_probe
+    from orchestrator.hardware.probe import build_native, find_nvcc, gpu_nodes, gpu_seconds, run_probe
     from orchestrator.hardware.sysfs import _norm_pci, read_machine
     from orchestrator.units import parse_size
 
     ap = argparse.ArgumentParser(prog="bench_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="nvcc,cudart", help="probe backends to run (nvcc, cudart)")
+    ap.add_argument("--allocs", default="register,hostalloc",
+                    help="host buffer kinds to run: register (mmap+mbind+cudaHostRegister), hostalloc")
     ap.add_argument("--bytes", default="256MiB")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--no-torch", action="store_true")
@@ -96,15 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     if not m.gpus:
         print("no GPU: nothing to compare")
     ours: dict = {}
-    for backend in [b for b in args.backends.split(",") if b]:
+    runs = [(b, a) for b in args.backends.split(",") if b for a in args.allocs.split(",") if a]
+    if m.gpus and any(b == "nvcc" for b, _ in runs) and find_nvcc():
+        print(f"building native/pcie_bw.cu (once, outside the timings): {build_native('pcie_bw', find_nvcc())}")
+    for backend, alloc in runs:
+        label = f"{backend}/{alloc}"
         t0 = time.monotonic()
         res = run_probe(m, refresh=True, host=False, gpu=True, gpu_bytes=nbytes, gpu_reps=args.reps,
-                        gpu_backend=backend, save=False)
+                        gpu_backend=backend, gpu_alloc=alloc, save=False)
         wall = time.monotonic() - t0
         secs = gpu_seconds(res.records)
-        ours[backend] = res
-        report["probe"][backend] = {**res.to_json(), "wall_seconds": wall, "gpu_seconds": secs}
-        print(f"\nprobe backend {backend}: {res.backends.get('gpu', 'unavailable')}; wall {wall:.2f} s for "
+        ours[label] = res
+        report["probe"][label] = {**res.to_json(), "wall_seconds": wall, "gpu_seconds": secs}
+        print(f"\nprobe {label}: {res.backends.get('gpu', 'unavailable')}; wall {wall:.2f} s for "
               f"{len(m.gpus)} GPU(s) = {wall / max(1, len(m.gpus)):.2f} s per GPU (build excluded if cached)")
         for msg in res.messages:
             print(f"  {msg}")
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                     rd = o_d / t_d if t_d else 0
                     ok = rh >= 0.95 and rd >= 0.95
                     verdict &= ok
-                    print(f"  {backend:7s} GPU {g.index}: H2D {o_h / 1e9:.2f} vs {t_h / 1e9:.2f} GB/s = {rh:.3f}; "
+                    print(f"  {backend:17s} GPU {g.index}: H2D {o_h / 1e9:.2f} vs {t_h / 1e9:.2f} GB/s = {rh:.3f}; "
                           f"D2H {o_d / 1e9:.2f} vs {t_d / 1e9:.2f} GB/s = {rd:.3f}  {'OK' if ok else 'BELOW TARGET'}")
             report["ratio_target_met"] = verdict
     if args.host:

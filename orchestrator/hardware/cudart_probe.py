@@ -3,7 +3,8 @@
 Same measurement and same output as ``native/pcie_bw.cu`` (one JSON object per line): host buffer mmap'ed,
 bound to a NUMA node with mbind(2), touched, pinned with ``cudaHostRegister``, copied with
 ``cudaMemcpyAsync`` and timed with CUDA events, so Python's own overhead is outside the timed interval.
-Run as ``python -m orchestrator.hardware.cudart_probe --node 0:0-7 [--devices all] [--bytes N] [--reps N]``
+Run as ``python -m orchestrator.hardware.cudart_probe --node 0:0-7 [--devices all] [--bytes N] [--reps N]
+[--alloc register|hostalloc]``
 (in a child process: it pins its thread and binds memory). Standard library only.
 """
 
@@ -18,6 +19,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 
 # syscall numbers (mbind, move_pages) per architecture
 _SYSCALLS = {"x86_64": (237, 279), "aarch64": (235, 239), "ppc64le": (259, 301), "ppc64": (259, 301)}
@@ -69,6 +71,36 @@ def _parse_list(text: str) -> list[int]:
     return out
 
 
+def node_of(libc, ptr: int, nbytes: int) -> int:
+    """The NUMA node most of a buffer's pages are on (move_pages query on up to 64 pages), -1 if unknown."""
+    nrs = _SYSCALLS.get(platform.machine())
+    page = os.sysconf("SC_PAGESIZE")
+    npages = nbytes // page
+    n = min(64, npages)
+    if nrs is None or n <= 0:
+        return -1
+    pages = (ctypes.c_void_p * n)(*[ptr + (npages * i // n) * page for i in range(n)])
+    status = (ctypes.c_int * n)()
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(ctypes.c_long(nrs[1]), 0, ctypes.c_ulong(n), pages, None, status, 0) != 0:
+        return -1
+    vals = [s for s in status if s >= 0]
+    return max(set(vals), key=vals.count) if vals else -1
+
+
+def thread_membind(libc, node: int) -> int:
+    """set_mempolicy(MPOL_BIND, {node}) for this thread, or MPOL_DEFAULT when node < 0. 0 on success."""
+    nr = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "ppc64": 261}.get(platform.machine())
+    if nr is None:
+        return -1
+    libc.syscall.restype = ctypes.c_long
+    if node < 0:
+        return libc.syscall(ctypes.c_long(nr), 0, None, ctypes.c_ulong(0))
+    mask = (ctypes.c_ulong * 16)()
+    mask[node // 64] |= 1 << (node % 64)
+    return libc.syscall(ctypes.c_long(nr), MPOL_BIND, mask, ctypes.c_ulong(16 * 64 + 1))
+
+
 class _Host:
     """Anonymous memory bound to one NUMA node (libc mmap + the mbind syscall)."""
 
@@ -94,19 +126,9 @@ class _Host:
             err = ctypes.get_errno()
             self.close()
             raise OSError(err, f"cannot bind {nbytes} bytes to node {node}: {os.strerror(err)}")
+        libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE, best effort
         ctypes.memset(ptr, 1, nbytes)
-        self.placed = self._node_of(libc, nrs[1])
-
-    def _node_of(self, libc, nr_move_pages: int) -> int:
-        page = os.sysconf("SC_PAGESIZE")
-        npages = self.nbytes // page
-        n = min(64, npages)
-        pages = (ctypes.c_void_p * n)(*[self.ptr + (npages * i // n) * page for i in range(n)])
-        status = (ctypes.c_int * n)()
-        if libc.syscall(ctypes.c_long(nr_move_pages), 0, ctypes.c_ulong(n), pages, None, status, 0) != 0:
-            return -1
-        vals = [s for s in status if s >= 0]
-        return max(set(vals), key=vals.count) if vals else -1
+        self.placed = node_of(libc, ptr, nbytes)
 
     def close(self):
         if self.ptr:
@@ -122,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", default="all")
     ap.add_argument("--bytes", type=int, default=256 << 20)
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--alloc", choices=("register", "hostalloc"), default="register")
     args = ap.parse_args(argv)
     t_init = time.monotonic()
     rt = load_cudart()
@@ -173,16 +196,32 @@ def main(argv: list[str] | None = None) -> int:
                 except OSError:
                     pass
             t_alloc = time.monotonic()
-            try:
-                host = _Host(libc, args.bytes, node)
-            except OSError as err:
-                _emit({"kind": "gpu", "node": node, "error": str(err.strerror or err)})
-                continue
-            rc = rt.cudaHostRegister(ctypes.c_void_p(host.ptr), ctypes.c_size_t(args.bytes), PORTABLE)
-            if rc != 0:
-                _emit({"kind": "gpu", "node": node, "error": f"cudaHostRegister: {rt.cudaGetErrorString(rc).decode()}"})
-                host.close()
-                continue
+            if args.alloc == "hostalloc":
+                if thread_membind(libc, node) != 0:
+                    _emit({"kind": "gpu", "node": node, "error": f"cannot bind memory to node {node}: "
+                                                                 f"{os.strerror(ctypes.get_errno())}"})
+                    continue
+                p = ctypes.c_void_p()
+                rc = rt.cudaHostAlloc(ctypes.byref(p), ctypes.c_size_t(args.bytes), PORTABLE)
+                if rc == 0:
+                    ctypes.memset(p, 1, args.bytes)
+                thread_membind(libc, -1)
+                if rc != 0:
+                    _emit({"kind": "gpu", "node": node, "error": f"cudaHostAlloc: {rt.cudaGetErrorString(rc).decode()}"})
+                    continue
+                host = types.SimpleNamespace(ptr=p.value, placed=node_of(libc, p.value, args.bytes))
+            else:
+                try:
+                    host = _Host(libc, args.bytes, node)
+                except OSError as err:
+                    _emit({"kind": "gpu", "node": node, "error": str(err.strerror or err)})
+                    continue
+                rc = rt.cudaHostRegister(ctypes.c_void_p(host.ptr), ctypes.c_size_t(args.bytes), PORTABLE)
+                if rc != 0:
+                    _emit({"kind": "gpu", "node": node,
+                           "error": f"cudaHostRegister: {rt.cudaGetErrorString(rc).decode()}"})
+                    host.close()
+                    continue
             alloc_s = time.monotonic() - t_alloc
             for d in devs:
                 dbuf, stream, e0, e1, pci = state[d]
@@ -204,9 +243,12 @@ def main(argv: list[str] | None = None) -> int:
                     res[f"{name}_median"] = round(statistics.median(vals))
                 _emit({"kind": "gpu", "device": d, "pci": pci, "node": node, "placed_node": host.placed,
                        "bytes": args.bytes, "reps": args.reps, **res, "seconds": round(time.monotonic() - t, 3),
-                       "host_alloc_seconds": round(alloc_s, 3)})
-            rt.cudaHostUnregister(ctypes.c_void_p(host.ptr))
-            host.close()
+                       "host_alloc_seconds": round(alloc_s, 3), "alloc": args.alloc})
+            if args.alloc == "hostalloc":
+                rt.cudaFreeHost(ctypes.c_void_p(host.ptr))
+            else:
+                rt.cudaHostUnregister(ctypes.c_void_p(host.ptr))
+                host.close()
     except RuntimeError as err:
         _emit({"kind": "error", "error": str(err)})
         return 1

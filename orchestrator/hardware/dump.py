@@ -77,6 +77,9 @@ def save_dump(out_tar_gz: str | os.PathLike, root: str | os.PathLike = "/", *,
                 ti = tarfile.TarInfo(f"{top}/{rel}")
                 ti.size, ti.mode, ti.mtime = len(data), 0o644, now
                 tf.addfile(ti, io.BytesIO(data))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600
         os.replace(tmp, out)
     except OSError as err:
         raise HardwareError(f"{out}: cannot write the dump ({err.strerror or err})") from None
@@ -84,6 +87,10 @@ def save_dump(out_tar_gz: str | os.PathLike, root: str | os.PathLike = "/", *,
         if os.path.exists(tmp):
             os.unlink(tmp)
     return machine
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:200] or type(err).__name__
 
 
 def _check_member(m: tarfile.TarInfo, path: Path) -> None:
@@ -143,10 +150,11 @@ def open_dump(tarball: str | os.PathLike) -> Iterator[Path]:
                 else:  # Python < 3.10.12/3.11.4: members were checked above
                     tf.extractall(tmp, members=members)
         except tarfile.TarError as err:
-            raise HardwareError(f"{path}: not a readable tar archive ({err}); expected a .tar.gz written by "
+            why = "not gzip, bzip2, xz or plain tar" if "could not be opened" in str(err) else _one_line(err)
+            raise HardwareError(f"{path}: not a readable tar archive ({why}); expected a .tar.gz written by "
                                 "`orchestrator inspect --save` or an hwloc sysfs dump") from None
         except (OSError, EOFError) as err:
-            raise HardwareError(f"{path}: cannot read the archive ({err})") from None
+            raise HardwareError(f"{path}: cannot read the archive ({_one_line(err)}): truncated or damaged?") from None
         root = _find_root(tmp)
         if root is None:
             raise HardwareError(f"{path}: not a machine dump: no sys/devices/system/cpu directory inside "

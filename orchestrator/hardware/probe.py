@@ -6,7 +6,9 @@ machine under ``<cache>/probe/<key>.json``.
   ``<cache>/native/membw-<hash>/``; threads pinned one per physical core of the CPU node, buffer bound to the
   memory node, sized past the last-level caches. Without a C compiler the host part is reported as unmeasured.
 - GPUs: ``native/pcie_bw.cu`` built with nvcc; without nvcc the same measurement runs through libcudart via
-  ctypes (``cudart_probe.py``). Without a GPU: host memory only, and we say so.
+  ctypes (``cudart_probe.py``). The host buffer is mmap'ed, mbind'ed to the node and cudaHostRegister'ed
+  (``gpu_alloc="hostalloc"``: cudaHostAlloc under a bound memory policy). Without a GPU: host memory only,
+  and we say so.
 
 The cache key hashes what the numbers depend on: CPU model and layout, the NUMA nodes and what this process
 may use, GPU UUIDs (PCI addresses when unknown) and the driver version. ``--refresh`` measures again.
@@ -63,7 +65,7 @@ class ProbeResult:
 def machine_key(m: Machine) -> str:
     ident = {
         "probe": PROBE_VERSION, "arch": m.arch, "cpu_model": m.cpu_model, "pus": format_cpulist(m.pus),
-        "nodes": [[n.id, format_cpulist(n.cpus), n.kind, n.memory_bytes] for n in m.numa_nodes],
+        "nodes": [[n.id, format_cpulist(n.cpus), n.kind] for n in m.numa_nodes],
         "allowed_cpus": format_cpulist(m.allowed_cpus), "allowed_nodes": format_cpulist(m.allowed_nodes),
         "gpus": [[g.uuid or g.pci, g.name, g.pci] for g in m.gpus], "driver": m.gpu_driver,
     }
@@ -270,7 +272,7 @@ def _norm_pci(addr: str) -> str:
 
 def run_probe(m: Machine, *, refresh: bool = False, host: bool = True, gpu: bool = True,
               host_bytes: int | None = None, host_reps: int = HOST_REPS, gpu_bytes: int = GPU_BYTES,
-              gpu_reps: int = GPU_REPS, gpu_backend: str = "auto", save: bool = True,
+              gpu_reps: int = GPU_REPS, gpu_backend: str = "auto", gpu_alloc: str = "register", save: bool = True,
               log: Callable[[str], None] = lambda s: None) -> ProbeResult:
     """Measure (or load from the cache) the bandwidths of the live machine ``m`` (``read_machine("/")``)."""
     path = cache_file(m)
@@ -291,7 +293,8 @@ def run_probe(m: Machine, *, refresh: bool = False, host: bool = True, gpu: bool
         if not m.gpus:
             messages.append("no GPU found: measuring host memory only")
         else:
-            ok, gpu_msgs = _probe_gpus(m, gpu_bytes, gpu_reps, gpu_backend, records, h2d, d2h, backends, log)
+            ok, gpu_msgs = _probe_gpus(m, gpu_bytes, gpu_reps, gpu_backend, gpu_alloc, records, h2d, d2h, backends,
+                                       log)
             messages += gpu_msgs
             failed |= not ok
 
@@ -343,14 +346,14 @@ def run_probe(m: Machine, *, refresh: bool = False, host: bool = True, gpu: bool
     return res
 
 
-def _probe_gpus(m: Machine, nbytes: int, reps: int, backend: str, records: list, h2d: dict, d2h: dict,
-                backends: dict, log) -> tuple[bool, list[str]]:
+def _probe_gpus(m: Machine, nbytes: int, reps: int, backend: str, alloc: str, records: list, h2d: dict,
+                d2h: dict, backends: dict, log) -> tuple[bool, list[str]]:
     msgs: list[str] = []
     nodes = gpu_nodes(m)
     if not nodes:
         return False, ["no allowed NUMA node with memory: GPU bandwidth not measured"]
     env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    args = ["--bytes", str(nbytes), "--reps", str(reps)]
+    args = ["--bytes", str(nbytes), "--reps", str(reps), "--alloc", alloc]
     for node, cpus in nodes:
         args += ["--node", f"{node}:{format_cpulist(cpus)}"]
     nvcc = find_nvcc() if backend in ("auto", "nvcc") else None

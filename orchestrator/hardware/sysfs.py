@@ -461,8 +461,8 @@ def _cgroup_cpuset(fs: RootFS):
     cands = []
     for mnt, typ, opts in mounts:
         if typ == "cgroup" and "cpuset" in opts:
-            prefix = "" if "noprefix" in opts else "cpuset."
-            cands.append(("cgroup1", mnt, v1_path or legacy, (f"{prefix}cpus", f"{prefix}mems"), False))
+            prefix = "" if "noprefix" in opts else "cpuset."  # noprefix: the legacy cpuset file names
+            cands.append(("cpuset" if "noprefix" in opts else "cgroup1", mnt, v1_path or legacy, (f"{prefix}cpus", f"{prefix}mems"), False))
     for mnt, typ, opts in mounts:
         if typ == "cpuset":
             cands.append(("cpuset", mnt, legacy or v1_path, ("cpus", "mems"), False))
