@@ -50,14 +50,11 @@ def run(args: argparse.Namespace) -> int:
             raise HardwareError(f"{root}: no such directory (--root takes a directory holding sys/ and proc/)")
         fs = RootFS(root)
         if fs.live:
-            machine = read_from_fs(fs, nvml=not args.no_nvml)
-            from orchestrator.hardware.probe import cached_bandwidth
-
-            machine = machine.with_bandwidth(cached_bandwidth(machine))
+            machine = read_from_fs(fs, nvml=not args.no_nvml)  # with the cached probe results, if any
         else:
             machine = read_dump_root(root, source=f"root {root}", fs=fs)
         if args.save:
-            save_dump(args.save, root, bandwidth=machine.bandwidth if fs.live else None, nvml=not args.no_nvml)
+            save_dump(args.save, root, nvml=not args.no_nvml)
             saved = args.save
     if args.allowed:
         machine = machine.allowed_view()

@@ -38,8 +38,8 @@ def save_dump(out_tar_gz: str | os.PathLike, root: str | os.PathLike = "/", *,
               bandwidth: Bandwidth | None = None, nvml: bool = True) -> Machine:
     """Read the machine under ``root`` and write the files read to ``out_tar_gz`` (atomically).
 
-    Returns the machine as read. On the live machine the NVML answers and ``bandwidth`` (if given) are
-    recorded too."""
+    Returns the machine as read. On the live machine the NVML answers and the probe results (``bandwidth``,
+    else the cached ones) are recorded too."""
     out = Path(out_tar_gz)
     fs = RootFS(root)
     machine = read_from_fs(fs, nvml=nvml) if fs.live else read_dump_root(root, source=f"root {root}", fs=fs)
@@ -49,9 +49,12 @@ def save_dump(out_tar_gz: str | os.PathLike, root: str | os.PathLike = "/", *,
 
         extra[NVML_RECORD] = json.dumps({"driver": machine.gpu_driver,
                                          "gpus": [gpu_to_record(g) for g in machine.gpus]}, indent=1).encode()
-    if bandwidth is not None:  # else a re-saved dump keeps its bandwidth.json (it is among the files read)
-        machine = machine.with_bandwidth(bandwidth)
-        extra[BANDWIDTH_RECORD] = json.dumps(bandwidth.to_json(), indent=1).encode()
+    # the probe results: given, or cached for the live machine; a re-saved dump keeps its bandwidth.json
+    # (it is among the files read)
+    bw = bandwidth if bandwidth is not None else (machine.bandwidth if fs.live else None)
+    if bw is not None:
+        machine = machine.with_bandwidth(bw)
+        extra[BANDWIDTH_RECORD] = json.dumps(bw.to_json(), indent=1).encode()
     top = re.sub(r"[^A-Za-z0-9._-]", "_", machine.hostname) or "machine"
     extra[MANIFEST] = json.dumps({"schema": DUMP_SCHEMA, "hostname": machine.hostname,
                                   "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -273,6 +273,9 @@ def read_from_fs(fs: RootFS, *, nvml: bool = True, source: str | None = None) ->
     )
     if fs.live:
         machine = _libnuma_check(machine, notes)
+        from orchestrator.hardware.probe import cached_bandwidth  # `orchestrator probe` results, if any
+
+        machine = replace(machine, bandwidth=cached_bandwidth(machine))
     return replace(machine, notes=tuple(dict.fromkeys(notes + fs.notes)))
 
 
@@ -651,7 +654,8 @@ def _libnuma_check(machine: Machine, notes: list[str]) -> Machine:
 
     info = libnuma.live_info([n.id for n in machine.numa_nodes])
     if info.error:
-        notes.append(f"py-libnuma unusable ({info.error}): sysfs used alone")
+        notes.append(f"{info.error}: sysfs used alone" if info.error.endswith("not installed")
+                     else f"py-libnuma unusable ({info.error}): sysfs used alone")
         return machine
     if not info.available:
         return machine

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,16 +32,24 @@ def extracted(tmp_path_factory):
             d = base / name
             d.mkdir()
             with tarfile.open(SYSFS / name) as tf:
-                tf.extractall(d, filter="data")
+                if hasattr(tarfile, "data_filter"):
+                    tf.extractall(d, filter="data")
+                else:  # Python < 3.10.12 / 3.11.4: our own fixtures, trusted
+                    tf.extractall(d)
             cache[name] = d / EXPECTED[name]["root"]
         return cache[name]
 
     return get
 
 
+_CLI_CACHE = tempfile.mkdtemp(prefix="orch-hw-cli-cache-")
+atexit.register(shutil.rmtree, _CLI_CACHE, True)
+
+
 def run_cli(*args: str, env: dict | None = None, user: int | None = None, timeout: float = 300):
-    """Run ``python -m orchestrator ARGS`` from this worktree; returns CompletedProcess (text)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    """Run ``python -m orchestrator ARGS`` from this worktree (with a private cache unless ``env`` names one);
+    returns CompletedProcess (text)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "ORCHESTRATOR_CACHE": _CLI_CACHE, **(env or {})}
     return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
                           env=full_env, cwd=str(REPO), timeout=timeout, user=user)
 

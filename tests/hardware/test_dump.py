@@ -28,7 +28,7 @@ def _strip(m: Machine) -> dict:
     return doc
 
 
-def test_live_save_records_exactly_the_files_read(tmp_path):
+def test_live_save_records_exactly_the_files_read(tmp_path, isolated_cache):
     out = tmp_path / "here.tar.gz"
     saved = save_dump(out, "/")
     with tarfile.open(out) as tf:
@@ -46,6 +46,16 @@ def test_live_save_records_exactly_the_files_read(tmp_path):
     assert again.allowed_cpus == saved.allowed_cpus and again.source == f"dump {out}"
     # the recording only holds what was read: far fewer files than the live /sys
     assert len(rel) < 2000
+
+
+def test_live_save_keeps_the_probe_results(tmp_path, isolated_cache):
+    from orchestrator.hardware.probe import run_probe
+
+    res = run_probe(read_machine("/"), gpu=False, host_bytes=32 << 20, host_reps=1)
+    assert not res.failed
+    out = tmp_path / "probed.tar.gz"
+    save_dump(out, "/")
+    assert load_dump(out).bandwidth == res.bandwidth
 
 
 def test_load_machine_takes_a_dump_a_directory_or_json(tmp_path, extracted):

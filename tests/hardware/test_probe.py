@@ -53,6 +53,7 @@ def test_host_probe_measures_every_allowed_pair_and_caches(live, isolated_cache)
     from orchestrator.hardware.probe import cached_bandwidth
 
     assert cached_bandwidth(live) == res.bandwidth
+    assert read_machine("/").bandwidth == res.bandwidth
     fresh = run_probe(live, host_bytes=SMALL, host_reps=2, gpu=False, refresh=True)
     assert not fresh.cached and fresh.records != res.records
 
