@@ -119,7 +119,8 @@ int main(int argc, char **argv) {
     for (int m = 0; m < n_mem; m++) {
         int node = mem_nodes[m];
         double t_alloc = orch_now();
-        uint64_t *buf = (uint64_t *)orch_alloc_on_node(bytes, node);
+        int how = 0;
+        uint64_t *buf = (uint64_t *)orch_alloc_on_node(bytes, node, &how);
         if (!buf) {
             printf("{\"kind\":\"host\",\"mem_node\":%d,\"error\":\"cannot bind %zu bytes to node %d: %s\"}\n",
                    node, bytes, node, strerror(errno));
@@ -132,8 +133,15 @@ int main(int argc, char **argv) {
         size_t words = bytes / sizeof(uint64_t);
         {   /* touch with the CPUs of the set local to this node if there is one, else of the first set */
             static int tcpus[ORCH_MAX_CPUS];
-            int pick = 0;
-            for (int s = 0; s < n_sets; s++) if (set_node[s] == node) { pick = s; break; }
+            int pick = 0, local = 0;
+            for (int s = 0; s < n_sets; s++) if (set_node[s] == node) { pick = s; local = 1; break; }
+            if (how == ORCH_PLACED_FIRST_TOUCH && !local) {
+                printf("{\"kind\":\"host\",\"mem_node\":%d,\"error\":\"mbind is not permitted here and node %d "
+                       "has no CPU to touch its memory from\"}\n", node, node);
+                fflush(stdout);
+                munmap(buf, bytes);
+                continue;
+            }
             int tn = orch_parse_list(set_cpus_text[pick], tcpus, ORCH_MAX_CPUS);
             if (tn > 0) parallel_touch((char *)buf, bytes, tcpus, tn);
             else memset(buf, 1, bytes);
@@ -201,8 +209,10 @@ int main(int argc, char **argv) {
             } else {
                 printf("{\"kind\":\"host\",\"mem_node\":%d,\"cpu_node\":%d,\"cpus\":\"%s\",\"threads\":%d,"
                        "\"bytes\":%zu,\"reps\":%d,\"best_bytes_per_s\":%.0f,\"median_bytes_per_s\":%.0f,"
-                       "\"placed_node\":%d,\"alloc_seconds\":%.3f,\"seconds\":%.3f,\"checksum\":%" PRIu64 "}\n",
-                       node, set_node[s], set_cpus_text[s], n, bytes, reps, best, med, placed, alloc_s,
+                       "\"placed_node\":%d,\"placement\":\"%s\",\"alloc_seconds\":%.3f,\"seconds\":%.3f,"
+                       "\"checksum\":%" PRIu64 "}\n",
+                       node, set_node[s], set_cpus_text[s], n, bytes, reps, best, med, placed,
+                       how == ORCH_PLACED_MBIND ? "mbind" : "first-touch", alloc_s,
                        orch_now() - t0, sink & 0xff);
             }
             fflush(stdout);

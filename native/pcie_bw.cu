@@ -108,12 +108,16 @@ int main(int argc, char **argv) {
         double t_alloc = orch_now();
         void *host = NULL;
         int placed = -1;
+        const char *placement = hostalloc ? "membind" : "mbind";
         if (hostalloc) {
             if (orch_thread_membind(node_id[k]) != 0) {
-                printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cannot bind memory to node %d: %s\"}\n",
-                       node_id[k], node_id[k], strerror(errno));
-                fflush(stdout);
-                continue;
+                if (errno != EPERM && errno != ENOSYS) {
+                    printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cannot bind memory to node %d: %s\"}\n",
+                           node_id[k], node_id[k], strerror(errno));
+                    fflush(stdout);
+                    continue;
+                }
+                placement = "first-touch";  /* not permitted here: the pinned thread's node is used */
             }
             cudaError_t ae = cudaHostAlloc(&host, bytes, cudaHostAllocPortable);
             if (ae == cudaSuccess) memset(host, 1, bytes);
@@ -126,7 +130,9 @@ int main(int argc, char **argv) {
             }
             placed = orch_node_of(host, bytes);
         } else {
-            host = orch_alloc_on_node(bytes, node_id[k]);
+            int how = 0;
+            host = orch_alloc_on_node(bytes, node_id[k], &how);
+            if (host && how == ORCH_PLACED_FIRST_TOUCH) placement = "first-touch";
             if (!host) {
                 printf("{\"kind\":\"gpu\",\"node\":%d,\"error\":\"cannot bind %zu bytes to node %d: %s\"}\n",
                        node_id[k], bytes, node_id[k], strerror(errno));
@@ -171,10 +177,10 @@ int main(int argc, char **argv) {
             dev_seconds[i] += secs;
             printf("{\"kind\":\"gpu\",\"device\":%d,\"pci\":\"%s\",\"node\":%d,\"placed_node\":%d,\"bytes\":%zu,"
                    "\"reps\":%d,\"h2d_best\":%.0f,\"h2d_median\":%.0f,\"d2h_best\":%.0f,\"d2h_median\":%.0f,"
-                   "\"seconds\":%.3f,\"host_alloc_seconds\":%.3f,\"alloc\":\"%s\"}\n",
+                   "\"seconds\":%.3f,\"host_alloc_seconds\":%.3f,\"alloc\":\"%s\",\"placement\":\"%s\"}\n",
                    devs[i], pci[i], node_id[k], placed, bytes, r_max, orch_max(h2d, r_max),
                    orch_median(h2d, r_max), orch_max(d2h, r_max), orch_median(d2h, r_max), secs, alloc_s,
-                   hostalloc ? "hostalloc" : "register");
+                   hostalloc ? "hostalloc" : "register", placement);
             fflush(stdout);
         }
         if (hostalloc) {

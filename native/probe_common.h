@@ -64,11 +64,17 @@ static inline int orch_pin_to_cpus(const int *cpus, int n) {
     return sched_setaffinity(0, sizeof(set), &set);
 }
 
-/* Anonymous memory whose pages must come from NUMA node `node` (node < 0: default policy).
+/* How a buffer was placed on its node. */
+#define ORCH_PLACED_MBIND 1        /* mbind(MPOL_BIND): the kernel guarantees the node */
+#define ORCH_PLACED_FIRST_TOUCH 2  /* mbind refused (seccomp/containers: EPERM, ENOSYS): pages land where the
+                                      touching thread runs, so the caller must touch from the node's CPUs */
+
+/* Anonymous memory whose pages must come from NUMA node `node` (node < 0: default policy); *how says how.
  * Returns NULL with errno set when the node cannot be bound (not allowed by the cpuset, no memory ...). */
-static inline void *orch_alloc_on_node(size_t bytes, int node) {
+static inline void *orch_alloc_on_node(size_t bytes, int node, int *how) {
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
+    if (how) *how = ORCH_PLACED_MBIND;
     if (node >= 0) {
         unsigned long mask[ORCH_MAX_NODES / (8 * sizeof(unsigned long))];
         memset(mask, 0, sizeof(mask));
@@ -76,6 +82,10 @@ static inline void *orch_alloc_on_node(size_t bytes, int node) {
         mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
         if (syscall(SYS_mbind, p, bytes, ORCH_MPOL_BIND, mask, (unsigned long)ORCH_MAX_NODES + 1, 0) != 0) {
             int e = errno;
+            if ((e == EPERM || e == ENOSYS) && how) {
+                *how = ORCH_PLACED_FIRST_TOUCH;
+                return p;
+            }
             munmap(p, bytes);
             errno = e;
             return NULL;

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import glob
 import json
 import os
@@ -122,10 +123,14 @@ class _Host:
         libc.syscall.restype = ctypes.c_long
         rc = libc.syscall(ctypes.c_long(nrs[0]), ctypes.c_void_p(ptr), ctypes.c_ulong(nbytes), ctypes.c_int(MPOL_BIND),
                           mask, ctypes.c_ulong(16 * 64 + 1), ctypes.c_uint(0))
+        self.placement = "mbind"
         if rc != 0:
             err = ctypes.get_errno()
-            self.close()
-            raise OSError(err, f"cannot bind {nbytes} bytes to node {node}: {os.strerror(err)}")
+            if err in (errno.EPERM, errno.ENOSYS):  # seccomp/containers: the pinned thread's first touch places it
+                self.placement = "first-touch"
+            else:
+                self.close()
+                raise OSError(err, f"cannot bind {nbytes} bytes to node {node}: {os.strerror(err)}")
         libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE, best effort
         ctypes.memset(ptr, 1, nbytes)
         self.placed = node_of(libc, ptr, nbytes)
@@ -197,10 +202,14 @@ def main(argv: list[str] | None = None) -> int:
                     pass
             t_alloc = time.monotonic()
             if args.alloc == "hostalloc":
+                placement = "membind"
                 if thread_membind(libc, node) != 0:
-                    _emit({"kind": "gpu", "node": node, "error": f"cannot bind memory to node {node}: "
-                                                                 f"{os.strerror(ctypes.get_errno())}"})
-                    continue
+                    err = ctypes.get_errno()
+                    if err not in (errno.EPERM, errno.ENOSYS):
+                        _emit({"kind": "gpu", "node": node, "error": f"cannot bind memory to node {node}: "
+                                                                     f"{os.strerror(err)}"})
+                        continue
+                    placement = "first-touch"
                 p = ctypes.c_void_p()
                 rc = rt.cudaHostAlloc(ctypes.byref(p), ctypes.c_size_t(args.bytes), PORTABLE)
                 if rc == 0:
@@ -209,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 if rc != 0:
                     _emit({"kind": "gpu", "node": node, "error": f"cudaHostAlloc: {rt.cudaGetErrorString(rc).decode()}"})
                     continue
-                host = types.SimpleNamespace(ptr=p.value, placed=node_of(libc, p.value, args.bytes))
+                host = types.SimpleNamespace(ptr=p.value, placed=node_of(libc, p.value, args.bytes),
+                                             placement=placement)
             else:
                 try:
                     host = _Host(libc, args.bytes, node)
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                     res[f"{name}_median"] = round(statistics.median(vals))
                 _emit({"kind": "gpu", "device": d, "pci": pci, "node": node, "placed_node": host.placed,
                        "bytes": args.bytes, "reps": args.reps, **res, "seconds": round(time.monotonic() - t, 3),
-                       "host_alloc_seconds": round(alloc_s, 3), "alloc": args.alloc})
+                       "host_alloc_seconds": round(alloc_s, 3), "alloc": args.alloc, "placement": host.placement})
             if args.alloc == "hostalloc":
                 rt.cudaFreeHost(ctypes.c_void_p(host.ptr))
             else:

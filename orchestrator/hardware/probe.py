@@ -323,12 +323,7 @@ def run_probe(m: Machine, *, refresh: bool = False, host: bool = True, gpu: bool
                     f"{nbytes >> 20} MiB buffers ...")
                 recs, rc, err = _run_lines(argv, None, timeout=1800)
                 records += recs
-                for r in recs:
-                    if r.get("error"):
-                        messages.append(f"host memory, CPUs of node {r.get('cpu_node', '?')} reading node "
-                                        f"{r.get('mem_node')}: {r['error']}")
-                    elif "best_bytes_per_s" in r:
-                        hostbw[(int(r["cpu_node"]), int(r["mem_node"]))] = float(r["best_bytes_per_s"])
+                ingest_host(recs, hostbw, messages)
                 if rc != 0 or not hostbw:
                     messages.append(f"host memory probe failed (exit {rc}){': ' + err if err else ''}")
                     failed = True
@@ -378,6 +373,44 @@ def _probe_gpus(m: Machine, nbytes: int, reps: int, backend: str, alloc: str, re
     log(f"GPUs: {len(m.gpus)} GPU(s) x {len(nodes)} NUMA node(s), {nbytes >> 20} MiB copies ({backends['gpu']}) ...")
     recs, rc, err = _run_lines(argv, env, timeout=600)
     records += recs
+    ok = ingest_gpu(m, recs, h2d, d2h, msgs)
+    if rc != 0 and not ok:
+        msgs.append(f"GPU probe failed (exit {rc}){': ' + err.splitlines()[-1] if err else ''}")
+    return ok, msgs
+
+
+def _placement_ok(r: dict, node: int, what: str, msgs: list[str]) -> bool:
+    """A measurement counts for ``node`` only if its buffer is there (or the kernel would not say)."""
+    placed = r.get("placed_node", -1)
+    how = r.get("placement", "mbind")
+    if isinstance(placed, int) and placed >= 0 and placed != node:
+        msgs.append(f"{what}: the buffer meant for node {node} landed on node {placed} ({how}): not counted")
+        return False
+    if placed == -1:
+        note = f"NUMA placement of probe buffers could not be verified (move_pages refused); placement: {how}"
+        if note not in msgs:
+            msgs.append(note)
+    elif how == "first-touch":
+        note = "mbind/set_mempolicy are not permitted here: buffers placed by first touch from the node's CPUs"
+        if note not in msgs:
+            msgs.append(note)
+    return True
+
+
+def ingest_host(recs: list[dict], hostbw: dict, msgs: list[str]) -> None:
+    """membw's records → hostbw[(cpu node, memory node)] (best pass), messages for errors and misplacements."""
+    for r in recs:
+        if r.get("error"):
+            msgs.append(f"host memory, CPUs of node {r.get('cpu_node', '?')} reading node {r.get('mem_node')}: "
+                        f"{r['error']}")
+        elif "best_bytes_per_s" in r:
+            c, mem = int(r["cpu_node"]), int(r["mem_node"])
+            if _placement_ok(r, mem, f"host memory, CPUs of node {c} reading node {mem}", msgs):
+                hostbw[(c, mem)] = float(r["best_bytes_per_s"])
+
+
+def ingest_gpu(m: Machine, recs: list[dict], h2d: dict, d2h: dict, msgs: list[str]) -> bool:
+    """pcie_bw's records → h2d/d2h[(gpu index, node)], GPUs matched by PCI address. True if any counted."""
     by_pci = {g.pci: g.index for g in m.gpus}
     ok = False
     for r in recs:
@@ -389,12 +422,13 @@ def _probe_gpus(m: Machine, nbytes: int, reps: int, backend: str, alloc: str, re
             continue
         gi = by_pci.get(_norm_pci(str(r.get("pci", ""))), r.get("device"))
         r["gpu"] = gi
-        h2d[(int(gi), int(r["node"]))] = float(r["h2d_best"])
-        d2h[(int(gi), int(r["node"]))] = float(r["d2h_best"])
+        node = int(r["node"])
+        if not _placement_ok(r, node, f"GPU {gi}, host buffer on node {node}", msgs):
+            continue
+        h2d[(int(gi), node)] = float(r["h2d_best"])
+        d2h[(int(gi), node)] = float(r["d2h_best"])
         ok = True
-    if rc != 0 and not ok:
-        msgs.append(f"GPU probe failed (exit {rc}){': ' + err.splitlines()[-1] if err else ''}")
-    return ok, msgs
+    return ok
 
 
 def gpu_seconds(records: list[dict]) -> dict[int, float]:

@@ -208,3 +208,30 @@ def test_bench_probe_script_runs_end_to_end(live, isolated_cache, tmp_path, monk
     assert set(report["probe"]) == {"nvcc/register", "nvcc/hostalloc", "cudart/register", "cudart/hostalloc"}
     if not _has_cuda_device():
         assert all(r["failed"] for r in report["probe"].values())
+
+
+def test_misplaced_or_unverifiable_buffers(live):
+    """A buffer that landed on another node is not counted for the node it was meant for; unverifiable
+    placement (move_pages refused) and first-touch placement (mbind refused in containers) are said."""
+    from orchestrator.hardware.probe import ingest_gpu, ingest_host
+
+    hostbw: dict = {}
+    msgs: list[str] = []
+    ingest_host([
+        {"kind": "host", "cpu_node": 0, "mem_node": 1, "best_bytes_per_s": 9e9, "placed_node": 0, "placement": "first-touch"},
+        {"kind": "host", "cpu_node": 0, "mem_node": 0, "best_bytes_per_s": 2e10, "placed_node": -1},
+        {"kind": "host", "mem_node": 3, "error": "cannot bind 1 bytes to node 3: Invalid argument"},
+    ], hostbw, msgs)
+    assert hostbw == {(0, 0): 2e10}
+    assert any("meant for node 1 landed on node 0 (first-touch): not counted" in m for m in msgs)
+    assert any("could not be verified" in m for m in msgs)
+    assert any("reading node 3: cannot bind" in m for m in msgs)
+    m = _pretend_gpu(live)
+    h2d: dict = {}
+    d2h: dict = {}
+    msgs = []
+    ok = ingest_gpu(m, [{"kind": "device", "device": 0, "pci": "00000000:99:00.0", "init_seconds": 0.2},
+                        {"kind": "gpu", "device": 0, "pci": "00000000:99:00.0", "node": 0, "placed_node": 0,
+                         "h2d_best": 5e10, "d2h_best": 4.9e10, "placement": "first-touch"}], h2d, d2h, msgs)
+    assert ok and h2d == {(0, 0): 5e10} and d2h == {(0, 0): 4.9e10}
+    assert any("first touch" in m for m in msgs)

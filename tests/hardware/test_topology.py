@@ -135,3 +135,24 @@ def test_topology_module_is_pure():
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"os", "subprocess", "pathlib", "time", "shutil", "socket", "io", "tarfile"}
     assert "open(" not in src.read_text()
+
+
+def test_tree_puts_gpus_under_their_node_with_link_and_bandwidth():
+    from orchestrator.hardware.render import render_tree
+
+    bw = Bandwidth(gpu_h2d={(0, 0): 52.3e9, (0, 1): 40.0e9, (1, 1): 51.0e9}, gpu_d2h={(0, 0): 50e9, (0, 1): 39e9,
+                   (1, 1): 49.5e9}, host={(0, 0): 120e9, (0, 1): 60e9}, measured_at="2026-11-29T12:00:00", key="k")
+    m = two_socket(gpus=[gpu(0, numa_node=0, peers=[(1, "nvlink")]), gpu(1, numa_node=1, peers=[(0, "nvlink")]),
+                         gpu(2, local_cpus=range(8))]).with_bandwidth(bw)
+    lines = render_tree(m).splitlines()
+    node0, node1 = lines.index("    NUMANode 0: 64.0 GiB (60.0 GiB free), CPUs 0-3"), \
+        lines.index("    NUMANode 1: 64.0 GiB (61.0 GiB free), CPUs 4-7")
+    g0 = next(i for i, l in enumerate(lines) if l.strip().startswith("GPU 0:"))
+    g1 = next(i for i, l in enumerate(lines) if l.strip().startswith("GPU 1:"))
+    assert node0 < g0 < node1 < g1
+    assert "PCIe 5 x16, sm 9.0, H2D 52.3 GB/s, D2H 50.0 GB/s from node 0" in lines[g0]
+    assert "H2D 51.0 GB/s, D2H 49.5 GB/s from node 1" in lines[g1]
+    assert any(l.strip().startswith("GPU 2:") and l.endswith("NUMA node unknown") for l in lines)
+    assert "GPU links: 0-1 nvlink" in lines
+    assert "      cores 0-1: 2 x 2 PUs (PUs 0-3)" in lines
+    assert any("NUMA balancing ON (1)" in l for l in lines)
