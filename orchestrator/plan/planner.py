@@ -12,7 +12,7 @@ from orchestrator.model import ModelInfo
 from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
-from orchestrator.plan.cpu import choose_cpu
+from orchestrator.plan.cpu import choose_cpu, node_available
 from orchestrator.plan.flags import render_args
 from orchestrator.plan.placement import (
     GpuBudget, Placement, _DoesNotFit, cpu_expert_override, place_cpu_only, place_graph_split, place_layer_split,
@@ -215,7 +215,7 @@ def _ranges(placement: Placement, n_layers: int, gpu_names: list[str]) -> tuple[
 
 def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: ModelInfo, costs: ModelCosts,
                 req: PlanRequest, backend: BackendInfo, gpu_indexes: tuple[int, ...], port: int,
-                package: int | None = None) -> WorkerPlan:
+                package: int | None = None, share: tuple[int, int] | None = None) -> WorkerPlan:
     decisions: list[Decision] = []
     by_index = {g.index: g for g in machine.gpus}
     gpus = [by_index[i] for i in gpu_indexes]
@@ -243,14 +243,13 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         # host memory of the anchor node decides pinned vs mmap; evaluate with a first guess of CPU bytes
         load_mode_req = req.load_mode
         ubs = [req.ubatch] if req.ubatch else list(UBATCH_CANDIDATES)
-        first = _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, 512, "pinned", (), 1, machine,
-                          flavor) if not req.ubatch else None
-        host_guess = (first.placement.cpu_weights if first else costs.total_bytes)
+        # a first guess of the CPU-resident bytes (what the GPUs cannot hold) picks the NUMA nodes to measure
+        gpu_room = sum(max(0, _gpu_free(g, node_req)[0] - node_req.vram_reserve) for g in gpus)
+        host_guess = max(costs.input_bytes, costs.total_bytes + sum(kv_layer) - gpu_room)
         cpu = choose_cpu(machine, host_bytes=host_guess, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
                          package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch)
-        avail = machine.memory_available_bytes or sum((n.free_bytes or n.memory_bytes or 0)
-                                                      for n in machine.numa_nodes)
+                         threads_batch=req.threads_batch, share=share)
+        avail = machine.memory_available_bytes or sum(node_available(machine, n) for n in machine.numa_nodes)
         if load_mode_req != "auto":
             load_mode = load_mode_req
             lm_why = "set by the topology"
@@ -285,7 +284,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         host_bytes = placement.cpu_weights + placement.cpu_kv
         cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
                          package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch)
+                         threads_batch=req.threads_batch, share=share)
         gpu_names = [f"CUDA{k}" for k in range(len(gpus))]
         decisions.append(Decision("gpus", ",".join(str(g.index) for g in gpus),
                                   f"main GPU {main.index} ({main.name}); host memory nearest to it: node {anchor}"))
@@ -325,10 +324,10 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         host_bytes = placement.cpu_weights + placement.cpu_kv
         cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=None,
                          package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch)
+                         threads_batch=req.threads_batch, share=share)
         ub = req.ubatch or 512
         threshold = None
-        bind = cpu.numa.mode == "bind"
+        bind = cpu.numa.mode == "bind" and len(machine.numa_nodes) > 1
         load_mode = req.load_mode if req.load_mode != "auto" else ("pinned" if bind else "mmap")
         lm_why = ("set by the topology" if req.load_mode != "auto" else
                   "bound to one node: read the weights into memory allocated under the binding (mmap'd pages "
@@ -348,7 +347,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         env = {"CUDA_VISIBLE_DEVICES": ""} if machine.gpus else {}
         gpu_names = []
     decisions.extend(cpu.decisions)
-    avail_host = sum((n.free_bytes or n.memory_bytes or 0) for n in machine.numa_nodes
+    avail_host = sum(node_available(machine, n) for n in machine.numa_nodes
                      if not cpu.host_nodes or n.id in cpu.host_nodes) or (machine.memory_available_bytes or 0)
     host_total = memory[-1].total
     if avail_host and host_total + node_req.ram_reserve > avail_host and load_mode != "mmap":
@@ -389,8 +388,8 @@ def _selected_gpus(machine: Machine, node_req: NodeRequest) -> tuple[int, ...]:
 
 
 def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[int, ...], kv_total: int,
-            node_req: NodeRequest) -> tuple[list[tuple[tuple[int, ...], int | None]], Decision]:
-    """[(gpu indexes, package or None)] per worker on one machine, and why."""
+            node_req: NodeRequest) -> tuple[list[tuple[tuple[int, ...], int | None, tuple[int, int] | None]], Decision]:
+    """[(gpu indexes, package or None, CPU share (k, n) or None)] per worker on one machine, and why."""
     packages = sorted(machine.packages, key=lambda p: p.id)
     layout = req.layout
     if layout == "auto":
@@ -400,7 +399,7 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
         elif len(packages) > 1:
             per_socket_free = []
             for p in packages:
-                per_socket_free.append(sum((n.free_bytes or n.memory_bytes or 0) for n in machine.numa_nodes
+                per_socket_free.append(sum(node_available(machine, n) for n in machine.numa_nodes
                                            if p.id in n.packages))
             need = costs.total_bytes + kv_total + node_req.ram_reserve // len(packages)
             if all(f >= need for f in per_socket_free):
@@ -418,13 +417,16 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
         why = "set by the topology"
     if layout == "machine":
         n = req.replicas or 1
-        return [(gpus, None)] * n, Decision("layout", f"machine x{n}", why)
+        if n > 1 and gpus:
+            raise PlanError(f"workers.replicas: {n} replicas of a GPU worker would share GPUs {list(gpus)}: use "
+                            f"layout gpu-group (one worker per group of GPUs) or one replica per machine")
+        return [(gpus, None, (k, n) if n > 1 else None) for k in range(n)], Decision("layout", f"machine x{n}", why)
     if layout == "socket":
         out = []
         for p in packages:
             node_ids = set(p.nodes)
             pg = tuple(g.index for g in machine.gpus if g.index in gpus and machine.nearest_cpu_node(g) in node_ids)
-            out.append((pg, p.id))
+            out.append((pg, p.id, None))
         return out, Decision("layout", f"socket x{len(out)}", why)
     if layout == "gpu-group":
         groups: dict[int | None, list[int]] = {}
@@ -436,7 +438,7 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
             groups.setdefault(pkg, []).append(g.index)
         if not groups:
             raise PlanError("workers.layout: 'gpu-group' needs GPUs, and none are selected")
-        out = [(tuple(v), k) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
+        out = [(tuple(v), k, None) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
         return out, Decision("layout", f"gpu-group x{len(out)}", why + " (one worker per socket's GPUs)")
     raise PlanError(f"workers.layout: unknown layout {layout!r} (expected auto, machine, socket or gpu-group)")
 
@@ -462,10 +464,11 @@ def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pla
         gpus = _selected_gpus(machine, node_req)
         groups, why = _layout(machine, costs, request, gpus, kv_total, node_req)
         decisions.append(Decision(f"layout {node_req.name}", why.value, why.why))
-        for k, (gidx, pkg) in enumerate(groups):
+        for k, (gidx, pkg, share) in enumerate(groups):
             name = f"{node_req.name}-{k}" if len(groups) > 1 or len(request.nodes) > 1 else node_req.name
             workers.append(plan_worker(name=name, node_req=node_req, machine=machine, model=model, costs=costs,
-                                       req=request, backend=backend, gpu_indexes=gidx, port=port, package=pkg))
+                                       req=request, backend=backend, gpu_indexes=gidx, port=port, package=pkg,
+                                       share=share))
             port += 1
     summary = {
         "path": model.paths[0], "arch": model.arch, "n_layers": model.n_layers, "n_expert": costs.n_expert,
