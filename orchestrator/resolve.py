@@ -97,7 +97,9 @@ def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendI
     return info, notes
 
 
-def resolve(topology: str | Path | Topology, *, overrides: dict | None = None) -> Resolved:
+def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
+            backend: BackendInfo | None = None) -> Resolved:
+    """``backend``: use this llama-server description instead of finding and detecting the binary."""
     from orchestrator.model import read_model
     from orchestrator.plan import make_plan
 
@@ -107,8 +109,9 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None) -
     topo.check_files()
     machines, notes = load_machines(topo)
     model = read_model(str(topo.model.path))
-    backend, bnotes = find_backend(topo, machines)
-    notes += bnotes
+    if backend is None:
+        backend, bnotes = find_backend(topo, machines)
+        notes += bnotes
     request = request_from_topology(
         topo, ram_totals={name: m.memory_total_bytes for name, m in machines.items()})
     try:

@@ -84,6 +84,8 @@ def place_single(costs: ModelCosts, kv_layer: list[int], gpu: GpuBudget,
             cpu_kv=0,
         )
     # partial offload: the last k layers (always-used part + KV) on the GPU, experts and the rest on the CPU
+    if gpu.budget <= 0:
+        raise _DoesNotFit(always, gpu.budget)
     room = gpu.budget
     k = 0
     for i in reversed(layers):
@@ -92,6 +94,8 @@ def place_single(costs: ModelCosts, kv_layer: list[int], gpu: GpuBudget,
             break
         room -= need
         k += 1
+    if k == 0:
+        raise _DoesNotFit(always, gpu.budget)
     start = n - k
     gpu_layers = set(range(start, n))
     gpu_w = sum(costs.layer_always[i] for i in gpu_layers)

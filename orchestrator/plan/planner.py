@@ -277,7 +277,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                 f"model {model.paths[0]}: attention, norms, shared weights, output and the KV cache for "
                 f"{req.context} tokens ({req.parallel} slots) need {fmt_bytes(e.need)} but the GPUs "
                 f"{list(gpu_indexes)} offer {fmt_bytes(e.have)} after reserves: lower model.context or "
-                f"model.parallel, quantize the KV cache (model.cache_type: q8_0), or add GPUs")
+                f"model.parallel, quantize the KV cache (model.cache_type_k and cache_type_v: q8_0), or add GPUs")
         best = _choose(cands)
         placement = best.placement
         # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
@@ -349,12 +349,22 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
     decisions.extend(cpu.decisions)
     avail_host = sum(node_available(machine, n) for n in machine.numa_nodes
                      if not cpu.host_nodes or n.id in cpu.host_nodes) or (machine.memory_available_bytes or 0)
-    host_total = memory[-1].total
-    if avail_host and host_total + node_req.ram_reserve > avail_host and load_mode != "mmap":
+    host = memory[-1]
+    # KV cache and compute buffers are anonymous memory; weights too unless memory-mapped (then the page cache
+    # holds them and may evict them, at the price of re-reading from disk)
+    anon = host.kv + host.compute + host.overhead + (host.weights if load_mode != "mmap" else 0)
+    if avail_host and anon + node_req.ram_reserve > avail_host:
+        where = f"nodes {list(cpu.host_nodes)}" if cpu.host_nodes else "this machine"
         raise PlanError(
-            f"model {model.paths[0]}: host memory needed {fmt_bytes(host_total)} + ram_reserve "
-            f"{fmt_bytes(node_req.ram_reserve)} exceeds the {fmt_bytes(avail_host)} free on nodes "
-            f"{list(cpu.host_nodes) or 'all'}: add GPUs or memory, lower the context, or use load_mode: mmap")
+            f"model {model.paths[0]}: host memory needed {fmt_bytes(anon)} (KV cache {fmt_bytes(host.kv)}, "
+            f"compute {fmt_bytes(host.compute)}"
+            + (f", weights {fmt_bytes(host.weights)}" if load_mode != "mmap" else "")
+            + f") + ram_reserve {fmt_bytes(node_req.ram_reserve)} exceeds the {fmt_bytes(avail_host)} available on "
+            f"{where}: lower model.context ({req.context}) or model.parallel, quantize the KV cache, or add memory")
+    if load_mode == "mmap" and avail_host and host.total > 2 * avail_host:
+        decisions.append(Decision("warning", "weights exceed RAM",
+                                  f"{fmt_bytes(host.total)} in host memory vs {fmt_bytes(avail_host)} available: "
+                                  f"weights will be re-read from disk (slow)"))
     if threshold is not None and backend.flavor == "mainline":
         env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
     ot = cpu_expert_override(
