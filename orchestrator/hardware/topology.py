@@ -425,7 +425,7 @@ class Machine:
                 memory_free_bytes=e.opt_int("memory_free_bytes"), pcie_gen=e.opt_int("pcie_gen"),
                 pcie_width=e.opt_int("pcie_width"), pcie_gen_max=e.opt_int("pcie_gen_max"),
                 pcie_width_max=e.opt_int("pcie_width_max"), local_cpus=e.cpus("local_cpus", default=""),
-                compute_capability=e.opt_str("compute_capability"), source=e.choice("source", ("nvml", "sysfs")),
+                compute_capability=e.opt_str("compute_capability"), source=e.choice("source", ("nvml", "sysfs", "described")),
                 peers=tuple((p.int("gpu"), p.str("link")) for p in e.items("peers", default=[])),
                 memory_node=e.opt_int("memory_node"), vendor_id=e.opt_str("vendor_id"),
                 device_id=e.opt_str("device_id"))
