@@ -210,7 +210,9 @@ def _llc_bytes_per_node(m: Machine, root: str = "/") -> dict[int, int]:
 
 
 def host_plan(m: Machine, bytes_override: int | None = None) -> tuple[list[int], list[tuple[int, tuple[int, ...]]], int]:
-    """(memory nodes, [(cpu node, one CPU per core)], buffer bytes) for the host memory probe."""
+    """(memory nodes, [(cpu node, one CPU per core)], buffer bytes) for the host memory probe.
+
+    Buffers are 4x the largest per-node last-level cache (past the caches), 512 MiB to 4 GiB."""
     allowed_cpus = set(m.allowed_cpus)
     allowed_nodes = set(m.allowed_nodes)
     sets = []
@@ -225,9 +227,13 @@ def host_plan(m: Machine, bytes_override: int | None = None) -> tuple[list[int],
     else:
         llc = max(_llc_bytes_per_node(m).values(), default=0)
         nbytes = min(max(4 * llc, 512 << 20), 4 << 30)
-        free = [m.node(n).free_bytes for n in mem_nodes if m.node(n).free_bytes]
-        if free:
-            nbytes = min(nbytes, max(64 << 20, min(free) // 4))
+        # one buffer at a time: at most a quarter of the smallest node and half of what the kernel says is
+        # available (MemAvailable counts reclaimable page cache, which MemFree does not)
+        limits = [m.node(n).memory_bytes // 4 for n in mem_nodes if m.node(n).memory_bytes]
+        if m.memory_available_bytes:
+            limits.append(m.memory_available_bytes // 2)
+        if limits:
+            nbytes = min(nbytes, max(64 << 20, min(limits)))
     return mem_nodes, sets, max(1 << 20, nbytes >> 20 << 20)
 
 

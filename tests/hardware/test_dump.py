@@ -213,3 +213,29 @@ def test_rootfs_records_only_what_was_used(extracted):
 
 def test_expected_json_covers_every_fixture():
     assert sorted(p.name for p in SYSFS.glob("*.tar.bz2")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name, needed", [
+    ("vm/proc/sys/kernel/numa_balancing", True),
+    ("vm/proc/cpuinfo", True),
+    ("x/fsroot/sys/devices/system/cpu/online", True),
+    ("x/sys/devices/system/cpu/cpu7/topology/core_cpus_list", True),
+    ("x/sys/devices/system/cpu/cpu7/online", True),
+    ("x/sys/devices/system/cpu/cpu7/cache/index3/size", False),
+    ("x/sys/devices/system/cpu/cpufreq/policy0/scaling_governor", False),
+    ("x/sys/devices/system/node/node250/meminfo", True),
+    ("x/sys/bus/pci/devices/0000:18:00.0", True),
+    ("x/sys/devices/pci0000:00/0000:00:02.0/class", True),
+    ("x/sys/devices/pci0000:00/0000:00:02.0/config", False),
+    ("x/sys/devices/pci0000:00/0000:00:02.0", True),
+    ("x/sys/kernel/mm/transparent_hugepage/enabled", True),
+    ("x/sys/fs/cgroup/cpuset/dummy/cpuset.cpus", True),
+    ("x/sys/fs/cgroup/unified/user.slice/cgroup.procs", False),
+    ("x/sys/class/dmi/id/board_name", False),
+    ("x/dev/cpuset/prout/cpus", True),
+    ("x/orchestrator/nvml.json", True),
+])
+def test_dump_extraction_keeps_what_discovery_reads(name, needed):
+    from orchestrator.hardware.dump import _needed
+
+    assert _needed(name) is needed
