@@ -27,6 +27,7 @@ class BackendInfo:
     gpu_offload: bool = False                   # -ngl is offered (a GPU backend is compiled in)
     features: frozenset[str] = field(default_factory=frozenset)
     split_modes: tuple[str, ...] = ()           # values -sm accepts, as --help lists them
+    devices: tuple[str, ...] = ()               # `--list-devices` lines, e.g. "CUDA0: NVIDIA H200 (143156 MiB, ...)"
     bench: str | None = None                    # llama-bench next to it, if any
     fit_params: str | None = None               # llama-fit-params next to it, if any
 
@@ -37,7 +38,7 @@ class BackendInfo:
         return {
             "server": self.server, "flavor": self.flavor, "version": self.version, "build_info": self.build_info,
             "cuda": self.cuda, "gpu_offload": self.gpu_offload, "features": sorted(self.features),
-            "split_modes": list(self.split_modes), "bench": self.bench, "fit_params": self.fit_params,
+            "split_modes": list(self.split_modes), "devices": list(self.devices), "bench": self.bench, "fit_params": self.fit_params,
         }
 
 
@@ -103,6 +104,20 @@ def _run(argv: list[str], timeout: float = 30.0) -> str:
     return (res.stdout or "") + (res.stderr or "")
 
 
+def _binary_mentions(path: str, needle: bytes) -> bool:
+    """Whether the binary (statically linked: the backends are inside) contains ``needle``."""
+    try:
+        with open(path, "rb") as f:
+            tail = b""
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                if needle in tail + chunk:
+                    return True
+                tail = chunk[-len(needle):]
+    except OSError:
+        return False
+    return False
+
+
 def detect_backend(server: str | os.PathLike) -> BackendInfo:
     """Run the binary's ``--version`` and ``--help`` and describe it."""
     path = str(server)
@@ -125,13 +140,16 @@ def detect_backend(server: str | os.PathLike) -> BackendInfo:
     m = re.search(r"^(built with .+)$", version_text, re.M)
     if m:
         built = m.group(1).strip()
-    cuda = bool(re.search(r"\bCUDA\b|ggml_cuda_init|cuda", version_text)) or bool(re.search(r"\bCUDA\d*\b", help_text))
+    devices_text = _run([path, "--list-devices"])
+    devices = tuple(ln.strip() for ln in devices_text.split("Available devices:", 1)[-1].splitlines()
+                    if re.match(r"\s+\S+\d*:", ln))
+    cuda = any(d.startswith("CUDA") for d in devices) or _binary_mentions(path, b"ggml_cuda_init")
     here = Path(path).resolve().parent
     bench = here / "llama-bench"
     fitp = here / "llama-fit-params"
     return BackendInfo(
         server=path, flavor=flavor, version=version, build_info=built, cuda=cuda, gpu_offload=gpu_offload,
-        features=feats, split_modes=modes,
+        features=feats, split_modes=modes, devices=devices,
         bench=str(bench) if os.access(bench, os.X_OK) else None,
         fit_params=str(fitp) if os.access(fitp, os.X_OK) else None,
     )

@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flavor", choices=["mainline", "ik_llama.cpp"], default="mainline",
                    help="which llama.cpp to build (default: mainline)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--cuda", dest="cuda", action="store_true", default=None, help="build the CUDA backend")
+    g.add_argument("--cuda", dest="cuda", action="store_true", default=None, help="build the CUDA backend (default: when nvcc and an NVIDIA GPU are both present)")
     g.add_argument("--cpu", dest="cuda", action="store_false", help="CPU only, even when nvcc is present")
     p.add_argument("--cuda-arch", action="append", default=[], metavar="SM",
                    help="CUDA architecture, e.g. 90 (repeatable; default: those of the GPUs present)")

@@ -1,0 +1,16 @@
+"""Planning: pure decisions from (machines, model, request, backend) to a Plan. No processes, files or network.
+
+The import-rule test (tests/plan/test_purity.py) keeps subprocess, ray, socket and time out of this package.
+"""
+
+from orchestrator.plan.request import NodeRequest, PlanRequest
+from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, NumaPlan, Plan, Prediction, WorkerPlan
+
+__all__ = ["NodeRequest", "PlanRequest", "Decision", "DeviceMemory", "LayerRange", "NumaPlan", "Plan", "Prediction",
+           "WorkerPlan", "make_plan"]
+
+
+def make_plan(**kw):
+    from orchestrator.plan.planner import make_plan as _mp
+
+    return _mp(**kw)

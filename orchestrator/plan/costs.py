@@ -1,0 +1,89 @@
+"""The model, summarised as the numbers placement and prediction need (bytes and parameters per layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.model import ModelInfo, TensorClass
+from orchestrator.model.memory import cuda_tensor_bytes
+
+# Tensors llama.cpp keeps with the input layer: always on the CPU ("little benefit to offloading the input layer").
+_INPUT_CLASSES = {TensorClass.EMBEDDINGS}
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    arch: str
+    n_layers: int                         # block_count as llama.cpp counts it (nextn layers included)
+    n_compute_layers: int                 # layers actually evaluated (nextn/MTP layers excluded)
+    n_expert: int
+    n_expert_used: int
+    layer_always: tuple[int, ...]         # bytes per layer that every token reads (attention, norms, router, dense/shared FFN)
+    layer_experts: tuple[int, ...]        # routed-expert bytes per layer
+    layer_always_params: tuple[int, ...]
+    layer_expert_params: tuple[int, ...]  # parameters of ONE routed expert in that layer (gate+up+down)
+    input_bytes: int                      # token embeddings: kept on the CPU by llama.cpp
+    output_bytes: int                     # output head + final norm: on the GPU holding the output layer
+    output_params: int
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, e in enumerate(self.layer_experts) if e > 0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.layer_always) + sum(self.layer_experts) + self.input_bytes + self.output_bytes
+
+    def expert_bytes_per_token(self, layers) -> float:
+        """Bytes of routed experts read per generated token from ``layers``."""
+        if not self.n_expert:
+            return 0.0
+        return sum(self.layer_experts[i] for i in layers) * self.n_expert_used / self.n_expert
+
+    def bytes_per_expert(self, layer: int) -> float:
+        return self.layer_experts[layer] / self.n_expert if self.n_expert else 0.0
+
+
+def model_costs(model: ModelInfo) -> ModelCosts:
+    n = model.n_layers
+    skip_from = n - (model.n_nextn_layers or 0)        # llama.cpp skips loading nextn (MTP) layers
+    always = [0] * n
+    experts = [0] * n
+    always_p = [0] * n
+    expert_p = [0] * n
+    input_b = output_b = output_p = 0
+    has_output = False
+    embd_b = embd_p = 0
+    for t in model.tensors:
+        size = cuda_tensor_bytes(t)  # what the tensor takes in VRAM (quantized rows padded): budgets are VRAM
+        if t.layer is None:
+            if t.cls in _INPUT_CLASSES:
+                input_b += size
+                embd_b, embd_p = size, t.n_elements
+            elif t.cls == TensorClass.OTHER:
+                continue
+            else:
+                output_b += size
+                output_p += t.n_elements
+                if t.cls == TensorClass.OUTPUT and t.name.startswith("output."):
+                    has_output = True
+            continue
+        if t.layer >= skip_from or t.layer >= n or t.cls == TensorClass.OTHER:
+            continue
+        if t.cls == TensorClass.ROUTED_EXPERT:
+            experts[t.layer] += size
+            expert_p[t.layer] += t.n_elements
+        else:
+            always[t.layer] += size
+            always_p[t.layer] += t.n_elements
+    if not has_output:  # tied embeddings: llama.cpp duplicates token_embd as the output head
+        output_b += embd_b
+        output_p += embd_p
+    n_exp = model.n_expert or 0
+    per_expert_p = [p // n_exp if n_exp else 0 for p in expert_p]
+    return ModelCosts(
+        arch=model.arch, n_layers=n, n_compute_layers=skip_from, n_expert=n_exp,
+        n_expert_used=model.n_expert_used or 0, layer_always=tuple(always), layer_experts=tuple(experts),
+        layer_always_params=tuple(always_p), layer_expert_params=tuple(per_expert_p),
+        input_bytes=input_b, output_bytes=output_b, output_params=output_p,
+    )

@@ -1,0 +1,493 @@
+"""make_plan: machines + model + request + backend -> Plan. Pure: no processes, files, network or clocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from orchestrator.backend.detect import BackendInfo
+from orchestrator.errors import PlanError
+from orchestrator.hardware import Machine
+from orchestrator.model import ModelInfo
+from orchestrator.plan import memory as M
+from orchestrator.plan import rates as R
+from orchestrator.plan.costs import ModelCosts, model_costs
+from orchestrator.plan.cpu import choose_cpu, node_available
+from orchestrator.plan.flags import render_args
+from orchestrator.plan.placement import (
+    GpuBudget, Placement, _DoesNotFit, cpu_expert_override, place_cpu_only, place_graph_split, place_layer_split,
+    place_single,
+)
+from orchestrator.plan.predict import SpeedInputs, op_offload_threshold, predict_pp, predict_tg
+from orchestrator.plan.request import NodeRequest, PlanRequest
+from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, Plan, Prediction, WorkerPlan
+from orchestrator.units import GiB, MiB, fmt_bytes
+
+UBATCH_CANDIDATES = (512, 1024, 2048, 4096)
+# mainline llama.cpp refuses -sm tensor for these architectures (src/llama-arch.cpp llm_arch_supports_sm_tensor)
+SM_TENSOR_UNSUPPORTED = frozenset({
+    "grok", "mpt", "plamo2", "minicpm3", "gemma3n", "mamba", "mamba2", "jamba", "falcon-h1", "olmo2", "olmoe",
+    "deepseek2", "deepseek32", "bitnet", "t5", "nemotron_h", "nemotron_h_moe", "granitehybrid", "minimax01",
+    "minimax-m2", "kimi-linear", "glm-dsa",
+})
+_QUANT_KV = {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"}
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    ubatch: int
+    placement: Placement
+    threshold: int | None
+    threshold_why: str
+    tg: float
+    tg_bytes: Mapping[str, int]
+    pp: Mapping[int, float]
+    compute_gpu: int
+    overhead_gpu: int
+    speed: SpeedInputs
+
+
+def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on", flavor: str = "mainline"
+               ) -> list[int]:
+    return M.kv_by_layer(model, n_ctx=req.context, n_parallel=req.parallel, type_k=req.type_k, type_v=req.type_v,
+                         n_ubatch=ub, n_batch=max(ub, 2048), flash_attn=fa != "off", flavor=flavor)
+
+
+def _flash_attn(req: PlanRequest, has_gpu: bool) -> str:
+    if req.flash_attn in ("on", "off"):
+        return req.flash_attn
+    if req.type_v.lower() in _QUANT_KV:
+        return "on"  # a quantized V cache needs flash attention
+    return "on" if has_gpu else "auto"
+
+
+def _split_mode(req: PlanRequest, backend: BackendInfo, model: ModelInfo, n_gpus: int, fa: str) -> tuple[str, str]:
+    if n_gpus <= 1:
+        return "none", "one GPU"
+    if req.split_mode != "auto":
+        mode = req.split_mode
+        if mode in ("tensor", "graph") and not backend.has(f"sm_{mode}"):
+            raise PlanError(f"workers.split_mode: {mode!r} is not offered by {backend.server} ({backend.flavor}; "
+                            f"it offers {', '.join(backend.split_modes) or 'none'}): choose one of those or 'auto'")
+        return mode, "set by the topology"
+    if backend.flavor == "ik_llama.cpp" and backend.has("sm_graph"):
+        return "graph", "ik_llama.cpp -sm graph: every GPU works on every layer; -ot only for CPU overflow"
+    if backend.has("sm_tensor"):
+        blockers = []
+        if model.arch in SM_TENSOR_UNSUPPORTED:
+            blockers.append(f"architecture {model.arch} is not supported by -sm tensor")
+        if fa == "off":
+            blockers.append("flash attention is off")
+        if req.type_k.lower() in _QUANT_KV or req.type_v.lower() in _QUANT_KV:
+            blockers.append("the KV cache is quantized")
+        if not blockers:
+            return "tensor", "mainline -sm tensor: weights and KV split over all GPUs (flash attention, f16 KV)"
+        return "layer", "-sm layer with balanced ranges (" + "; ".join(blockers) + ")"
+    return "layer", "-sm layer with balanced ranges (no tensor/graph split in this llama-server)"
+
+
+def _speed_inputs(machine: Machine, gpus: list, load_mode: str, host_nodes: tuple[int, ...], threads: int
+                  ) -> tuple[SpeedInputs, list[str]]:
+    notes = []
+    bw = machine.bandwidth
+    mem_bw, flops = [], []
+    h2d = None
+    for g in gpus:
+        b, src = R.gpu_memory_bandwidth(g.name)
+        f, _ = R.gpu_flops(g.name)
+        mem_bw.append(b)
+        flops.append(f)
+        measured = None
+        if bw is not None:
+            vals = [v for (gi, node), v in dict(bw.gpu_h2d).items() if gi == g.index and (not host_nodes or node in host_nodes)]
+            if not vals:
+                vals = [v for (gi, node), v in dict(bw.gpu_h2d).items() if gi == g.index]
+            measured = max(vals) if vals else None
+        if measured:
+            pinned, src = measured, "measured by orchestrator probe"
+        else:
+            pinned, src = R.pcie_pinned_bandwidth(g.pcie_gen, g.pcie_width)
+        eff = pinned if load_mode == "pinned" else pinned * R.PAGEABLE_FRACTION
+        h2d = eff if h2d is None else min(h2d, eff)
+        notes.append(f"GPU{g.index} host->device {pinned / 1e9:.1f} GB/s pinned ({src})")
+    host_bw = 0.0
+    if bw is not None and host_nodes:
+        host = dict(bw.host)
+        vals = [host.get((n, n)) for n in host_nodes]
+        if all(vals):
+            host_bw = float(sum(vals))
+            notes.append(f"host memory {host_bw / 1e9:.0f} GB/s on nodes {list(host_nodes)} (measured)")
+    if not host_bw:
+        per, src = R.host_memory_bandwidth_default(len(machine.numa_nodes))
+        host_bw = per * max(1, len(host_nodes))
+        notes.append(f"host memory {host_bw / 1e9:.0f} GB/s ({src})")
+    per_core, src = R.cpu_flops_per_core(machine.cpu_model)
+    return SpeedInputs(tuple(mem_bw), tuple(flops), h2d or 1.0, host_bw, per_core * max(threads, 1)), notes
+
+
+def _gpu_free(g, node_req: NodeRequest) -> tuple[int, str]:
+    free = g.memory_free_bytes if g.memory_free_bytes is not None else g.memory_bytes
+    if free is None:
+        raise PlanError(f"GPU {g.index} ({g.name}): its memory size is unknown; set nodes[].vram_limit")
+    limit = node_req.limit_for(g.index)
+    if limit is not None:
+        if limit > free:
+            return free, f"vram_limit {fmt_bytes(limit)} > free {fmt_bytes(free)}: using the free memory"
+        return limit, f"vram_limit {fmt_bytes(limit)}"
+    return free, f"free {fmt_bytes(free)}"
+
+
+def _place(costs, kv_layer, budgets, mode, req):
+    forced = req.expert_layers_on_cpu
+    if len(budgets) == 1:
+        return place_single(costs, kv_layer, budgets[0], forced)
+    if mode in ("tensor", "graph"):
+        return place_graph_split(costs, kv_layer, budgets, mode, forced)
+    return place_layer_split(costs, kv_layer, budgets)
+
+
+def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine,
+              flavor="mainline"):
+    """Place the model for micro-batch ``ub`` and predict its speed."""
+    n_ctx = req.context
+    overhead = M.cuda_overhead(model, ub)
+
+    def budgets_for(staging: int) -> tuple[list[GpuBudget], int]:
+        compute = M.gpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                      n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                      type_v=req.type_v, has_output=True, staging=staging, flavor=flavor)
+        out = []
+        for g in gpus:
+            free, _why = _gpu_free(g, node_req)
+            out.append(GpuBudget(g.index, g.name, free - node_req.vram_reserve - overhead - compute))
+        return out, compute
+
+    budgets, compute = budgets_for(0)
+    placement = _place(costs, kv_layer, budgets, mode, req)
+    # CPU-resident experts are copied into the GPU's compute buffer for big batches: make room, place again
+    for _ in range(3):
+        staging = M.staging_bytes(model, placement.cpu_expert_layers)
+        if not staging:
+            break
+        budgets, compute2 = budgets_for(staging)
+        again = _place(costs, kv_layer, budgets, mode, req)
+        compute = compute2
+        if again.cpu_expert_layers == placement.cpu_expert_layers:
+            placement = again
+            break
+        placement = again
+    speed, _ = _speed_inputs(machine, gpus, load_mode, host_nodes, threads)
+    if req.op_offload_min_batch is not None:
+        threshold, why = req.op_offload_min_batch, "set by the topology"
+    else:
+        threshold, why = op_offload_threshold(costs, placement, speed, max_batch=max(ub, 4096))
+    tg, tg_bytes = predict_tg(costs, placement, speed, 0.0)
+    pp = predict_pp(costs, placement, speed, ub, threshold)
+    return _Candidate(ub, placement, threshold, why, tg, tg_bytes, pp, compute, overhead, speed)
+
+
+def _choose(cands: list[_Candidate]) -> _Candidate:
+    """Largest prompt speed at 4096 tokens among candidates whose generation speed is within 3% of the best."""
+    best_tg = max(c.tg for c in cands)
+    ok = [c for c in cands if c.tg >= 0.97 * best_tg]
+    return max(ok, key=lambda c: (round(c.pp.get(4096, 0.0), 1), c.tg, -c.ubatch))
+
+
+def _ranges(placement: Placement, n_layers: int, gpu_names: list[str]) -> tuple[LayerRange, ...]:
+    def dev(g):
+        if g is None:
+            return "CPU"
+        if placement.split_mode in ("tensor", "graph"):
+            return "+".join(gpu_names)
+        return gpu_names[g]
+
+    out = []
+    start = 0
+    for i in range(1, n_layers + 1):
+        if i == n_layers or (placement.layer_gpu[i], placement.experts_on_gpu[i]) != (
+                placement.layer_gpu[start], placement.experts_on_gpu[start]):
+            a = dev(placement.layer_gpu[start])
+            e = a if placement.experts_on_gpu[start] else "CPU"
+            out.append(LayerRange(start, i - 1, a, e))
+            start = i
+    return tuple(out)
+
+
+def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: ModelInfo, costs: ModelCosts,
+                req: PlanRequest, backend: BackendInfo, gpu_indexes: tuple[int, ...], port: int,
+                package: int | None = None, share: tuple[int, int] | None = None) -> WorkerPlan:
+    decisions: list[Decision] = []
+    by_index = {g.index: g for g in machine.gpus}
+    gpus = [by_index[i] for i in gpu_indexes]
+    has_gpu = bool(gpus) and backend.cuda
+    if gpus and not backend.cuda:
+        decisions.append(Decision("gpus", "none", f"{backend.server} was built without CUDA: CPU only "
+                                                  f"(build one with `orchestrator build --cuda`)"))
+        gpus = []
+    fa = _flash_attn(req, has_gpu)
+    flavor = backend.flavor
+    kv_layer = _kv_layers(model, req, fa=fa, flavor=flavor)
+    mode, mode_why = _split_mode(req, backend, model, len(gpus), fa)
+    n_ctx = req.context
+
+    if gpus:
+        # main GPU: best measured host bandwidth (ties: lowest index)
+        bw = machine.bandwidth
+        def h2d(g):
+            if bw is None:
+                return 0.0
+            vals = [v for (gi, _n), v in dict(bw.gpu_h2d).items() if gi == g.index]
+            return max(vals) if vals else 0.0
+        main = max(gpus, key=lambda g: (h2d(g), -g.index))
+        anchor = machine.nearest_cpu_node(main)
+        # host memory of the anchor node decides pinned vs mmap; evaluate with a first guess of CPU bytes
+        load_mode_req = req.load_mode
+        ubs = [req.ubatch] if req.ubatch else list(UBATCH_CANDIDATES)
+        # a first guess of the CPU-resident bytes (what the GPUs cannot hold) picks the NUMA nodes to measure
+        gpu_room = sum(max(0, _gpu_free(g, node_req)[0] - node_req.vram_reserve) for g in gpus)
+        host_guess = max(costs.input_bytes, costs.total_bytes + sum(kv_layer) - gpu_room)
+        cpu = choose_cpu(machine, host_bytes=host_guess, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
+                         package=package, policy=req.numa, smt=req.smt, threads=req.threads,
+                         threads_batch=req.threads_batch, share=share)
+        avail = machine.memory_available_bytes or sum(node_available(machine, n) for n in machine.numa_nodes)
+        if load_mode_req != "auto":
+            load_mode = load_mode_req
+            lm_why = "set by the topology"
+        elif host_guess + node_req.ram_reserve <= avail:
+            load_mode = "pinned"
+            lm_why = (f"CPU-resident weights ({fmt_bytes(host_guess)}) + reserve fit the available "
+                      f"{fmt_bytes(avail)}: load them into pinned host buffers, so batches are copied to the GPU at "
+                      f"full PCIe speed (mmap'd pages copy ~{1 / R.PAGEABLE_FRACTION:.0f}x slower)")
+        else:
+            load_mode = "mmap"
+            lm_why = (f"CPU-resident weights ({fmt_bytes(host_guess)}) + reserve exceed the available "
+                      f"{fmt_bytes(avail)}: keep them memory-mapped")
+        cands = []
+        errors = []
+        for ub in ubs:
+            try:
+                kv_ub = _kv_layers(model, req, ub=ub, fa=fa, flavor=flavor)
+                cands.append(_evaluate(model, costs, kv_ub, gpus, node_req, req, mode, fa, ub, load_mode,
+                                       cpu.host_nodes, cpu.threads, machine, flavor))
+            except _DoesNotFit as e:
+                errors.append((ub, e))
+        if not cands:
+            ub, e = errors[0]
+            raise PlanError(
+                f"model {model.paths[0]}: attention, norms, shared weights, output and the KV cache for "
+                f"{req.context} tokens ({req.parallel} slots) need {fmt_bytes(e.need)} but the GPUs "
+                f"{list(gpu_indexes)} offer {fmt_bytes(e.have)} after reserves: lower model.context or "
+                f"model.parallel, quantize the KV cache (model.cache_type_k and cache_type_v: q8_0), or add GPUs")
+        best = _choose(cands)
+        placement = best.placement
+        # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
+        host_bytes = placement.cpu_weights + placement.cpu_kv
+        cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
+                         package=package, policy=req.numa, smt=req.smt, threads=req.threads,
+                         threads_batch=req.threads_batch, share=share)
+        gpu_names = [f"CUDA{k}" for k in range(len(gpus))]
+        decisions.append(Decision("gpus", ",".join(str(g.index) for g in gpus),
+                                  f"main GPU {main.index} ({main.name}); host memory nearest to it: node {anchor}"))
+        decisions.append(Decision("split mode", mode, mode_why))
+        n_cpu_exp = len([i for i in placement.cpu_expert_layers if costs.layer_experts[i]])
+        decisions.append(Decision(
+            "placement", f"{len(costs.moe_layers) - n_cpu_exp}/{len(costs.moe_layers)} expert layers in VRAM",
+            f"always-used weights {fmt_bytes(sum(costs.layer_always) + costs.output_bytes)} + KV "
+            f"{fmt_bytes(sum(kv_layer))} on the GPU first; routed experts by whole layers in the rest; "
+            f"{n_cpu_exp} layers of experts ({fmt_bytes(sum(costs.layer_experts[i] for i in placement.cpu_expert_layers))}) "
+            f"in host memory" + (" (forced)" if req.expert_layers_on_cpu is not None else "")))
+        decisions.append(Decision("ubatch", f"-b {max(best.ubatch, 2048)} -ub {best.ubatch}",
+                                  "candidates " + ", ".join(f"ub {c.ubatch}: tg {c.tg:.1f} t/s, pp4096 "
+                                                            f"{c.pp.get(4096, 0):.0f} t/s" for c in cands)
+                                  + " -> fastest prompt within 3% of the best generation"))
+        decisions.append(Decision("load mode", load_mode, lm_why if n_cpu_exp else
+                                  "no CPU-resident experts: " + lm_why))
+        decisions.append(Decision("op offload", str(best.threshold), best.threshold_why))
+        threshold = best.threshold if n_cpu_exp else None
+        ub = best.ubatch
+        memory = []
+        for k, g in enumerate(gpus):
+            free, why = _gpu_free(g, node_req)
+            memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
+                                       compute=best.compute_gpu, overhead=best.overhead_gpu,
+                                       budget=free - node_req.vram_reserve))
+        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                          n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                          type_v=req.type_v, has_layers=placement.n_gpu_layers <= model.n_layers,
+                                          has_output=placement.n_gpu_layers <= model.n_layers, flavor=flavor)
+        memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
+                                   overhead=M.output_bytes(model, req.parallel)))
+        pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes)
+        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in gpus)}
+    else:
+        placement = place_cpu_only(costs, kv_layer)
+        host_bytes = placement.cpu_weights + placement.cpu_kv
+        cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=None,
+                         package=package, policy=req.numa, smt=req.smt, threads=req.threads,
+                         threads_batch=req.threads_batch, share=share)
+        ub = req.ubatch or 512
+        threshold = None
+        bind = cpu.numa.mode == "bind" and len(machine.numa_nodes) > 1
+        load_mode = req.load_mode if req.load_mode != "auto" else ("pinned" if bind else "mmap")
+        lm_why = ("set by the topology" if req.load_mode != "auto" else
+                  "bound to one node: read the weights into memory allocated under the binding (mmap'd pages "
+                  "stay wherever the page cache put them)" if bind else "memory-mapped (the default)")
+        decisions.append(Decision("gpus", "none", "no GPU selected or present: everything in host memory"))
+        decisions.append(Decision("ubatch", f"-b {max(ub, 2048)} -ub {ub}", "CPU prompt speed barely depends on it"))
+        decisions.append(Decision("load mode", "read" if load_mode == "pinned" else load_mode, lm_why))
+        speed, _ = _speed_inputs(machine, [], load_mode, cpu.host_nodes, cpu.threads)
+        tg, tg_bytes = predict_tg(costs, placement, speed)
+        pp = predict_pp(costs, placement, speed, ub, None)
+        pred = Prediction(pp=pp, tg=tg, tg_bytes_per_token=tg_bytes)
+        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                          n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                          type_v=req.type_v, has_layers=True, has_output=True, flavor=flavor)
+        memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
+                               overhead=M.output_bytes(model, req.parallel))]
+        env = {"CUDA_VISIBLE_DEVICES": ""} if machine.gpus else {}
+        gpu_names = []
+    decisions.extend(cpu.decisions)
+    avail_host = sum(node_available(machine, n) for n in machine.numa_nodes
+                     if not cpu.host_nodes or n.id in cpu.host_nodes) or (machine.memory_available_bytes or 0)
+    host = memory[-1]
+    # KV cache and compute buffers are anonymous memory; weights too unless memory-mapped (then the page cache
+    # holds them and may evict them, at the price of re-reading from disk)
+    anon = host.kv + host.compute + host.overhead + (host.weights if load_mode != "mmap" else 0)
+    if avail_host and anon + node_req.ram_reserve > avail_host:
+        where = f"nodes {list(cpu.host_nodes)}" if cpu.host_nodes else "this machine"
+        raise PlanError(
+            f"model {model.paths[0]}: host memory needed {fmt_bytes(anon)} (KV cache {fmt_bytes(host.kv)}, "
+            f"compute {fmt_bytes(host.compute)}"
+            + (f", weights {fmt_bytes(host.weights)}" if load_mode != "mmap" else "")
+            + f") + ram_reserve {fmt_bytes(node_req.ram_reserve)} exceeds the {fmt_bytes(avail_host)} available on "
+            f"{where}: lower model.context ({req.context}) or model.parallel, quantize the KV cache, or add memory")
+    if load_mode == "mmap" and avail_host and host.total > 2 * avail_host:
+        decisions.append(Decision("warning", "weights exceed RAM",
+                                  f"{fmt_bytes(host.total)} in host memory vs {fmt_bytes(avail_host)} available: "
+                                  f"weights will be re-read from disk (slow)"))
+    if threshold is not None and backend.flavor == "mainline":
+        env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
+    ot = cpu_expert_override(
+        [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ""
+    args = render_args(
+        backend=backend, model_path=model.paths[0], n_ctx=n_ctx, parallel=req.parallel, placement=placement,
+        n_gpus=len(gpus), override=ot, main_gpu=(gpus.index(main) if gpus and len(gpus) > 1 else None),
+        threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=max(ub, 2048), n_ubatch=ub, flash_attn=fa,
+        type_k=req.type_k, type_v=req.type_v, load_mode=load_mode, numa_flag=cpu.numa.numa_flag,
+        op_offload_min_batch=threshold, host=req.host, port=port, alias=req.alias, extra=req.extra_args,
+    )
+    return WorkerPlan(
+        name=name, node=node_req.name, host=req.host, port=port, gpus=tuple(g.index for g in gpus), args=args,
+        env=env, numa=cpu.numa, disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
+        placement=_ranges(placement, model.n_layers, gpu_names), memory=tuple(memory), predicted=pred,
+        decisions=tuple(decisions), model_alias=req.alias,
+        cpu_expert_layers=tuple(i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0),
+        op_offload_min_batch=threshold, n_ubatch=ub, n_batch=max(ub, 2048), load_mode=load_mode,
+    )
+
+
+def _selected_gpus(machine: Machine, node_req: NodeRequest) -> tuple[int, ...]:
+    have = [g.index for g in machine.gpus]
+    if node_req.gpus is None:
+        return tuple(have)
+    missing = [i for i in node_req.gpus if i not in have]
+    if missing:
+        raise PlanError(f"nodes[{node_req.name}].gpus: GPU {missing[0]} does not exist on this machine "
+                        f"(it has {', '.join(map(str, have)) or 'no GPUs'})")
+    return tuple(node_req.gpus)
+
+
+def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[int, ...], kv_total: int,
+            node_req: NodeRequest) -> tuple[list[tuple[tuple[int, ...], int | None, tuple[int, int] | None]], Decision]:
+    """[(gpu indexes, package or None, CPU share (k, n) or None)] per worker on one machine, and why."""
+    packages = sorted(machine.packages, key=lambda p: p.id)
+    layout = req.layout
+    if layout == "auto":
+        if gpus:
+            layout = "machine"
+            why = "GPUs present: one worker pools every selected GPU's memory (fewest CPU-resident experts)"
+        elif len(packages) > 1:
+            per_socket_free = []
+            for p in packages:
+                per_socket_free.append(sum(node_available(machine, n) for n in machine.numa_nodes
+                                           if p.id in n.packages))
+            need = costs.total_bytes + kv_total + node_req.ram_reserve // len(packages)
+            if all(f >= need for f in per_socket_free):
+                layout = "socket"
+                why = (f"CPU only, {len(packages)} sockets each with room for the model ({fmt_bytes(need)}): one "
+                       f"replica per socket, all memory local")
+            else:
+                layout = "machine"
+                why = (f"CPU only; the model ({fmt_bytes(need)}) does not fit one socket's memory: one worker over "
+                       f"all sockets")
+        else:
+            layout = "machine"
+            why = "one socket: one worker"
+    else:
+        why = "set by the topology"
+    if layout == "machine":
+        n = req.replicas or 1
+        if n > 1 and gpus:
+            raise PlanError(f"workers.replicas: {n} replicas of a GPU worker would share GPUs {list(gpus)}: use "
+                            f"layout gpu-group (one worker per group of GPUs) or one replica per machine")
+        return [(gpus, None, (k, n) if n > 1 else None) for k in range(n)], Decision("layout", f"machine x{n}", why)
+    if layout == "socket":
+        out = []
+        for p in packages:
+            node_ids = set(p.nodes)
+            pg = tuple(g.index for g in machine.gpus if g.index in gpus and machine.nearest_cpu_node(g) in node_ids)
+            out.append((pg, p.id, None))
+        return out, Decision("layout", f"socket x{len(out)}", why)
+    if layout == "gpu-group":
+        groups: dict[int | None, list[int]] = {}
+        for g in machine.gpus:
+            if g.index not in gpus:
+                continue
+            node = machine.nearest_cpu_node(g)
+            pkg = next((p.id for p in packages if node in p.nodes), None)
+            groups.setdefault(pkg, []).append(g.index)
+        if not groups:
+            raise PlanError("workers.layout: 'gpu-group' needs GPUs, and none are selected")
+        out = [(tuple(v), k, None) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
+        return out, Decision("layout", f"gpu-group x{len(out)}", why + " (one worker per socket's GPUs)")
+    raise PlanError(f"workers.layout: unknown layout {layout!r} (expected auto, machine, socket or gpu-group)")
+
+
+def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: PlanRequest,
+              backend: BackendInfo) -> Plan:
+    """The whole deployment: workers on every node of the topology."""
+    costs = model_costs(model)
+    if costs.n_expert and costs.n_expert_used > costs.n_expert:
+        raise PlanError(f"{model.paths[0]}: expert_used_count {costs.n_expert_used} > expert_count {costs.n_expert}")
+    if request.context <= 0 or request.parallel <= 0:
+        raise PlanError("model.context and model.parallel must be positive")
+    if request.context > model.n_ctx_train > 0:
+        warn = (f"model.context {request.context} exceeds the model's training context {model.n_ctx_train}")
+    else:
+        warn = None
+    kv_total = sum(_kv_layers(model, request, flavor=backend.flavor))
+    workers: list[WorkerPlan] = []
+    decisions: list[Decision] = []
+    port = request.port_base
+    for node_req in request.nodes:
+        machine = machines[node_req.name]
+        gpus = _selected_gpus(machine, node_req)
+        groups, why = _layout(machine, costs, request, gpus, kv_total, node_req)
+        decisions.append(Decision(f"layout {node_req.name}", why.value, why.why))
+        for k, (gidx, pkg, share) in enumerate(groups):
+            name = f"{node_req.name}-{k}" if len(groups) > 1 or len(request.nodes) > 1 else node_req.name
+            workers.append(plan_worker(name=name, node_req=node_req, machine=machine, model=model, costs=costs,
+                                       req=request, backend=backend, gpu_indexes=gidx, port=port, package=pkg,
+                                       share=share))
+            port += 1
+    summary = {
+        "path": model.paths[0], "arch": model.arch, "n_layers": model.n_layers, "n_expert": costs.n_expert,
+        "n_expert_used": costs.n_expert_used, "bytes": costs.total_bytes,
+        "routed_expert_bytes": sum(costs.layer_experts), "context": request.context, "parallel": request.parallel,
+        "kv_bytes": kv_total,
+    }
+    return Plan(workers=tuple(workers), model=summary, decisions=tuple(decisions),
+                warnings=tuple(w for w in (warn,) if w))
+
+
+__all__ = ["make_plan", "plan_worker", "GiB", "MiB"]

@@ -1,0 +1,187 @@
+"""Roofline speed prediction and the op-offload threshold.
+
+Generation is memory-bound: time per token = bytes each device reads per token / its bandwidth (times an
+efficiency llama.cpp reaches), plus a fixed cost per layer. Prompt processing is done in micro-batches: the
+GPU part is compute-bound; CPU-resident experts are either computed on the CPU (memory- or compute-bound) or,
+for batches of at least ``GGML_OP_OFFLOAD_MIN_BATCH`` tokens, copied to the GPU over PCIe (only the experts the
+batch uses are copied). The threshold is the smallest batch from which copying wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.plan import rates as R
+from orchestrator.plan.costs import ModelCosts
+from orchestrator.plan.placement import Placement
+
+PP_LENGTHS = (8, 32, 64, 128, 512, 4096)
+
+
+@dataclass(frozen=True)
+class SpeedInputs:
+    """Rates for one worker (bytes/s, FLOP/s)."""
+
+    gpu_mem_bw: tuple[float, ...]       # per worker GPU
+    gpu_flops: tuple[float, ...]
+    h2d: float                          # host->device for CPU-resident weights as loaded (pinned or pageable)
+    host_bw: float                      # host memory read bandwidth available to the worker's threads
+    cpu_flops: float                    # whole worker (threads x per-core)
+
+
+def experts_used(n_expert: int, k: int, batch: int) -> float:
+    """Expected distinct experts a batch of ``batch`` tokens touches (uniform routing)."""
+    if n_expert <= 0:
+        return 0.0
+    return n_expert * (1.0 - (1.0 - k / n_expert) ** batch)
+
+
+def _expert_sums(costs: ModelCosts, layers) -> tuple[float, float]:
+    """(bytes of one expert summed over ``layers``, parameters of one expert summed over ``layers``)."""
+    return (sum(costs.bytes_per_expert(i) for i in layers),
+            float(sum(costs.layer_expert_params[i] for i in layers)))
+
+
+def cpu_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None) -> float:
+    """Time to run the routed experts of ``layers`` on the CPU for a batch."""
+    if not layers:
+        return 0.0
+    bpe, ppe = sums or _expert_sums(costs, layers)
+    used = experts_used(costs.n_expert, costs.n_expert_used, batch)
+    return max(bpe * used / sp.host_bw, 2.0 * batch * costs.n_expert_used * ppe / sp.cpu_flops)
+
+
+def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None) -> float:
+    """Time to copy the used experts of ``layers`` to the GPU and run them there."""
+    if not layers:
+        return 0.0
+    bpe, ppe = sums or _expert_sums(costs, layers)
+    used = experts_used(costs.n_expert, costs.n_expert_used, batch)
+    gpu_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 1e12
+    return bpe * used / sp.h2d + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
+
+
+def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInputs, max_batch: int) -> tuple[int, str]:
+    """Smallest batch from which offloading CPU-resident experts beats computing them on the CPU, for every
+    larger batch too. Returns (threshold, the arithmetic at the threshold as one line)."""
+    layers = placement.cpu_expert_layers
+    layers = [i for i in layers if costs.layer_experts[i] > 0]
+    if not layers or not sp.gpu_mem_bw:
+        return max_batch + 1, "no CPU-resident experts: nothing to offload"
+    limit = max(max_batch, 2)
+    sums = _expert_sums(costs, layers)
+    wins = [offload_expert_time(costs, layers, b, sp, sums) < cpu_expert_time(costs, layers, b, sp, sums)
+            for b in range(1, limit + 1)]
+    threshold = limit + 1
+    for b in range(limit, 0, -1):
+        if not wins[b - 1]:
+            break
+        threshold = b
+    threshold = max(threshold, 2)
+    b = min(threshold, limit)
+    off = offload_expert_time(costs, layers, b, sp, sums)
+    cpu = cpu_expert_time(costs, layers, b, sp, sums)
+    used = experts_used(costs.n_expert, costs.n_expert_used, b)
+    copied = sum(costs.bytes_per_expert(i) * used for i in layers)
+    if threshold > limit:
+        why = (f"never within a {limit}-token micro-batch: at {limit} tokens copying {copied / 2**30:.2f} GiB at "
+               f"{sp.h2d / 1e9:.1f} GB/s + GPU = {off * 1e3:.1f} ms >= CPU {cpu * 1e3:.1f} ms")
+    else:
+        why = (f"at {b} tokens: copy {used:.0f}/{costs.n_expert} experts x {len(layers)} layers = "
+               f"{copied / 2**30:.2f} GiB at {sp.h2d / 1e9:.1f} GB/s + GPU = {off * 1e3:.1f} ms < CPU "
+               f"{cpu * 1e3:.1f} ms ({sp.host_bw / 1e9:.0f} GB/s, {sp.cpu_flops / 1e12:.2f} TFLOP/s)")
+    return threshold, why
+
+
+def _gpu_layer_bytes(costs: ModelCosts, placement: Placement) -> list[float]:
+    """Bytes read per generated token on each worker GPU (always-used + active experts + output)."""
+    n_gpus = len(placement.gpu_weights)
+    out = [0.0] * n_gpus
+    if not n_gpus:
+        return out
+    graph = placement.split_mode in ("tensor", "graph")
+    frac = costs.n_expert_used / costs.n_expert if costs.n_expert else 0.0
+    for i in range(costs.n_compute_layers):
+        g = placement.layer_gpu[i]
+        if g is None:
+            continue
+        per_tok = costs.layer_always[i] + (costs.layer_experts[i] * frac if placement.experts_on_gpu[i] else 0.0)
+        if graph:
+            total = sum(placement.gpu_weights) or 1
+            for k in range(n_gpus):
+                out[k] += per_tok * placement.gpu_weights[k] / total
+        else:
+            out[g] += per_tok
+    if placement.n_gpu_layers > costs.n_layers:  # output layer on the GPU
+        out[-1 if not graph else 0] += costs.output_bytes
+    return out
+
+
+def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read_per_token: float = 0.0) -> tuple[float, dict]:
+    """Tokens/s for generation at short depth, and the bytes read per token per device."""
+    gpu_bytes = _gpu_layer_bytes(costs, placement)
+    if gpu_bytes:
+        gpu_bytes[0] += kv_read_per_token
+    frac = costs.n_expert_used / costs.n_expert if costs.n_expert else 0.0
+    cpu_bytes = 0.0
+    n_cross = 0
+    for i in range(costs.n_compute_layers):
+        on_gpu = placement.layer_gpu[i] is not None
+        if not on_gpu:
+            cpu_bytes += costs.layer_always[i]
+        if not placement.experts_on_gpu[i] and costs.layer_experts[i]:
+            cpu_bytes += costs.layer_experts[i] * frac
+            if on_gpu:
+                n_cross += 1
+    if placement.n_gpu_layers <= costs.n_layers:
+        cpu_bytes += costs.output_bytes
+    if not gpu_bytes:
+        cpu_bytes += kv_read_per_token
+    t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
+    if gpu_bytes:
+        times = [b / (bw * R.GPU_TG_EFFICIENCY) for b, bw in zip(gpu_bytes, sp.gpu_mem_bw)]
+        t += max(times) if placement.split_mode in ("tensor", "graph") else sum(times)
+        t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S + n_cross * R.CROSS_DEVICE_LAYER_OVERHEAD_S
+    per_dev = {f"CUDA{k}": int(b) for k, b in enumerate(gpu_bytes)}
+    per_dev["CPU"] = int(cpu_bytes)
+    return (1.0 / t if t > 0 else 0.0), per_dev
+
+
+def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatch: int, threshold: int | None,
+               lengths=PP_LENGTHS) -> dict[int, float]:
+    """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``."""
+    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
+    gpu_flops_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 0.0
+    gpu_params = 0.0
+    cpu_params = 0.0
+    for i in range(costs.n_compute_layers):
+        p_always = costs.layer_always_params[i]
+        p_exp_active = costs.n_expert_used * costs.layer_expert_params[i]
+        if placement.layer_gpu[i] is not None:
+            gpu_params += p_always
+            if placement.experts_on_gpu[i]:
+                gpu_params += p_exp_active
+        else:
+            cpu_params += p_always
+    gpu_weight_bytes = sum(placement.gpu_weights)
+    sums = _expert_sums(costs, cpu_layers)
+    out = {}
+    for length in lengths:
+        remaining = length
+        t = 0.0
+        while remaining > 0:
+            b = min(n_ubatch, remaining)
+            remaining -= b
+            if gpu_flops_eff:
+                gpu_bw = max(sp.gpu_mem_bw)
+                t += max(2.0 * gpu_params * b / gpu_flops_eff, gpu_weight_bytes / gpu_bw)
+                t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S
+            if cpu_params:
+                t += max(2.0 * cpu_params * b / sp.cpu_flops, 0.0)
+            if cpu_layers:
+                if threshold is not None and b >= threshold and sp.gpu_mem_bw:
+                    t += offload_expert_time(costs, cpu_layers, b, sp, sums)
+                else:
+                    t += cpu_expert_time(costs, cpu_layers, b, sp, sums)
+        out[length] = length / t if t > 0 else 0.0
+    return out

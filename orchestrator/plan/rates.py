@@ -1,0 +1,77 @@
+"""Hardware rates the prediction uses when nothing was measured: documented estimates, never silent.
+
+Every function returns (value, source) so the plan can say whether a number was measured or assumed.
+"""
+
+from __future__ import annotations
+
+import re
+
+GB = 1e9
+
+# Peak memory bandwidth by GPU name (vendor data sheets). Matched by regex on the NVML name, first hit wins.
+_GPU_MEM_BW = [
+    (r"H200", 4.8e12), (r"H100.*(SXM|HBM3)", 3.35e12), (r"H100.*NVL", 3.9e12), (r"H100", 2.0e12),
+    (r"GH200", 4.0e12), (r"B200", 8.0e12), (r"B100", 8.0e12),
+    (r"A100.*80", 2.0e12), (r"A100", 1.555e12), (r"A800", 2.0e12), (r"A40\b", 0.696e12), (r"A30\b", 0.933e12),
+    (r"L40S", 0.864e12), (r"L40\b", 0.864e12), (r"L4\b", 0.3e12), (r"A10\b", 0.6e12),
+    (r"RTX PRO 6000", 1.79e12), (r"5090", 1.79e12), (r"5080", 0.96e12), (r"4090", 1.008e12), (r"4080", 0.717e12),
+    (r"3090", 0.936e12), (r"3080", 0.76e12), (r"A6000", 0.768e12), (r"6000 Ada", 0.96e12), (r"V100", 0.9e12),
+    (r"T4\b", 0.32e12), (r"MI300", 5.3e12), (r"MI250", 3.2e12),
+]
+
+# Dense fp16/bf16 tensor throughput (FLOP/s), used for prompt-processing compute time on the GPU.
+_GPU_FLOPS = [
+    (r"H200|H100|GH200", 700e12), (r"B200|B100", 1500e12), (r"A100|A800", 280e12), (r"L40S", 330e12),
+    (r"5090|RTX PRO 6000", 380e12), (r"4090", 300e12), (r"3090", 130e12), (r"A6000", 140e12), (r"V100", 110e12),
+]
+
+# Pinned host->device copy bandwidth by PCIe generation for an x16 link (measured-typical, not the line rate).
+_PCIE_PINNED_X16 = {3: 12.5 * GB, 4: 25 * GB, 5: 50 * GB, 6: 100 * GB}
+# Copies from pageable (mmap'd) memory are several times slower: 7.6 GB/s vs 50 GB/s pinned on an H200 (Gen5).
+PAGEABLE_FRACTION = 7.6 / 50.0
+
+
+def gpu_memory_bandwidth(name: str | None) -> tuple[float, str]:
+    for rx, bw in _GPU_MEM_BW:
+        if name and re.search(rx, name, re.I):
+            return bw, f"data sheet ({name})"
+    return 0.5e12, "assumed 500 GB/s (unknown GPU)"
+
+
+def gpu_flops(name: str | None) -> tuple[float, str]:
+    for rx, f in _GPU_FLOPS:
+        if name and re.search(rx, name, re.I):
+            return f, f"data sheet ({name})"
+    return 100e12, "assumed 100 TFLOP/s (unknown GPU)"
+
+
+def pcie_pinned_bandwidth(gen: int | None, width: int | None) -> tuple[float, str]:
+    if gen in _PCIE_PINNED_X16:
+        w = width or 16
+        return _PCIE_PINNED_X16[gen] * min(w, 16) / 16, f"PCIe Gen{gen} x{w} typical"
+    return 12.5 * GB, "assumed PCIe Gen3 x16 (link unknown)"
+
+
+def host_memory_bandwidth_default(n_nodes: int) -> tuple[float, str]:
+    """Per-node STREAM-like read bandwidth when not measured (a conservative server figure)."""
+    return 60 * GB, "assumed 60 GB/s per NUMA node (run `orchestrator probe` to measure)"
+
+
+def cpu_flops_per_core(cpu_model: str | None) -> tuple[float, str]:
+    """Effective quantized-matmul FLOP/s per core for prompt processing on the CPU (llama.cpp, q4/q8)."""
+    m = cpu_model or ""
+    if re.search(r"Xeon.*(Platinum|Gold|Silver|Max).*(8[4-9]\d\d|6[4-9]\d\d|4[4-9]\d\d)|Sapphire|Emerald|Granite",
+                 m, re.I):
+        return 60e9, f"AVX-512/AMX-class core ({m})"
+    if re.search(r"EPYC.*9\d\d\d|Zen ?[45]|Threadripper.*(7\d\d\d|9\d\d\d)", m, re.I):
+        return 50e9, f"AVX-512-class core ({m})"
+    return 25e9, f"assumed AVX2-class core ({m or 'unknown CPU'})"
+
+
+# Efficiency of streaming reads during token generation: llama.cpp reaches this fraction of the roofline.
+GPU_TG_EFFICIENCY = 0.6
+CPU_TG_EFFICIENCY = 0.55
+# Fixed time per generated token per layer for synchronisation and kernel launches (seconds).
+GPU_LAYER_OVERHEAD_S = 25e-6
+CROSS_DEVICE_LAYER_OVERHEAD_S = 40e-6   # a layer whose experts are on the CPU: activations go GPU->CPU->GPU

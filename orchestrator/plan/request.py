@@ -1,0 +1,74 @@
+"""PlanRequest: the user's wishes, resolved from topology.yaml into plain values the planner reads.
+
+``None`` (or "auto") means: the plan decides. Keeping this separate from the YAML schema lets the planner be
+tested with a one-line request and keeps config parsing (files, line numbers) out of ``plan/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class NodeRequest:
+    """One machine of the topology."""
+
+    name: str = "local"
+    address: str | None = None               # Ray node address; None = the local machine
+    gpus: tuple[int, ...] | None = None      # None = all GPUs of the machine; () = none
+    vram_limit: Mapping[int, int] | int | None = None   # bytes per GPU (one value for all, or per index)
+    vram_reserve: int = 1 << 30              # bytes kept free on every GPU
+    ram_reserve: int = 4 << 30               # bytes of host RAM left for the OS and others
+
+    def limit_for(self, gpu_index: int) -> int | None:
+        if self.vram_limit is None:
+            return None
+        if isinstance(self.vram_limit, int):
+            return self.vram_limit
+        return self.vram_limit.get(gpu_index)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    # model / serving
+    context: int = 8192                      # tokens per worker (-c), shared by its slots
+    parallel: int = 1                        # concurrent slots per worker (llama-server -np)
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: str = "auto"                 # "auto" | "on" | "off"
+    alias: str = "model"
+    # backend
+    flavor: str | None = None                # None = from the detected binary
+    # machines
+    nodes: tuple[NodeRequest, ...] = (NodeRequest(),)
+    # workers
+    layout: str = "auto"                     # "auto" | "machine" | "socket" | "gpu-group"
+    replicas: int | None = None              # per machine, for layout "machine" (None = 1)
+    numa: str = "auto"                       # "auto" | "bind" | "interleave" | "none"
+    smt: str = "auto"                        # "auto" | "on" | "off"
+    threads: int | None = None
+    threads_batch: int | None = None
+    disable_numa_balancing: bool = True
+    op_offload_min_batch: int | None = None  # None = computed
+    batch: int | None = None                 # -b
+    ubatch: int | None = None                # -ub
+    split_mode: str = "auto"                 # "auto" | "none" | "layer" | "row" | "tensor" | "graph"
+    load_mode: str = "auto"                  # "auto" | "mmap" | "pinned" | "mlock"
+    extra_args: tuple[str, ...] = ()
+    host: str = "127.0.0.1"                  # where workers listen
+    port_base: int = 8081
+    expert_layers_on_cpu: tuple[int, ...] | None = None   # force this placement (benchmarks / experts)
+
+    def copy(self, **changes) -> "PlanRequest":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured or estimated speeds the prediction needs (bytes/s, FLOP/s). Missing = estimated."""
+
+    gpu_h2d_pinned: Mapping[tuple[int, int], float] = field(default_factory=dict)   # (gpu, node) -> B/s
+    gpu_h2d_pageable: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    host_mem: Mapping[tuple[int, int], float] = field(default_factory=dict)         # (cpu node, mem node) -> B/s
+    cpu_flops_per_core: float | None = None

@@ -1,0 +1,122 @@
+"""The llama.cpp build path, exercised with real cmake on a tiny stand-in tree (seconds, not minutes).
+
+The real llama.cpp build itself runs in scripts/setup.sh before the suite (and its binary is used by every
+integration test); these tests check caching, keys, failure cleanup and source archives.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backend import build as b
+from orchestrator.backend import sources
+from orchestrator.errors import BackendError
+
+CMAKE = """cmake_minimum_required(VERSION 3.14)
+project(fake_llama C)
+add_library(llama STATIC src/lib.c)
+foreach(t llama-server llama-bench llama-fit-params)
+  add_executable(${t} tools/tool.c)
+  target_link_libraries(${t} llama)
+endforeach()
+"""
+
+
+def fake_tree(root: Path, *, broken: bool = False) -> Path:
+    (root / "src").mkdir(parents=True)
+    (root / "ggml" / "include").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "CMakeLists.txt").write_text(CMAKE)
+    (root / "src" / "llama.cpp").write_text("// marker file of a llama.cpp tree\n")
+    (root / "src" / "lib.c").write_text("int fake_lib(void) { return 1; }\n")
+    (root / "include" / "llama.h").write_text("int fake_lib(void);\n")
+    (root / "ggml" / "include" / "ggml.h").write_text("/* ggml */\n")
+    body = "int main(void) { return 0; }\n" if not broken else "int main(void) { return undefined_symbol_here + ; }\n"
+    (root / "tools").mkdir()
+    (root / "tools" / "tool.c").write_text(body)
+    (root / "models").mkdir()
+    (root / "models" / "big.bin").write_bytes(b"x" * 1000)
+    return root
+
+
+def test_build_then_cache_hit(tmp_path):
+    tree = fake_tree(tmp_path / "tree")
+    cache = tmp_path / "cache"
+    opts = b.BuildOptions(cuda=False)
+    first = b.build(opts, source=tree, cache=cache, say=lambda s: None)
+    assert not first.cached
+    for t in b.TARGETS:
+        assert os.access(first.prefix / "bin" / t, os.X_OK)
+    assert (first.prefix / "lib" / "libllama.a").is_file()
+    assert (first.prefix / "include" / "llama.h").is_file()
+    mtime = (first.prefix / "bin" / "llama-server").stat().st_mtime_ns
+    second = b.build(opts, source=tree, cache=cache, say=lambda s: None)
+    assert second.cached and second.prefix == first.prefix
+    assert (second.prefix / "bin" / "llama-server").stat().st_mtime_ns == mtime  # not rebuilt
+    # no leftovers of the build itself
+    assert not list((cache / "llama.cpp").glob("*.partial"))
+    assert not (first.prefix / "build").exists() and not (first.prefix / "src").exists()
+
+
+def test_options_change_the_key(tmp_path):
+    tree = fake_tree(tmp_path / "tree")
+    k1, _ = b.build_key(b.BuildOptions(), tree, cuda=False, archs=())
+    k2, _ = b.build_key(b.BuildOptions(native=True), tree, cuda=False, archs=())
+    k3, _ = b.build_key(b.BuildOptions(), tree, cuda=True, archs=("90",))
+    k4, _ = b.build_key(b.BuildOptions(), tree, cuda=True, archs=("80",))
+    assert len({k1, k2, k3, k4}) == 4
+    assert k3.startswith("mainline-cuda-") and k1.startswith("mainline-cpu-")
+
+
+def test_failed_build_reports_compiler_lines_and_leaves_cache_clean(tmp_path):
+    tree = fake_tree(tmp_path / "tree", broken=True)
+    cache = tmp_path / "cache"
+    with pytest.raises(BackendError) as ei:
+        b.build(b.BuildOptions(cuda=False), source=tree, cache=cache, say=lambda s: None)
+    msg = str(ei.value)
+    assert "build failed" in msg
+    assert "undefined_symbol_here" in msg or "error" in msg
+    root = cache / "llama.cpp"
+    assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == []  # nothing but the lock file
+    assert b.cached_builds(cache) == []
+
+
+def test_export_source_is_small_and_buildable(tmp_path):
+    tree = fake_tree(tmp_path / "tree")
+    (tree / ".git").write_text("gitdir: elsewhere\n")
+    out = tmp_path / "llama-src.tar.xz"
+    sources.export_source(tree, out)
+    with tarfile.open(out) as tf:
+        names = tf.getnames()
+    assert any(n.endswith("src/llama.cpp") for n in names)
+    assert not any("models/" in n for n in names)  # models, docs, tests are left out
+    assert not any(n.endswith("/.git") for n in names)
+    res = b.build(b.BuildOptions(cuda=False), source=out, cache=tmp_path / "cache", say=lambda s: None)
+    assert os.access(res.server, os.X_OK)
+
+
+def test_not_a_source_tree(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BackendError, match="no llama.cpp source tree"):
+        b.build(b.BuildOptions(cuda=False), source=tmp_path / "empty", cache=tmp_path / "cache", say=lambda s: None)
+
+
+def test_missing_source_archive(tmp_path):
+    with pytest.raises(BackendError, match="not found"):
+        b.build(b.BuildOptions(cuda=False), source=tmp_path / "nope.tar.xz", cache=tmp_path / "c", say=lambda s: None)
+
+
+def test_cuda_requested_without_nvcc(tmp_path, monkeypatch):
+    monkeypatch.setattr(b, "find_nvcc", lambda: None)
+    with pytest.raises(BackendError, match="nvcc"):
+        b.build(b.BuildOptions(cuda=True), source=fake_tree(tmp_path / "t"), cache=tmp_path / "c", say=lambda s: None)
+
+
+def test_pinned_sources_are_pinned():
+    for src in sources.SOURCES.values():
+        assert len(src.sha256) == 64 and src.url.startswith("https://files.pythonhosted.org/")
+        assert src.version in src.filename

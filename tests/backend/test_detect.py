@@ -1,0 +1,64 @@
+"""Flavor and feature detection from the binary's own --help; finding the binary."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backend.detect import detect_backend, find_llama_server, parse_help
+from orchestrator.errors import BackendError
+
+FIX = Path(__file__).resolve().parent.parent / "fixtures" / "backend"
+
+
+def test_parse_mainline_help():
+    flavor, feats, modes, _ = parse_help((FIX / "mainline-llama-server-help.txt").read_text())
+    assert flavor == "mainline"
+    assert modes == ("none", "layer", "row", "tensor")
+    for f in ("fit", "fit_target", "n_cpu_moe", "cpu_moe", "override_tensor", "load_mode", "sm_tensor", "numa"):
+        assert f in feats, f
+    assert "sm_graph" not in feats and "mla" not in feats
+
+
+def test_detect_real_llama_server(llama_server_path):
+    info = detect_backend(llama_server_path)
+    assert info.flavor in ("mainline", "ik_llama.cpp")
+    assert info.has("override_tensor")
+    assert info.version
+    assert info.bench and os.access(info.bench, os.X_OK)
+
+
+def test_detect_rejects_non_server(tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho hello\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(BackendError, match="does not look like llama-server"):
+        detect_backend(fake)
+
+
+def test_detect_not_executable(tmp_path):
+    f = tmp_path / "llama-server"
+    f.write_text("x")
+    with pytest.raises(BackendError, match="not executable"):
+        detect_backend(f)
+
+
+def test_find_order(tmp_path, monkeypatch):
+    exe = tmp_path / "bin" / "llama-server"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    other = tmp_path / "other-server"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("LLAMA_SERVER", str(other))
+    monkeypatch.setenv("PATH", str(exe.parent) + os.pathsep + os.environ["PATH"])
+    assert find_llama_server(str(exe)) == (str(exe), "backend.binary")
+    assert find_llama_server(None) == (str(other), "$LLAMA_SERVER")
+    monkeypatch.delenv("LLAMA_SERVER")
+    assert find_llama_server("auto") == (str(exe), "PATH")
+    with pytest.raises(BackendError, match="not found"):
+        find_llama_server(str(tmp_path / "missing"))
