@@ -44,6 +44,25 @@ class NodeMissing(Exception):
     pass
 
 
+_WILDCARD = ("", "0.0.0.0", "::", "[::]")
+_LOOPBACK = ("localhost", "::1", "[::1]")
+
+
+def route_url(spec: LaunchSpec, node, gateway_node) -> str:
+    """The URL the gateway (on ``gateway_node``) uses for ``spec``'s llama-server running on ``node``; raises
+    NodeMissing when a loopback-only server on another machine cannot be reached."""
+    if gateway_node is None or node.node_id == gateway_node.node_id or (node.ip and node.ip == gateway_node.ip):
+        return spec.connect_url
+    if spec.host in _WILDCARD:
+        host = f"[{node.ip}]" if ":" in node.ip else node.ip
+        return f"http://{host}:{spec.port}"
+    if spec.host in _LOOPBACK or spec.host.startswith("127."):
+        raise NodeMissing(f"worker {spec.name!r} listens on {spec.host} on node {node.name} ({node.ip}), which the "
+                          f"gateway on node {gateway_node.name} ({gateway_node.ip}) cannot reach; let it listen on "
+                          "0.0.0.0 or the node's address")
+    return spec.url
+
+
 def resolve_node(wanted: str | None, nodes: list, default_node_id: str):
     """The live Ray node for a spec's ``node``: None means the node ``up`` runs on; otherwise a node whose name
     (``ray start --node-name``), IP or hostname is ``wanted``; ``local`` also means the ``up`` node when no Ray
@@ -83,6 +102,7 @@ class WorkerSlot:
     next_create_at: float = 0.0
     error: str = ""
     reason: str = ""
+    route_url: str = ""             # how the gateway reaches this worker's llama-server
 
 
 @dataclass
@@ -198,6 +218,12 @@ class Controller:
             self._actor_lost(slot, now, str(e), created=False)
             return
         slot.node_id, slot.node_name = node.node_id, node.name
+        gateway_node = next((n for n in self._nodes_now() if n.node_id == self.driver_node_id), None)
+        try:
+            slot.route_url = route_url(slot.spec, node, gateway_node)
+        except NodeMissing as e:
+            self._actor_lost(slot, now, str(e), created=False)
+            return
         slot.handle = self.api.create_actor(
             self.worker_cls, slot.spec.to_dict(), self.policy.to_dict(), node.name, self.dep.log_dir,
             self.dep.namespace, slot.ever_ready, node_id=node.node_id, resources=dict(slot.spec.resources),
@@ -253,7 +279,8 @@ class Controller:
                 state = st.get("state", "starting")
                 why = st.get("last_error") if state in ("backoff", "failed") else ""
                 detail = state + (f" ({why})" if why else "")
-            rows.append({"name": s.spec.name, "url": s.spec.url, "model": s.spec.model_alias, "healthy": healthy,
+            rows.append({"name": s.spec.name, "url": s.route_url or s.spec.connect_url, "model": s.spec.model_alias,
+                         "healthy": healthy,
                          "detail": detail})
         return rows
 
@@ -344,7 +371,8 @@ class Controller:
         for s in self.slots:
             st = dict(s.status)
             w = {
-                "name": s.spec.name, "node": s.node_name or s.spec.node or "-", "url": s.spec.url,
+                "name": s.spec.name, "node": s.node_name or s.spec.node or "-",
+                "url": s.route_url or s.spec.connect_url,
                 "model": s.spec.model_alias, "binding": describe_binding(s.spec.argv),
                 "devices": describe_devices(s.spec.env, s.spec.argv), "argv": list(s.spec.argv),
                 "env": dict(s.spec.env), **st,

@@ -122,7 +122,7 @@ class Supervisor:
         if code is not None:
             self._failed_run(f"{describe_exit(code)} while loading", exit_code=code)
             return
-        h = self.probe(self.spec.url, self.policy.probe_timeout_s)
+        h = self.probe(self.spec.connect_url, self.policy.probe_timeout_s)
         self.last_probe = now
         self.health_detail = h.detail
         if h.ok:
@@ -142,7 +142,7 @@ class Supervisor:
             self.failures = 0
         if now - self.last_probe < self.policy.health_interval_s:
             return
-        h = self.probe(self.spec.url, self.policy.probe_timeout_s)
+        h = self.probe(self.spec.connect_url, self.policy.probe_timeout_s)
         self.last_probe = self.clock()
         if h.ok:
             self.last_ok, self.health_detail = self.last_probe, ""
@@ -205,7 +205,7 @@ class Supervisor:
             "state": self.state,
             "healthy": self.state == READY,
             "pid": self.proc.pid if running and self.proc is not None else None,
-            "url": self.spec.url,
+            "url": self.spec.connect_url,
             "restarts": self.restarts,
             "failures": self.failures,
             "last_error": self.last_error,

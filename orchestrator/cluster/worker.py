@@ -77,8 +77,8 @@ class WorkerActor:
             from orchestrator.cluster.ray_api import RayApi
 
             sink = RayApi().metrics_sink()
-        self.sampler = WorkerSampler(self.spec.name, node_name, self.spec.url, self.spec.env.get("CUDA_VISIBLE_DEVICES"),
-                                     sink)
+        self.sampler = WorkerSampler(self.spec.name, node_name, self.spec.connect_url,
+                                     self.spec.env.get("CUDA_VISIBLE_DEVICES"), sink)
         self._lock = threading.Lock()
         self._want_start = False
         self._quit = threading.Event()

@@ -129,9 +129,10 @@ NODES = [NodeInfo("id-a", "a", "10.0.0.1", "hosta", True, True, {}),
          NodeInfo("id-dead", "c", "10.0.0.3", "hostc", False, False, {})]
 
 
-def spec(name, node=None, port=9000, alias="m"):
+def spec(name, node=None, port=9000, alias="m", host=None):
+    host = host or ("0.0.0.0" if node == "b" else "127.0.0.1")      # node b is another machine
     return LaunchSpec(name=name, argv=("llama-server", "--port", str(port)), port=port, node=node, model_alias=alias,
-                      resources={"GPU": 1} if node == "b" else {})
+                      resources={"GPU": 1} if node == "b" else {}, host=host)
 
 
 def make(specs, restarted=False, **policy):
@@ -165,6 +166,15 @@ def test_workers_are_placed_on_the_nodes_their_specs_name():
     assert ws["w1"].node_id == "id-b" and ws["w1"].resources == {"GPU": 1}
     assert ws["w2"].node_id == "id-a"                      # by IP
     assert gateway(api).node_id == "id-a"
+    urls = {r["name"]: r["url"] for r in c.replica_table()}
+    assert urls == {"w0": "http://127.0.0.1:9000", "w1": "http://10.0.0.2:9001", "w2": "http://127.0.0.1:9002"}
+
+
+def test_loopback_worker_on_another_machine_is_refused():
+    c, api, clock = make([spec("w1", node="b", port=9001, host="127.0.0.1")])
+    tick(c, clock, 2)
+    assert c.phase == FAILED and "listens on 127.0.0.1 on node b (10.0.0.2), which the gateway on node a" in c.error
+    assert workers(api) == []
 
 
 def test_ready_when_all_workers_ready_and_gateway_serves_and_table_pushed():
