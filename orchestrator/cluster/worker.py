@@ -13,7 +13,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from orchestrator.cluster.deployment import RestartPolicy
 from orchestrator.cluster.metrics import MetricsSink, WorkerSampler
@@ -27,18 +27,16 @@ SAMPLE_S = 2.0
 
 
 def port_in_use(host: str, port: int) -> str | None:
-    """None when ``host:port`` can be bound here, else who holds it (as far as psutil can tell)."""
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(fam, socket.SOCK_STREAM)
+    """None when ``host:port`` can be listened on here, else why not and who holds it (as psutil can tell)."""
+    from orchestrator.errors import LaunchError
+    from orchestrator.launch.process import check_port_free
+
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, port))
+        check_port_free(host, port)
         return None
-    except OSError as e:
+    except LaunchError as e:
         who = _listener(port)
-        return f"{host}:{port} is already in use{' by ' + who if who else ''} ({e.strerror})"
-    finally:
-        s.close()
+        return f"{host}:{port} is already in use{' by ' + who if who else ''}" if who else str(e)
 
 
 def _listener(port: int) -> str:

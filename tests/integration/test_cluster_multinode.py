@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -23,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 import cluster_support as S  # noqa: E402
 
-from orchestrator.errors import ClusterError, LaunchError  # noqa: E402
+from orchestrator.errors import LaunchError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
