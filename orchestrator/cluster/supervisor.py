@@ -157,7 +157,10 @@ class Supervisor:
         try:
             self.proc = self.launcher.start(self.spec, self.log_path)
         except LaunchError as e:
-            self._failed_run(str(e), spawn_error=True)
+            msg = str(e)
+            for prefix in (f"worker {self.spec.name!r}: ", f"worker {self.spec.name}: "):
+                msg = msg.removeprefix(prefix)          # the reason is shown under the worker's name already
+            self._failed_run(msg, spawn_error=True)
             return
         except OSError as e:  # the launcher should wrap these; never let one kill the loop
             self._failed_run(f"cannot start: {e}", spawn_error=True)

@@ -208,7 +208,8 @@ def test_spawn_error_is_a_failure_not_an_exception():
     sup, clock, launcher, probe = make()
     launcher.fail_with = "worker 'w0': cannot run '/nope/llama-server': not found or not executable"
     sup.start()
-    assert sup.state == FAILED and "not found or not executable" in sup.reason
+    assert sup.state == FAILED
+    assert sup.reason == "failed to start: cannot run '/nope/llama-server': not found or not executable"
 
 
 def test_stable_run_resets_the_failure_count():

@@ -176,7 +176,7 @@ def test_bad_worker_input_fails_with_the_cause_and_leaves_nothing(cluster, case)
     holder = None
     if case == "binary":
         spec = S.llama_spec("w0", str(tmp / "bin" / "llama-server"), model)
-        want = r"worker 'w0': cannot run '.*/bin/llama-server': not found or not executable"
+        want = r"worker w0: failed to start: cannot run '.*/bin/llama-server': not found or not executable"
     elif case == "model":
         spec = S.llama_spec("w0", binary, tmp / "missing.gguf")
         want = r"worker w0: failed to start: exited with status 1 while loading: .*missing\.gguf.*No such file"
