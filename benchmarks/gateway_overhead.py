@@ -11,6 +11,10 @@ Modes:
                      head; the gateway is the Ray actor that `up` runs. Stopped with `down` at the end.
   --mode standalone  the same gateway code in its own process (`python -m orchestrator.cluster.gateway`) in
                      front of a llama-server started here; no Ray.
+  --mode fake        the standalone gateway in front of a stand-in upstream that streams --max-tokens SSE events
+                     every --token-ms (no model): the gateway's own cost without llama-server's scheduling noise.
+
+The gateway process's CPU time per streamed chunk is printed too (psutil), in every mode.
 
   python benchmarks/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
 
@@ -49,6 +53,56 @@ def tiny_model(path: Path, embd: int, layers: int) -> Path:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.write_tiny_llama(path, n_embd=embd, n_layer=layers, n_head=max(1, embd // 64), n_ff=embd * 2)
+
+
+# the stand-in upstream for --mode fake: llama-server-sized SSE events at a fixed pace
+FAKE_UPSTREAM = """
+import asyncio, sys
+from aiohttp import web
+n, pace = int(sys.argv[2]), float(sys.argv[3]) / 1000
+ev = (b'data: {"choices":[{"text":"tok","index":0,"logprobs":null,"finish_reason":null}],"created":1,'
+      b'"model":"bench","system_fingerprint":"b1","object":"text_completion","id":"cmpl-0123456789abcdef"}\\n\\n')
+async def completions(request):
+    await request.read()
+    r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await r.prepare(request)
+    for _ in range(n):
+        await asyncio.sleep(pace)
+        await r.write(ev)
+    await r.write(b"data: [DONE]\\n\\n")
+    return r
+async def health(request):
+    return web.json_response({"status": "ok"})
+app = web.Application()
+app.router.add_post("/v1/completions", completions)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+def gateway_pid(mode: str, procs: list) -> int | None:
+    """The process that runs the gateway: ours in standalone/fake mode, the Ray actor in ray mode."""
+    import psutil
+
+    if mode != "ray":
+        return procs[-1].pid
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if (p.info["cmdline"] or [""])[0].startswith("ray::GatewayActor"):
+                return p.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def cpu_seconds(pid: int | None) -> float:
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
+    except (psutil.Error, TypeError, ValueError):
+        return float("nan")
 
 
 def wait_http(url: str, timeout: float) -> None:
@@ -148,6 +202,7 @@ def report(s: dict) -> str:
         f"{s['added_p50_total_ms']:>+10.2f}ms",
         f"{'tokens/s (median round)':26}{s['tokens_per_s_median']['direct']:>12.1f}"
         f"{s['tokens_per_s_median']['gateway']:>12.1f}{-s['throughput_loss_pct']:>+11.2f}%",
+        f"gateway CPU per streamed chunk: {s['gateway_cpu_us_per_chunk']:.1f} us",
         f"target p50 added <= 1 ms: {'met' if s['added_p50_ttft_ms'] <= 1.0 else 'MISSED'} (first token), "
         f"{'met' if s['added_p50_total_ms'] <= 1.0 else 'MISSED'} (whole request); "
         f"throughput loss <= 3 %: {'met' if s['throughput_loss_pct'] <= 3.0 else 'MISSED'}",
@@ -157,7 +212,8 @@ def report(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("ray", "standalone"), default="ray")
+    ap.add_argument("--mode", choices=("ray", "standalone", "fake"), default="ray")
+    ap.add_argument("--token-ms", type=float, default=10.0, help="--mode fake: pace of the stand-in's tokens")
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--binary", default=None, help="llama-server (default: $LLAMA_SERVER, PATH, build cache)")
     ap.add_argument("--streams", type=int, default=16)
@@ -173,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from orchestrator.backend.detect import find_llama_server
 
-    binary = a.binary or find_llama_server(None)[0]
     tmp = Path(tempfile.mkdtemp(prefix="orch-gwbench-"))
-    model = a.model or tiny_model(tmp / "bench.gguf", a.embd, a.layers)
+    binary = model = "-"
+    if a.mode != "fake":
+        binary = a.binary or find_llama_server(None)[0]
+        model = a.model or tiny_model(tmp / "bench.gguf", a.embd, a.layers)
     port, gw_port = free_port(), free_port()
     argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(a.streams),
             "-c", str(a.streams * (a.max_tokens + 64)), "-t", str(a.threads), "--metrics", "--no-warmup"]
@@ -195,15 +253,26 @@ def main(argv: list[str] | None = None) -> int:
                              gateway_port=gw_port, dashboard_port=free_port(), namespace="gwbench")
             up(dep, foreground=False)
         else:
-            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            if a.mode == "fake":
+                extra["token_ms"] = a.token_ms
+                up_argv = [sys.executable, "-c", FAKE_UPSTREAM, str(port), str(a.max_tokens), str(a.token_ms)]
+            else:
+                up_argv = argv
+            procs.append(subprocess.Popen(up_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True))
             wait_http(direct + "/health", 120)
             procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator.cluster.gateway", "--port", str(gw_port),
                                            "--replica", f"bench={direct}"], cwd=REPO,
-                                          env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
+                                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                              [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+                                                  os.pathsep) if p])}, start_new_session=True,
                                           stdout=subprocess.DEVNULL))
         wait_http(gateway + "/health", 120)
+        gpid = gateway_pid(a.mode, procs)
+        cpu0 = cpu_seconds(gpid)
         raw = asyncio.run(measure(direct, gateway, a.streams, a.rounds, a.max_tokens, a.warmup))
+        chunks = (a.rounds + a.warmup) * a.streams * (a.max_tokens + 1)
+        extra["gateway_cpu_us_per_chunk"] = (cpu_seconds(gpid) - cpu0) / chunks * 1e6
     finally:
         if a.mode == "ray":
             from orchestrator.cluster import down, state

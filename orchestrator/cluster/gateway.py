@@ -342,12 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     key = os.environ.get(a.api_key_env) if a.api_key_env else None
 
     async def run() -> None:
+        import signal
+
         gw = Gateway(Router(), api_key=key)
         gw.router.set_replicas(table)
         url = await gw.start(a.host, a.port)
         print(f"gateway listening on {url}", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):   # also when started with SIGINT ignored (a background job)
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await gw.stop()
 
