@@ -44,9 +44,11 @@ def test_parse_real_llama_server_metrics_and_rates(live_server):
     assert code == 200
     m2 = parse_prometheus(fetch_text(spec.url, "/metrics", 5))
     rates.update(m2, t0 + 2.0)
-    assert m2["llamacpp:tokens_predicted_total"] - m["llamacpp:tokens_predicted_total"] == body["usage"]["completion_tokens"]
-    assert rates.generation_tps == pytest.approx(body["usage"]["completion_tokens"] / 2.0)
-    assert rates.prompt_tps > 0
+    generated = m2["llamacpp:tokens_predicted_total"] - m["llamacpp:tokens_predicted_total"]
+    assert generated >= body["usage"]["completion_tokens"] > 0
+    assert rates.generation_tps == pytest.approx(generated / 2.0)
+    assert rates.prompt_tps == pytest.approx(
+        (m2["llamacpp:prompt_tokens_total"] - m["llamacpp:prompt_tokens_total"]) / 2.0) and rates.prompt_tps > 0
 
 
 def test_rates_reset_when_counters_go_back():

