@@ -279,8 +279,9 @@ class Controller:
                 state = st.get("state", "starting")
                 why = st.get("last_error") if state in ("backoff", "failed") else ""
                 detail = state + (f" ({why})" if why else "")
+            pid = st.get("pid") if s.phase == "running" and st.get("state") in ("starting", "ready") else None
             rows.append({"name": s.spec.name, "url": s.route_url or s.spec.connect_url, "model": s.spec.model_alias,
-                         "healthy": healthy,
+                         "healthy": healthy, "pid": pid,
                          "detail": detail})
         return rows
 

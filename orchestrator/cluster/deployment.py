@@ -38,13 +38,14 @@ class RestartPolicy:
     health_interval_s: float = 1.0      # how often a ready server's /health is probed
     probe_timeout_s: float = 5.0        # one /health request
     stop_timeout_s: float = 10.0        # TERM, then KILL after this long
+    port_wait_s: float = 90.0           # a restart waits this long for the port (left in FIN-WAIT by clients)
     fail_fast: bool = True              # a worker that never became healthy is not restarted
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ConfigError(f"restart.max_restarts: must be >= 0, got {self.max_restarts}")
         for name in ("backoff_initial_s", "backoff_max_s", "health_timeout_s", "load_timeout_s",
-                     "health_interval_s", "probe_timeout_s", "stop_timeout_s"):
+                     "health_interval_s", "probe_timeout_s", "stop_timeout_s", "port_wait_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"restart.{name}: must be > 0 seconds, got {getattr(self, name)}")
         if self.backoff_max_s < self.backoff_initial_s:

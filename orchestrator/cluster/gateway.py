@@ -35,6 +35,8 @@ class Replica:
     detail: str = ""
     inflight: int = 0
     quarantined_until: float = 0.0
+    pid: int | None = None
+    epoch: int = 0          # bumped when the process behind the URL changed or died: its pooled connections go
 
 
 class Router:
@@ -50,8 +52,12 @@ class Router:
         """Replace the table (``name, url, model, healthy, detail``); in-flight counts of known replicas stay."""
         new: dict[str, Replica] = {}
         for row in table:
-            r = self.replicas.get(row["name"]) or Replica(row["name"], row["url"], row["model"], False)
+            r = self.replicas.get(row["name"]) or Replica(row["name"], row["url"], row["model"], False,
+                                                          pid=row.get("pid"))
+            if r.url != row["url"] or r.pid != row.get("pid"):
+                r.epoch += 1            # another process (or none) behind it now
             r.url, r.model, r.healthy, r.detail = row["url"], row["model"], bool(row["healthy"]), row.get("detail", "")
+            r.pid = row.get("pid")
             new[r.name] = r
         self.replicas = new
         self.version += 1
@@ -84,6 +90,7 @@ class Router:
         if r is not None:
             r.quarantined_until = self.clock() + QUARANTINE_S
             r.detail = detail
+            r.epoch += 1
 
     def healthy_count(self, model: str | None = None) -> int:
         now = self.clock()
@@ -117,7 +124,8 @@ class Gateway:
         self.counts: dict[tuple[str, str], int] = {}
         self._flushed: dict[tuple[str, str], int] = {}
         self._runner = None
-        self._session = None
+        self._sessions: dict[str, tuple[int, Any]] = {}     # replica -> (epoch, aiohttp.ClientSession)
+        self._closing: set[asyncio.Task] = set()
         self._flush_task: asyncio.Task | None = None
         self.url = ""
 
@@ -133,14 +141,8 @@ class Gateway:
         return app
 
     async def start(self, host: str, port: int) -> str:
-        import aiohttp
         from aiohttp import web
 
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True),
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s,
-                                          sock_connect=self.connect_timeout_s),
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
@@ -161,9 +163,54 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        sessions = [sess for _, sess in self._sessions.values()]
+        self._sessions.clear()
+        for sess in sessions:
+            await sess.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    # --- upstream connections ------------------------------------------------------------------------------------
+    # One client session (connection pool) per replica. When the process behind a replica changes or dies, its
+    # pool is closed at once: kept-alive connections to a dead server would hold the server's port in FIN-WAIT-2
+    # and stop its replacement from binding it.
+    def _new_session(self):
+        import aiohttp
+
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s,
+                                          sock_connect=self.connect_timeout_s),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            cookie_jar=aiohttp.DummyCookieJar())
+
+    def _session_for(self, rep: Replica):
+        cur = self._sessions.get(rep.name)
+        if cur is not None and cur[0] == rep.epoch:
+            return cur[1]
+        if cur is not None:
+            self._close_later(cur[1])
+        sess = self._new_session()
+        self._sessions[rep.name] = (rep.epoch, sess)
+        return sess
+
+    def _close_later(self, sess) -> None:
+        task = asyncio.ensure_future(sess.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def prune_sessions(self) -> None:
+        """Close the pools of replicas that are gone or whose process changed (call after a table update)."""
+        for name, (epoch, sess) in list(self._sessions.items()):
+            r = self.router.replicas.get(name)
+            if r is None or r.epoch != epoch:
+                del self._sessions[name]
+                self._close_later(sess)
+
+    def set_replicas(self, table: Iterable[Mapping[str, Any]]) -> int:
+        self.router.set_replicas(table)
+        self.prune_sessions()
+        return self.router.version
 
     # --- handlers ------------------------------------------------------------------------------------------------
     def _json(self, status: int, body: bytes):
@@ -228,10 +275,12 @@ class Gateway:
             rep.inflight += 1
             try:
                 try:
-                    upstream = await self._session.post(rep.url + request.path_qs, data=body, headers=headers)
+                    upstream = await self._session_for(rep).post(rep.url + request.path_qs, data=body,
+                                                                 headers=headers)
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                     # refused / reset before an answer: nothing reached the client, try another replica
                     self.router.mark_failed(rep.name, f"unreachable ({type(e).__name__})")
+                    self.prune_sessions()
                     continue
                 async with upstream:
                     ctype = upstream.headers.get("Content-Type", "application/json")
@@ -299,7 +348,7 @@ class GatewayActor:
         if self.gw is not None:
             return self.gw.url
         gw = Gateway(Router(), api_key=api_key, sink=RayApi().metrics_sink())
-        gw.router.set_replicas(table)
+        gw.set_replicas(table)
         await gw.start(host, port)
         self.gw = gw
         return gw.url
@@ -307,8 +356,7 @@ class GatewayActor:
     async def set_replicas(self, table: list[dict]) -> int:
         if self.gw is None:
             return -1
-        self.gw.router.set_replicas(table)
-        return self.gw.router.version
+        return self.gw.set_replicas(table)
 
     async def stats(self) -> dict:
         return self.gw.stats() if self.gw else {}
@@ -345,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         import signal
 
         gw = Gateway(Router(), api_key=key)
-        gw.router.set_replicas(table)
+        gw.set_replicas(table)
         url = await gw.start(a.host, a.port)
         print(f"gateway listening on {url}", flush=True)
         stop = asyncio.Event()

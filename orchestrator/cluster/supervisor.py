@@ -37,6 +37,18 @@ class Health:
 
 
 Probe = Callable[[str, float], Health]
+PortCheck = Callable[[str, int], "str | None"]
+
+
+def port_busy(host: str, port: int) -> str | None:
+    """None when ``host:port`` can be listened on, else why not."""
+    from orchestrator.launch.process import check_port_free
+
+    try:
+        check_port_free(host, port)
+        return None
+    except LaunchError as e:
+        return str(e)
 
 
 def probe_health(url: str, timeout: float) -> Health:
@@ -71,13 +83,16 @@ def describe_exit(code: int | None) -> str:
 
 class Supervisor:
     def __init__(self, spec: LaunchSpec, policy: RestartPolicy, launcher: Launcher, log_path: Path,
-                 probe: Probe = probe_health, clock: Callable[[], float] = time.monotonic) -> None:
+                 probe: Probe = probe_health, clock: Callable[[], float] = time.monotonic,
+                 port_check: PortCheck = port_busy) -> None:
         self.spec = spec
         self.policy = policy
         self.launcher = launcher
         self.log_path = log_path
         self.probe = probe
         self.clock = clock
+        self.port_check = port_check
+        self.port_wait_since: float | None = None
         self.state = IDLE
         self.proc: ProcessHandle | None = None
         self.restarts = 0               # restarts done (all time)
@@ -112,6 +127,17 @@ class Supervisor:
         elif self.state == READY:
             self._tick_ready(now)
         elif self.state == BACKOFF and now >= self.next_start_at:
+            busy = self.port_check(self.spec.host, self.spec.port)
+            if busy and self.ever_ready:
+                # the old server's port can stay taken for a while (connections of clients that have not closed
+                # their end yet): wait for it rather than burn restarts on it
+                if self.port_wait_since is None:
+                    self.port_wait_since = now
+                if now - self.port_wait_since < self.policy.port_wait_s:
+                    self.health_detail = f"waiting for the port: {busy}"
+                    self.next_start_at = now + 0.5
+                    return self.state
+            self.port_wait_since = None
             self.restarts += 1
             self._spawn()
         return self.state

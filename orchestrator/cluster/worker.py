@@ -146,7 +146,7 @@ class WorkerActor:
     def _first_start(self) -> None:
         busy = port_in_use(self.spec.host, self.spec.port)
         if busy and self.resumed:  # the previous actor's llama-server may still be going down
-            deadline = time.monotonic() + self.policy.stop_timeout_s + 5
+            deadline = time.monotonic() + self.policy.port_wait_s
             while busy and time.monotonic() < deadline:
                 time.sleep(0.25)
                 busy = port_in_use(self.spec.host, self.spec.port)

@@ -131,7 +131,7 @@ class Upstream:
 
 async def with_gateway(rows, fn, api_key=None, sink=None):
     gw = Gateway(Router(), api_key=api_key, sink=sink)
-    gw.router.set_replicas(rows)
+    gw.set_replicas(rows)
     port = free_port()
     await gw.start("127.0.0.1", port)
     try:
@@ -307,4 +307,34 @@ def test_start_on_a_taken_port_raises_oserror():
             gw = Gateway(Router())
             with pytest.raises(OSError):
                 await gw.start("127.0.0.1", s.getsockname()[1])
+    run(go())
+
+
+def test_pooled_connections_of_a_replaced_process_are_closed():
+    """A dead llama-server's port stays in FIN-WAIT-2 while the gateway keeps its kept-alive connections open,
+    and its replacement cannot bind it: the gateway closes a replica's pool when its process changes."""
+    async def go():
+        up = await Upstream("u0").start()
+        try:
+            async def fn(s, base, gw):
+                row = {"name": "w0", "url": up.url, "model": "m", "healthy": True, "pid": 100}
+                async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                    await r.read()
+                server = up.runner.server
+                assert len(server.connections) == 1                    # kept alive by the gateway's pool
+                gw.set_replicas([row])                                 # same process: the pool stays
+                await asyncio.sleep(0.2)
+                assert len(server.connections) == 1
+                gw.set_replicas([{**row, "healthy": False, "pid": None}])   # the process died
+                for _ in range(20):
+                    await asyncio.sleep(0.05)
+                    if not server.connections:
+                        break
+                assert server.connections == []
+                gw.set_replicas([{**row, "pid": 101}])                  # the new one is served on a new pool
+                async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == 200
+            await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True, "pid": 100}], fn)
+        finally:
+            await up.stop()
     run(go())

@@ -69,13 +69,16 @@ class FakeProbe:
 
 
 SPEC = LaunchSpec(name="w0", argv=("llama-server", "-m", "m.gguf"), port=9001)
+PORT: dict = {"busy": None}
 
 
 def make(**policy):
     clock, launcher, probe = Clock(), FakeLauncher(), FakeProbe()
     pol = RestartPolicy(**{"backoff_initial_s": 1.0, "backoff_max_s": 8.0, "health_timeout_s": 10.0,
                            "load_timeout_s": 60.0, "stable_s": 30.0, "max_restarts": 3, **policy})
-    sup = Supervisor(SPEC, pol, launcher, Path("/tmp/w0.log"), probe=probe, clock=clock)
+    sup = Supervisor(SPEC, pol, launcher, Path("/tmp/w0.log"), probe=probe, clock=clock,
+                     port_check=lambda host, port: PORT["busy"])
+    PORT["busy"] = None
     return sup, clock, launcher, probe
 
 
@@ -245,3 +248,33 @@ def test_exit_descriptions(code, text):
     from orchestrator.cluster.supervisor import describe_exit
 
     assert describe_exit(code) == text
+
+
+def test_restart_waits_for_a_busy_port_without_counting_failures():
+    sup, clock, launcher, probe = make(port_wait_s=10.0, max_restarts=1)
+    sup.start()
+    run_until_ready(sup, clock, probe)
+    launcher.procs[-1].code = -9
+    PORT["busy"] = "port 9001 on 127.0.0.1 is already in use"
+    sup.update()
+    for _ in range(12):                            # 6 s of a busy port: no spawn, no restart counted
+        clock.advance(0.5)
+        assert sup.update() == BACKOFF
+    assert len(launcher.procs) == 1 and sup.restarts == 0 and "waiting for the port" in sup.snapshot()["health_detail"]
+    PORT["busy"] = None
+    clock.advance(0.5)
+    assert sup.update() == STARTING and sup.restarts == 1 and len(launcher.procs) == 2
+
+
+def test_a_port_busy_for_too_long_is_a_failed_run():
+    sup, clock, launcher, probe = make(port_wait_s=2.0, max_restarts=3)
+    sup.start()
+    run_until_ready(sup, clock, probe)
+    launcher.procs[-1].code = -9
+    PORT["busy"] = "port 9001 on 127.0.0.1 is already in use"
+    launcher.fail_with = "worker w0: port 9001 on 127.0.0.1 is already in use (choose another port ...)"
+    sup.update()
+    for _ in range(8):
+        clock.advance(0.5)
+        sup.update()
+    assert sup.restarts == 1 and sup.failures == 2 and "already in use" in sup.last_error
