@@ -64,6 +64,33 @@ RAY_INJECTED_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "ROCR_VISIBLE_DEV
                     "ONEAPI_DEVICE_SELECTOR", "NEURON_RT_VISIBLE_CORES", "TPU_VISIBLE_CHIPS")
 
 
+_ANY = ("0.0.0.0", "::", "")
+
+
+def listener_on(host: str, port: int) -> str | None:
+    """Who listens on ``host:port`` here ('pid 4242 (llama-server)', 'another process'), None when nobody does.
+
+    Only a socket in LISTEN counts. A bind test would also trip over what a crashed server leaves behind
+    (its connections in TIME-WAIT / FIN-WAIT-2 for a minute), which does not stop llama-server from binding
+    again (it sets SO_REUSEADDR, ik_llama.cpp's SO_REUSEPORT) but would stop us from restarting it.
+    """
+    import psutil
+
+    want = {host.strip("[]")}
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status != psutil.CONN_LISTEN or not c.laddr or c.laddr.port != port:
+            continue
+        if c.laddr.ip in _ANY or host.strip("[]") in _ANY or c.laddr.ip in want or \
+                (c.laddr.ip == "::ffff:" + host):
+            if c.pid:
+                try:
+                    return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
+                except psutil.Error:
+                    return f"pid {c.pid}"
+            return "another process"
+    return None
+
+
 def resolve_executable(argv0: str, env: Mapping[str, str]) -> str | None:
     if os.sep in argv0:
         return argv0 if os.path.isfile(argv0) and os.access(argv0, os.X_OK) else None
@@ -109,6 +136,8 @@ class LocalLauncher:
             raise LaunchError(f"worker {spec.name!r}: cannot run {argv[0]!r}: not found or not executable")
         run = replace(spec, argv=(sys.executable, "-I", "-S", "-c", GUARD, str(os.getpid()), *argv)) \
             if self.guard else spec
-        wp = start(run, log_path, drop_env=self.drop_env)
+        # the supervisor checks for a listener itself (listener_on): a bind test refuses a restart while the
+        # crashed server's connections linger
+        wp = start(run, log_path, drop_env=self.drop_env, check_port=False)
         wp.argv = tuple(argv)      # what runs after the guard's exec: names in messages, the balancing clean-up
         return _Handle(wp)

@@ -41,14 +41,11 @@ PortCheck = Callable[[str, int], "str | None"]
 
 
 def port_busy(host: str, port: int) -> str | None:
-    """None when ``host:port`` can be listened on, else why not."""
-    from orchestrator.launch.process import check_port_free
+    """None when nothing listens on ``host:port``, else who does."""
+    from orchestrator.cluster.procs import listener_on
 
-    try:
-        check_port_free(host, port)
-        return None
-    except LaunchError as e:
-        return str(e)
+    who = listener_on(host, port)
+    return f"{host}:{port} is already in use by {who}" if who else None
 
 
 def probe_health(url: str, timeout: float) -> Health:
@@ -180,6 +177,10 @@ class Supervisor:
     # --- internals -----------------------------------------------------------------------------------------------
     def _spawn(self) -> None:
         self.proc = None
+        busy = self.port_check(self.spec.host, self.spec.port)
+        if busy:                      # another server there would answer /health for ours
+            self._failed_run(busy, spawn_error=True)
+            return
         try:
             self.proc = self.launcher.start(self.spec, self.log_path)
         except LaunchError as e:

@@ -18,37 +18,12 @@ from typing import Callable
 from orchestrator.cluster.deployment import RestartPolicy
 from orchestrator.cluster.metrics import MetricsSink, WorkerSampler
 from orchestrator.cluster.procs import RAY_INJECTED_ENV, Launcher, LocalLauncher
-from orchestrator.cluster.supervisor import FAILED, STARTING, STOPPED, Supervisor
+from orchestrator.cluster.supervisor import FAILED, STOPPED, Supervisor, port_busy
 from orchestrator.cluster.view import describe_binding, describe_devices
 from orchestrator.launch.spec import LaunchSpec
 
 TICK_S = 0.25
 SAMPLE_S = 2.0
-
-
-def port_in_use(host: str, port: int) -> str | None:
-    """None when ``host:port`` can be listened on here, else why not and who holds it (as psutil can tell)."""
-    from orchestrator.errors import LaunchError
-    from orchestrator.launch.process import check_port_free
-
-    try:
-        check_port_free(host, port)
-        return None
-    except LaunchError as e:
-        who = _listener(port)
-        return f"{host}:{port} is already in use{' by ' + who if who else ''}" if who else str(e)
-
-
-def _listener(port: int) -> str:
-    try:
-        import psutil
-
-        for c in psutil.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
-    except Exception:
-        pass
-    return ""
 
 
 def default_log_dir(namespace: str) -> Path:
@@ -144,16 +119,15 @@ class WorkerActor:
             self.sampler.sample(state, now)
 
     def _first_start(self) -> None:
-        busy = port_in_use(self.spec.host, self.spec.port)
+        busy = port_busy(self.spec.host, self.spec.port)
         if busy and self.resumed:  # the previous actor's llama-server may still be going down
             deadline = time.monotonic() + self.policy.port_wait_s
-            while busy and time.monotonic() < deadline:
+            while busy and time.monotonic() < deadline and not self._quit.is_set():
                 time.sleep(0.25)
-                busy = port_in_use(self.spec.host, self.spec.port)
+                busy = port_busy(self.spec.host, self.spec.port)
         if busy:
             self.sup.state = FAILED
             self.sup.last_error = busy
             self.sup.reason = f"failed to start: {busy} on node {self.node_name}"
             return
         self.sup.start()
-        assert self.sup.state in (STARTING, FAILED)

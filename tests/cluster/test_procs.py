@@ -127,16 +127,21 @@ def test_cause_of_a_real_llama_server_failure(tmp_path, llama_server_path):
     assert "missing.gguf" not in c2 and ("bad.gguf" in c2 or "model" in c2.lower())
 
 
-def test_a_taken_port_is_refused_before_start(tmp_path, llama_server_path, tiny_gguf):
+def test_listener_on_sees_listeners_not_leftover_connections():
     import socket
+
+    from orchestrator.cluster.procs import listener_on
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        s.listen()
         port = s.getsockname()[1]
-        argv = (llama_server_path, "-m", str(tiny_gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1",
-                "--no-warmup")
-        # checked before anything runs (ik_llama.cpp's server does not even exit when it cannot bind)
-        with pytest.raises(LaunchError, match=f"port {port} on 127.0.0.1 is already in use"):
-            LocalLauncher().start(LaunchSpec(name="w0", argv=argv, port=port), tmp_path / "w0.log")
-    assert not (tmp_path / "w0.log").exists()          # nothing was started
+        assert listener_on("127.0.0.1", port) is None              # bound, not listening
+        s.listen()
+        assert listener_on("127.0.0.1", port) == f"pid {os.getpid()} ({psutil.Process().name()})"
+        assert listener_on("0.0.0.0", port) is not None            # a wildcard spec conflicts with it too
+        # a connection that the server side closes first leaves a TIME-WAIT on the port: not a listener
+        c = socket.create_connection(("127.0.0.1", port))
+        conn, _ = s.accept()
+        conn.close()
+        c.close()
+    assert listener_on("127.0.0.1", port) is None

@@ -278,3 +278,11 @@ def test_a_port_busy_for_too_long_is_a_failed_run():
         clock.advance(0.5)
         sup.update()
     assert sup.restarts == 1 and sup.failures == 2 and "already in use" in sup.last_error
+
+
+def test_a_listener_on_the_port_fails_the_first_start():
+    sup, clock, launcher, probe = make()
+    PORT["busy"] = "127.0.0.1:9001 is already in use by pid 77 (llama-server)"
+    sup.start()
+    assert sup.state == FAILED and launcher.procs == []          # nothing started: that server would answer
+    assert sup.reason == "failed to start: 127.0.0.1:9001 is already in use by pid 77 (llama-server)"
