@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 up_argv = argv
             procs.append(subprocess.Popen(up_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          start_new_session=True))
+                                          start_new_session=True, cwd=tmp))
             wait_http(direct + "/health", 120)
             procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator.cluster.gateway", "--port", str(gw_port),
                                            "--replica", f"bench={direct}"], cwd=REPO,

@@ -138,6 +138,7 @@ class LocalLauncher:
             if self.guard else spec
         # the supervisor checks for a listener itself (listener_on): a bind test refuses a restart while the
         # crashed server's connections linger
-        wp = start(run, log_path, drop_env=self.drop_env, check_port=False)
+        # cwd: the log's folder, where ik_llama.cpp's server also drops its llama.log (the plan's paths are absolute)
+        wp = start(run, log_path, drop_env=self.drop_env, check_port=False, cwd=log_path.parent)
         wp.argv = tuple(argv)      # what runs after the guard's exec: names in messages, the balancing clean-up
         return _Handle(wp)

@@ -18,11 +18,11 @@ from cluster_support import free_port, llama_spec, post_json, wait_for
 
 
 @pytest.fixture(scope="module")
-def live_server(llama_server_path, tiny_gguf):
+def live_server(llama_server_path, tiny_gguf, tmp_path_factory):
     """A real llama-server with --metrics."""
     spec = llama_spec("m0", llama_server_path, tiny_gguf)
     p = subprocess.Popen(list(spec.argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+                         start_new_session=True, cwd=tmp_path_factory.mktemp("m0"))
     try:
         assert wait_for(lambda: fetch_text(spec.url, "/health", 1.0) is not None, 30), "llama-server did not start"
         yield spec, p

@@ -33,7 +33,7 @@ def test_runs_exact_argv_and_env_with_the_same_pid(tmp_path, monkeypatch):
     out = tmp_path / "out.json"
     code = ("import json,os,sys; json.dump({'argv': sys.argv, 'pid': os.getpid(), 'cvd': os.environ.get("
             "'CUDA_VISIBLE_DEVICES'), 'x': os.environ.get('X'), 'keep': os.environ.get('KEEP_ME'), "
-            "'pgid': os.getpgid(0)}, open(sys.argv[1], 'w'))")
+            "'pgid': os.getpgid(0), 'cwd': os.getcwd()}, open(sys.argv[1], 'w'))")
     spec = LaunchSpec(name="w0", argv=(sys.executable, "-c", code, str(out), "two words"), env={"X": "1"})
     h = LocalLauncher(drop_env=RAY_INJECTED_ENV).start(spec, tmp_path / "w0.log")
     assert wait_exit(h) == 0
@@ -41,6 +41,7 @@ def test_runs_exact_argv_and_env_with_the_same_pid(tmp_path, monkeypatch):
     assert got["argv"][1:] == [str(out), "two words"]
     assert got["pid"] == h.pid == got["pgid"]              # exec'd in place, leader of its own group
     assert got["cvd"] is None and got["x"] == "1" and got["keep"] == "yes"
+    assert got["cwd"] == str(tmp_path)                     # the log's folder (ik_llama.cpp writes llama.log there)
     assert "# orchestrator:" in (tmp_path / "w0.log").read_text()
 
 
