@@ -1,17 +1,185 @@
-"""orchestrator bench (not built yet)."""
+"""orchestrator bench: the plan and llama.cpp's own choices, measured side by side on this machine."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
 
-from orchestrator.commands._unbuilt import not_built
+HELP = "Benchmark the plan against llama.cpp's own placements (--fit, --cpu-moe, sweeps) on this machine"
+DESCRIPTION = """\
+Starts each configuration's llama-server in turn (R interleaved rounds), measures prompt processing, generation
+at several context depths, time to first token, memory, power and temperature through llama-server's HTTP API,
+and writes bench.json, bench.txt and PNG charts. The plan comes from --plan-json (the output of
+`orchestrator plan --json`) or --config plan='FLAGS'; the alternatives (fit, cpu-moe, ncmoe-sweep,
+offload-sweep) are derived from it. More configurations: --config NAME='FLAGS' (leading VAR=value words are
+environment). Example:
 
-HELP = "Benchmark the plan against llama.cpp's own placements (not built yet)"
+  orchestrator bench --plan-json plan.json --vram-budget 12GiB --rounds 2 --out bench-12g
+"""
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return vals
+
+
+def _offload_values(text: str) -> tuple[int, ...]:
+    from orchestrator.bench.configs import OFFLOAD_NEVER
+
+    out = []
+    for x in text.split(","):
+        x = x.strip()
+        if not x:
+            continue
+        if x in ("never", "inf"):
+            out.append(OFFLOAD_NEVER)
+        else:
+            try:
+                out.append(int(x))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected integers or 'never', got {x!r}") from None
+    return tuple(out)
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("topology", nargs="?", help="topology.yaml to plan from (needs the planner wired in; "
+                                                "until then use --plan-json or --config plan=...)")
+    src = p.add_argument_group("what to compare")
+    src.add_argument("--plan-json", metavar="FILE", help="the plan: output of `orchestrator plan --json`")
+    src.add_argument("--worker", type=int, default=0, help="which worker of the plan (default 0)")
+    src.add_argument("--config", action="append", default=[], metavar="NAME='FLAGS'",
+                     help="a configuration given as llama-server flags (repeatable; the name 'plan' is the plan)")
+    src.add_argument("--configs", type=_words, default=None, metavar="LIST",
+                     help="derived groups: plan,fit,cpu-moe,ncmoe-sweep,offload-sweep (default: all of them "
+                          "when there is a plan)")
+    src.add_argument("--ncmoe", type=_ints, metavar="N,...", help="--n-cpu-moe values (default: plan ±1)")
+    src.add_argument("--ub", type=_ints, metavar="N,...", help="-ub values of the sweep (default: 512 and the plan's)")
+    src.add_argument("--load-modes", type=_words, default=("mmap", "pinned"), metavar="LIST",
+                     help="load modes of the sweep (mmap, pinned, mlock; default mmap,pinned)")
+    src.add_argument("--offload", type=_offload_values, metavar="N,...",
+                     help="GGML_OP_OFFLOAD_MIN_BATCH values ('never' = no offload; default: around the plan's)")
+    src.add_argument("--server", metavar="PATH", help="llama-server (default: $LLAMA_SERVER, PATH, build cache)")
+    how = p.add_argument_group("how to measure")
+    how.add_argument("--vram-budget", metavar="SIZE", help="leave only SIZE free on each GPU (ballast), e.g. 12GiB")
+    how.add_argument("--gpus", type=_ints, metavar="I,...", help="GPUs to sample and hold to the budget (default all)")
+    how.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    how.add_argument("--order", default="serpentine", choices=("serpentine", "rotate", "fixed"),
+                     help="configuration order per round (default serpentine: forward, backward, ...)")
+    how.add_argument("--pp", type=_ints, default=(8, 32, 64, 128, 512, 4096), metavar="N,...",
+                     help="prompt lengths (default 8,32,64,128,512,4096)")
+    how.add_argument("--pp-reps", type=int, default=3, help="requests per prompt length per run (default 3)")
+    how.add_argument("--tg-depths", type=_ints, default=(0, 4096), metavar="N,...",
+                     help="context depths for generation (default 0,4096)")
+    how.add_argument("--tg-tokens", type=int, default=128, help="tokens generated per depth (default 128)")
+    how.add_argument("--concurrency", type=_ints, default=(1, 4), metavar="N,...",
+                     help="concurrent streamed requests for time to first token (default 1,4)")
+    how.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of those requests (default 128)")
+    how.add_argument("--ttft-requests", type=int, default=8, help="requests per concurrency level (default 8)")
+    how.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
+    how.add_argument("--no-prime", action="store_true", help="do not read the model file into the page cache first")
+    how.add_argument("--load-timeout", type=float, default=900.0, help="seconds for a server to load (default 900)")
+    how.add_argument("--max-minutes", type=float, help="start no configuration that would end after this")
+    how.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", metavar="DIR", help="output directory (default bench-YYYYmmdd-HHMMSS)")
+    out.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    out.add_argument("--progress", default="auto", choices=("auto", "plain", "none"), help="progress display")
+    out.add_argument("--json", action="store_true", help="print the summary and ratios as JSON on stdout")
+    out.add_argument("--dry-run", action="store_true", help="print the configurations and exit")
+
+
+def _configs(args: argparse.Namespace):
+    from orchestrator.bench.configs import GROUPS, build_configs, config_from_plan_json, dedupe, parse_config_option
+    from orchestrator.errors import ConfigError
+
+    extra = [parse_config_option(t) for t in args.config]
+    plan = next((c for c in extra if c.name == "plan"), None)
+    if args.topology:
+        raise ConfigError(f"{args.topology}: planning inside `bench` is not wired yet; run `orchestrator plan "
+                          f"{args.topology} --json > plan.json` and pass --plan-json plan.json")
+    if args.plan_json:
+        if plan is not None:
+            raise ConfigError("--plan-json and --config plan=... both give the plan: pass one")
+        try:
+            with open(args.plan_json) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"--plan-json {args.plan_json}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--plan-json {args.plan_json}: not JSON (line {e.lineno}: {e.msg})") from None
+        plan = config_from_plan_json(data, args.worker)
+    others = [c for c in extra if c.name != "plan"]
+    if plan is None:
+        if args.configs:
+            raise ConfigError("--configs derives from the plan: give --plan-json or --config plan='FLAGS'")
+        if not others:
+            raise ConfigError("nothing to benchmark: give --plan-json FILE or --config NAME='llama-server flags'")
+        return others
+    which = args.configs or GROUPS
+    derived = build_configs(plan, which, ncmoe_values=args.ncmoe, ubatches=args.ub, load_modes=args.load_modes,
+                            offload_values=args.offload)
+    names = {c.name for c in derived}
+    clash = [c.name for c in others if c.name in names]
+    if clash:
+        raise ConfigError(f"--config {clash[0]}: that name is taken by a derived configuration")
+    return dedupe(derived + others)
 
 
 def run(args: argparse.Namespace) -> int:
-    return not_built("bench", 7)
+    from orchestrator.bench.measure import Workload
+    from orchestrator.bench.progress import make_progress
+    from orchestrator.bench.report import print_tables
+    from orchestrator.bench.runner import BenchOptions, describe, run_bench
+    from orchestrator.errors import ConfigError
+    from orchestrator.units import parse_size
+
+    budget = None
+    if args.vram_budget:
+        try:
+            budget = parse_size(args.vram_budget)
+        except ValueError as e:
+            raise ConfigError(f"--vram-budget: {e}") from None
+    for flag, v in (("--pp-reps", args.pp_reps), ("--tg-tokens", args.tg_tokens), ("--ttft-prompt", args.ttft_prompt),
+                    ("--ttft-requests", args.ttft_requests)):
+        if v < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {v}")
+    workload = Workload(pp=args.pp, pp_reps=args.pp_reps, tg_depths=args.tg_depths, tg_tokens=args.tg_tokens,
+                        concurrency=args.concurrency, ttft_prompt=args.ttft_prompt,
+                        ttft_requests=args.ttft_requests, warmup=not args.no_warmup)
+    options = BenchOptions(rounds=args.rounds, workload=workload, order=args.order, load_timeout=args.load_timeout,
+                           prime_page_cache=not args.no_prime, seed=args.seed, vram_budget=budget,
+                           max_seconds=args.max_minutes * 60 if args.max_minutes else None, gpus=args.gpus)
+    configs = _configs(args)
+    if args.server:
+        server = args.server
+    else:
+        from orchestrator.backend.detect import find_llama_server
+
+        server, _origin = find_llama_server(None)
+    if args.dry_run:
+        print(describe(configs, server, options))
+        return 0
+    out = args.out or time.strftime("bench-%Y%m%d-%H%M%S")
+    data = run_bench(configs, server, out, options, progress=make_progress(args.progress),
+                     charts=not args.no_charts)
+    if args.json:
+        json.dump({"out": str(out), "files": data.get("files"), "summary": data["summary"],
+                   "ratios": data["ratios"], "stopped_early": data.get("stopped_early")}, sys.stdout, indent=1)
+        print()
+    else:
+        print_tables(data)
+        print(f"\nwritten: {out}/bench.json, {out}/bench.txt"
+              + "".join(f", {out}/{c}" for c in (data.get("files") or {}).get("charts", [])))
+    return 0
