@@ -52,12 +52,13 @@ def _align_down(n: int) -> int:
 
 
 def fill_to_budget(dev: Device, budget: int, *, tolerance: int = DEFAULT_TOLERANCE, chunk: int = CHUNK,
-                   max_steps: int = 10_000) -> dict:
+                   settle: float = 0.0, max_steps: int = 10_000) -> dict:
     """Allocate on ``dev`` until its free memory is within ``tolerance`` of ``budget``; return what was done.
 
     Allocations are chunks of at most ``chunk`` bytes (2 MiB aligned). When an allocation costs more than asked
     (page rounding, driver bookkeeping) and free memory drops below the budget, the last chunk is released and
-    asked again smaller by the overshoot. A failed allocation is retried at half the size. Raises BallastError
+    asked again smaller by the overshoot. A failed allocation is retried at half the size. The result must
+    still hold on a second read ``settle`` seconds later. Raises BallastError
     when the device has less free memory than the budget or cannot be brought to it.
     """
     if budget < 0:
@@ -71,6 +72,10 @@ def fill_to_budget(dev: Device, budget: int, *, tolerance: int = DEFAULT_TOLERAN
         free = dev.free()
         excess = free - budget
         if -tolerance <= excess <= tolerance:
+            if settle:
+                time.sleep(settle)
+            if not -tolerance <= dev.free() - budget <= tolerance:      # not stable: someone else allocates
+                continue
             return {"budget": budget, "free_before": start_free, "free": free, "ballast": sum(n for _, n in allocs),
                     "allocations": len(allocs)}
         if excess > tolerance:
@@ -245,7 +250,7 @@ def child_main(argv: Sequence[str] | None = None) -> int:
                 return int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
 
             dev = CudaDevice(bus, nvml_free)
-        result = fill_to_budget(dev, budget, tolerance=tol)
+        result = fill_to_budget(dev, budget, tolerance=tol, settle=0.0 if a.simulate else 0.3)
         result.update(info)
         result["cuda_free"] = dev.cuda_free()
         if nvml_free is not None:

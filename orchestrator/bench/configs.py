@@ -233,6 +233,37 @@ def offload_threshold_of(args: Sequence[str], env: Mapping[str, str]) -> int | N
     return None
 
 
+def cpu_expert_layers_of(args: Sequence[str], max_layers: int = 1024) -> tuple[int, ...] | None:
+    """The layers whose routed experts a configuration keeps in host memory, read from its flags: ``-ot``
+    (first matching pattern wins, as llama.cpp applies them), ``--n-cpu-moe N``, or none when only ``-ngl``
+    is given. None when it cannot be told (``--cpu-moe`` without the layer count, or no GPU flags at all)."""
+    ot = get_arg(args, "--override-tensor")
+    if ot:
+        pairs = []
+        for item in ot.split(","):
+            if "=" in item:
+                rx, buft = item.rsplit("=", 1)
+                try:
+                    pairs.append((re.compile(rx), buft))
+                except re.error:
+                    return None
+        layers = []
+        for i in range(max_layers):
+            name = f"blk.{i}.ffn_up_exps.weight"
+            buft = next((b for rx, b in pairs if rx.search(name)), None)
+            if buft is not None and buft.upper() == "CPU":
+                layers.append(i)
+        return tuple(layers)
+    n = _int_arg(args, "--n-cpu-moe")
+    if n is not None:
+        return tuple(range(n))
+    if has_flag(args, "--cpu-moe"):
+        return None
+    if has_flag(args, "--n-gpu-layers"):
+        return ()
+    return None
+
+
 def plan_config(args: Sequence[str], env: Mapping[str, str] | None = None, *, name: str = "plan",
                 wrapper: Sequence[str] = (), cpu_expert_layers: Sequence[int] | None = None,
                 predicted: Mapping[str, Any] | None = None) -> BenchConfig:
@@ -244,10 +275,10 @@ def plan_config(args: Sequence[str], env: Mapping[str, str] | None = None, *, na
         "load_mode": _load_mode_of(args),
         "op_offload_min_batch": offload_threshold_of(args, env) or OFFLOAD_DEFAULT,
     }
+    if cpu_expert_layers is None:
+        cpu_expert_layers = cpu_expert_layers_of(args)
     if cpu_expert_layers is not None:
         params["n_cpu_moe"] = len(cpu_expert_layers)
-    elif _int_arg(args, "--n-cpu-moe") is not None:
-        params["n_cpu_moe"] = _int_arg(args, "--n-cpu-moe")
     return BenchConfig(name=name, args=tuple(args), env=env, group="plan", params=params,
                        wrapper=tuple(wrapper), predicted=dict(predicted or {}))
 
@@ -379,7 +410,8 @@ def default_ncmoe_values(plan: BenchConfig, n_layers: int | None = None, span: i
     """``--n-cpu-moe`` points around the plan's number of CPU-resident expert layers (plan-span .. plan+span)."""
     k = plan.params.get("n_cpu_moe")
     if k is None:
-        raise ConfigError("the --n-cpu-moe sweep needs the plan's number of CPU expert layers (or explicit values)")
+        raise ConfigError("the --n-cpu-moe sweep needs the plan's number of CPU expert layers, which its flags do "
+                          "not tell (no -ot/--n-cpu-moe): give the sweep's values (--ncmoe N,...)")
     vals = [k + d for d in range(-span, span + 1)]
     return [v for v in vals if v >= 0 and (n_layers is None or v <= n_layers)]
 

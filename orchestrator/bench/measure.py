@@ -63,8 +63,9 @@ class Client:
     async def __aenter__(self) -> "Client":
         import aiohttp
 
+        # a fresh connection per request: llama-server may close a kept-alive connection after a streamed answer
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                              connector=aiohttp.TCPConnector(limit=0))
+                                              connector=aiohttp.TCPConnector(limit=0, force_close=True))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -186,21 +187,28 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
     out["slot_ctx"] = info.slot_ctx
     out["n_vocab"] = info.n_vocab
 
-    async def guarded(what: str, coro) -> Any:
-        try:
-            return await coro
-        except MeasureError as e:
-            out["errors"].append(f"{what}: {e}")
-            if not alive():
-                out["crashed"] = True
-            return None
+    async def guarded(what: str, request: Callable[[], Any]) -> Any:
+        """One request; a failure while the server still runs is retried once (a dropped connection must not
+        cost a configuration its number), then recorded."""
+        for attempt in (1, 2):
+            try:
+                return await request()
+            except MeasureError as e:
+                if not alive():
+                    out["crashed"] = True
+                    out["errors"].append(f"{what}: {e}")
+                    return None
+                if attempt == 2:
+                    out["errors"].append(f"{what}: {e}")
+                    return None
+                out["retried"] = out.get("retried", 0) + 1
 
     if w.warmup:
         on_step("warm-up")
         for n_prompt, n_gen in ((8, 4), (min(512, info.slot_ctx // 2), 8)):
             n = fit_length(n_prompt, n_gen, info.slot_ctx)
             if n:
-                await guarded("warm-up", client.completion(n, n_gen))
+                await guarded("warm-up", lambda: client.completion(n, n_gen))
                 if out["crashed"]:
                     return out
 
@@ -211,7 +219,7 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
             continue
         on_step(f"pp{length}")
         for _ in range(w.pp_reps):
-            t = await guarded(f"pp{length}", client.completion(n, 1))
+            t = await guarded(f"pp{length}", lambda: client.completion(n, 1))
             if out["crashed"]:
                 return out
             if t and t.get("prompt_ms", 0) > 0:
@@ -225,7 +233,7 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
             continue
         on_step(f"tg{w.tg_tokens}@{depth}")
         for _ in range(w.tg_reps):
-            t = await guarded(f"tg@{depth}", client.completion(n, w.tg_tokens))
+            t = await guarded(f"tg@{depth}", lambda: client.completion(n, w.tg_tokens))
             if out["crashed"]:
                 return out
             if t and t.get("predicted_ms", 0) > 0:
@@ -242,7 +250,7 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
         samples: list[float] = []
         waves = max(1, -(-w.ttft_requests // c))
         for _ in range(waves):
-            res = await asyncio.gather(*(guarded(f"ttft c{c}", client.first_token(n, w.ttft_tokens))
+            res = await asyncio.gather(*(guarded(f"ttft c{c}", lambda: client.first_token(n, w.ttft_tokens))
                                          for _ in range(c)))
             if out["crashed"]:
                 return out

@@ -106,3 +106,23 @@ def write_tiny_moe(path: Path, *, seed: int = 0, n_layer: int = N_LAYER) -> Path
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory) -> Path:
     return write_tiny_moe(tmp_path_factory.mktemp("bench-model") / "tiny-moe.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, llama_server_path):
+    """A real llama-server on the tiny model: 2 slots of 512 tokens, 1 thread. Yields its URL."""
+    from orchestrator.bench.server import default_launcher, free_port
+    from orchestrator.launch.spec import LaunchSpec
+
+    d = tmp_path_factory.mktemp("bench-server")
+    model = write_tiny_moe(d / "tiny.gguf", seed=1)
+    port = free_port()
+    spec = LaunchSpec(name="bench-test", argv=(llama_server_path, "-m", str(model), "-c", "1024", "-np", "2",
+                                               "-t", "1", "--host", "127.0.0.1", "--port", str(port)),
+                      host="127.0.0.1", port=port)
+    proc = default_launcher()(spec, d / "server.log")
+    try:
+        proc.wait_healthy(60)
+        yield spec.url
+    finally:
+        proc.stop()

@@ -1,0 +1,101 @@
+"""`orchestrator bench` on the command line: a real run, dry run, plan JSON, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(argv, capsys):
+    rc = main(["bench", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.integration
+def test_cli_runs_plan_and_fit_and_prints_json(tmp_path, tiny_moe, llama_server_path, capsys):
+    rc, out, err = _run(["--server", llama_server_path, "--config", f"plan=-m {tiny_moe} -c 512 -np 1 -t 1",
+                         "--configs", "plan,fit", "--rounds", "1", "--pp", "16,64", "--pp-reps", "1",
+                         "--tg-depths", "0", "--tg-tokens", "4", "--concurrency", "1", "--ttft-requests", "1",
+                         "--out", str(tmp_path / "o"), "--json", "--progress", "plain", "--no-charts"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert set(d["summary"]) == {"plan", "fit"} and d["summary"]["fit"]["loaded"] == 1
+    assert d["summary"]["plan"]["metrics"]["pp64"]["median"] > 0
+    assert any(r["kind"] == "plan/fit" and r["metric"] == "pp64" for r in d["ratios"])
+    assert "1/2 round 1/1 plan: starting" in err and "2/2 round 1/1 fit: loaded in" in err
+    assert (tmp_path / "o" / "bench.json").is_file() and (tmp_path / "o" / "bench.txt").is_file()
+
+
+def test_dry_run_lists_configs_from_plan_json(tmp_path, capsys):
+    plan = {"workers": [{"args": ["-m", "/m/q30.gguf", "-c", "8192", "-np", "1", "-ngl", "999", "-ot",
+                                  r"blk\.(0|1)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU", "--fit", "off",
+                                  "-ub", "2048", "-b", "2048", "--load-mode", "none"],
+                         "env": {"GGML_OP_OFFLOAD_MIN_BATCH": "48"}, "cpu_expert_layers": [0, 1]}]}
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(plan))
+    rc, out, err = _run(["--plan-json", str(p), "--server", "/bin/true", "--dry-run", "--ub", "512,2048",
+                         "--rounds", "3"], capsys)
+    assert rc == 0, err
+    names = [ln.split()[0] for ln in out.splitlines()[1:]]
+    assert names[:3] == ["plan", "fit", "cpu-moe"]
+    assert "ncmoe1-ub512-mmap" in names and "ncmoe3-ub2048-pinned" in names and "offload-never" in names
+    assert len(names) == 3 + 3 * 2 * 2 + 6                           # offload 12, 24, 32, 96, 192, never
+    assert out.splitlines()[0].startswith(f"{len(names)} configurations × 3 rounds = {len(names) * 3} server starts")
+    assert "GGML_OP_OFFLOAD_MIN_BATCH=12 /bin/true" in out            # offload12 = 48 / 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "nothing to benchmark"),
+    (["topo.yaml"], "planning inside `bench` is not wired yet"),
+    (["--config", "noflags"], "expected NAME='llama-server flags'"),
+    (["--config", "plan=-m x", "--configs", "plan,bogus"], "unknown bench configuration group 'bogus'"),
+    (["--configs", "fit", "--config", "a=-m x"], "--configs derives from the plan"),
+    (["--config", "a=-m x", "--rounds", "0"], "--rounds must be at least 1"),
+    (["--config", "a=-m x", "--vram-budget", "12 potatoes"], "--vram-budget: unknown size unit"),
+    (["--plan-json", "/nonexistent/plan.json"], "--plan-json /nonexistent/plan.json: No such file"),
+    (["--config", "plan=-m x -ngl 9", "--config", "fit=-m y"], "--config fit: that name is taken"),
+    (["--config", "plan=-m x"], "give the sweep's values (--ncmoe N,...)"),
+    (["--config", "a=-m x", "--server", "/nonexistent/llama-server"], "does not exist or is not executable"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    rc, out, err = _run([*argv, "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("orchestrator bench: error: ") and message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_list_values_are_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--pp", "8,x"])
+    assert e.value.code == 2 and "expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_bench_imports_without_rich_gguf_pydantic_ray():
+    """The GPU machine's python3 has numpy, psutil, nvidia-ml-py, pyyaml, aiohttp, matplotlib only."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('rich', 'gguf', 'pydantic', 'ray'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import orchestrator.bench as b, orchestrator.bench.runner, orchestrator.bench.report as r\n"
+        "import orchestrator.commands.bench\n"
+        "from orchestrator.bench.progress import make_progress\n"
+        "assert type(make_progress('auto')).__name__ == 'PlainProgress'\n"
+        "import io; f = io.StringIO(); f.isatty = lambda: True\n"
+        "r.print_tables({'summary': {}, 'ratios': []}, file=f)\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
