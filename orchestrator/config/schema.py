@@ -1,0 +1,558 @@
+"""The topology.yaml schema: one frozen, strict model per concern.
+
+Each field's docstring is its documentation (docs/topology.md is generated from it). A value the user leaves
+out is ``"auto"`` (or None where noted): the plan decides it and ``orchestrator plan`` says what it chose and why.
+Cross-field checks name the key to change and what to write instead.
+"""
+
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from orchestrator.config.types import (
+    AUTO, Alias, ArgList, AutoBool, AutoInt, AutoSize, AutoSizeList, Bool, Choice, Duration, EnvVarName,
+    FilePath, GpuSelection, Host, Int, Name, Namespace, Port, RayAddress, Text, TiB, fail, is_auto,
+)
+from orchestrator.units import MiB
+
+# KV cache types llama.cpp accepts for -ctk/-ctv (common/arg.cpp kv_cache_types); q6_0 and q8_KV are
+# ik_llama.cpp only (common/common.cpp kv_cache_type_from_str).
+KV_TYPES_MAINLINE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+KV_TYPES_IK_ONLY = ("q6_0", "q8_KV")
+KV_TYPES_UNQUANTIZED = ("f32", "f16", "bf16")
+
+# llama-server flags that topology keys own: giving them in workers.extra_args would fight the plan.
+OWNED_FLAGS: dict[str, str] = {
+    **dict.fromkeys(("-m", "--model"), "model.path"),
+    **dict.fromkeys(("-c", "--ctx-size"), "model.context"),
+    **dict.fromkeys(("-np", "--parallel"), "model.parallel"),
+    **dict.fromkeys(("-ctk", "--cache-type-k"), "model.cache_type_k"),
+    **dict.fromkeys(("-ctv", "--cache-type-v"), "model.cache_type_v"),
+    **dict.fromkeys(("-fa", "--flash-attn"), "model.flash_attn"),
+    **dict.fromkeys(("-a", "--alias"), "model.alias"),
+    **dict.fromkeys(("-t", "--threads"), "workers.threads"),
+    **dict.fromkeys(("-tb", "--threads-batch"), "workers.threads_batch"),
+    **dict.fromkeys(("-b", "--batch-size"), "workers.batch"),
+    **dict.fromkeys(("-ub", "--ubatch-size"), "workers.ubatch"),
+    **dict.fromkeys(("-sm", "--split-mode"), "workers.split_mode"),
+    **dict.fromkeys(("--numa",), "workers.numa"),
+    **dict.fromkeys(("-lm", "--load-mode", "--mmap", "--no-mmap", "--mlock"), "workers.load_mode"),
+    **dict.fromkeys(("--op-offload", "--no-op-offload"), "workers.op_offload_min_batch"),
+    **dict.fromkeys(("--host",), "workers.host"),
+    **dict.fromkeys(("--port",), "workers.port_base"),
+    **dict.fromkeys(("--api-key", "--api-key-file"), "gateway.api_key_env"),
+    **dict.fromkeys(("-ot", "--override-tensor", "-ngl", "--gpu-layers", "--n-gpu-layers", "-cmoe", "--cpu-moe",
+                     "-ncmoe", "--n-cpu-moe", "-ts", "--tensor-split", "-mg", "--main-gpu", "-dev", "--device",
+                     "-fit", "--fit", "-fitt", "--fit-target"), "nodes[].gpus / nodes[].vram_limit"),
+}
+
+MACHINE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar", ".json")
+
+
+def cross(key: str, message: str) -> None:
+    """A cross-field error on ``key`` (dotted, relative to the model that raises it; ``nodes.1.name``)."""
+    raise PydanticCustomError("config_cross", "{message}", {"message": message, "key": key})
+
+
+class Section(BaseModel):
+    """Base of every section: frozen, unknown keys are errors, an empty section (``gateway:``) is all defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_defaults(cls, data: Any) -> Any:
+        return {} if data is None else data
+
+    def explicit(self, name: str) -> bool:
+        """Whether the topology file set this key (rather than leaving the default)."""
+        return name in self.model_fields_set
+
+
+# ------------------------------------------------------------------------------------------------------ model
+
+
+class ModelConfig(Section):
+    """What to serve, and the llama-server settings that belong to the model. Required; `model: FILE.gguf` is
+    short for `model: {path: FILE.gguf}`."""
+
+    path: FilePath("a .gguf file, relative to the topology file's folder", suffixes=(".gguf",))
+    """The GGUF model file; a relative path is relative to the folder of the topology file. For a model split
+    into parts (`…-00001-of-00004.gguf`) give the first part."""
+
+    context: AutoInt(256, 16_777_216) = AUTO
+    """Context size in tokens of each worker, shared by its parallel slots (llama-server `-c`). The plan never
+    shrinks a number you give: if it cannot fit, `plan` refuses with the numbers. auto: the plan chooses."""
+
+    parallel: AutoInt(1, 256) = AUTO
+    """Parallel request slots per worker (llama-server `-np`); each slot gets context / parallel tokens
+    (unless the KV cache is unified). auto: the plan chooses."""
+
+    cache_type_k: Choice(AUTO, *KV_TYPES_MAINLINE, *KV_TYPES_IK_ONLY) = AUTO
+    """KV cache type for K (`-ctk`). q6_0 and q8_KV exist only in ik_llama.cpp. auto: the plan chooses
+    (f16 unless memory is short)."""
+
+    cache_type_v: Choice(AUTO, *KV_TYPES_MAINLINE, *KV_TYPES_IK_ONLY) = AUTO
+    """KV cache type for V (`-ctv`). A quantized V cache needs flash attention. auto: the plan chooses."""
+
+    flash_attn: Choice(AUTO, "on", "off", bools=("on", "off")) = AUTO
+    """Flash attention (`-fa on|off|auto`). auto leaves it to llama.cpp, which enables it where supported."""
+
+    alias: Alias = None
+    """The model name clients send in the OpenAI API (`"model": …`, listed by `/v1/models`). null: the model
+    file's name without `.gguf`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_shorthand(cls, data: Any) -> Any:
+        return {"path": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.flash_attn == "off" and self.cache_type_v not in (AUTO, *KV_TYPES_UNQUANTIZED):
+            cross("cache_type_v", f"a quantized V cache ({self.cache_type_v}) needs flash attention, but "
+                                  "model.flash_attn is off: set flash_attn to on or auto, or cache_type_v to f16")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------- backend
+
+
+class BackendConfig(Section):
+    """Which llama-server runs the workers."""
+
+    binary: FilePath("a path to a llama-server binary", words=(AUTO,)) = AUTO
+    """Path to `llama-server` (mainline llama.cpp or ik_llama.cpp); relative to the topology file's folder.
+    auto: `$LLAMA_SERVER`, then `llama-server` on PATH, then orchestrator's own build
+    (`orchestrator build`)."""
+
+    flavor: Choice(AUTO, "mainline", "ik_llama.cpp") = AUTO
+    """Which llama.cpp the binary is. auto: read from `llama-server --help`. Setting it makes the plan
+    refuse a binary of the other flavor, and lets `plan` check flavor-specific keys without the binary."""
+
+
+# ------------------------------------------------------------------------------------------------------ nodes
+
+
+class NodeConfig(Section):
+    """The machines, one list item each. A node is a Ray node (or this machine); workers are placed on nodes.
+    Default: `[{name: local}]`, this machine, discovered."""
+
+    name: Name = "local"
+    """A name for the node, unique in the topology; shown in `plan` and `status`."""
+
+    address: Host("the Ray node's IP address or host name", nullable=True) = None
+    """The IP address or host name of the Ray node this machine is, used to schedule its workers there. null:
+    the machine running orchestrator (at most one node may leave it out)."""
+
+    ray_resource: Text(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", "a Ray custom resource name", nullable=True) = None
+    """A Ray custom resource only this node has (`ray start --resources='{"NAME": 1}'`); when set, workers are
+    scheduled by it instead of by address. Needed when several Ray nodes share one IP address (e.g. two
+    `ray start` on one machine)."""
+
+    machine: FilePath("a recorded machine: a .tar.gz from `orchestrator inspect --save` or a .json from "
+                      "`orchestrator inspect --json`", words=("live",), suffixes=MACHINE_SUFFIXES) = "live"
+    """What the machine is. live: discovered on the node itself (sysfs, NVML). A path (relative to the topology
+    file's folder): a machine recorded with `orchestrator inspect --save FILE.tar.gz` or
+    `orchestrator inspect --json > FILE.json`, so a plan can be made for a machine you are not on."""
+
+    gpus: GpuSelection = "all"
+    """Which GPUs of this node to use, by NVML index: all, none, one index, a list like [0, 1] or a range like
+    "0-3". An index the machine does not have is refused by `plan`."""
+
+    vram_limit: AutoSizeList(256 * MiB, 4 * TiB) = AUTO
+    """The most memory the plan may use on each GPU: one size for every GPU, or a list with one size per GPU
+    in the order of `gpus`. auto: each GPU's free memory less `vram_reserve`."""
+
+    vram_reserve: AutoSize(0, 1 * TiB) = AUTO
+    """Memory left free on each GPU (for the CUDA context, other processes, fragmentation). auto: the plan
+    chooses a margin from the memory model."""
+
+    ram_reserve: AutoSize(0, 64 * TiB) = AUTO
+    """Host memory left free on the node for the OS and other processes. auto: the plan chooses."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "NodeConfig":
+        if self.gpus == ():
+            for key in ("vram_limit", "vram_reserve"):
+                if not is_auto(getattr(self, key)):
+                    cross(key, f"{key} is set but gpus is none: remove {key}, or choose GPUs with gpus")
+        if isinstance(self.vram_limit, tuple) and isinstance(self.gpus, tuple):
+            if len(self.vram_limit) != len(self.gpus):
+                cross("vram_limit", f"gives {_count(len(self.vram_limit), 'size')} but gpus lists "
+                                    f"{_count(len(self.gpus), 'GPU')} "
+                                    "(give one size per GPU, or one size for all)")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------- workers
+
+
+class WorkersConfig(Section):
+    """How the llama-server workers are laid out and tuned, the same for every worker. Every auto is decided
+    by the plan."""
+
+    layout: Choice(AUTO, "machine", "socket", "gpu-group") = AUTO
+    """One worker per machine, per CPU socket, or per group of GPUs (`gpu_group_size`). auto: the plan
+    chooses from the machine and the model's size."""
+
+    gpu_group_size: AutoInt(1, 64) = AUTO
+    """GPUs per worker with layout gpu-group. auto: the plan chooses."""
+
+    replicas: AutoInt(1, 256) = AUTO
+    """How many copies of the layout to run (data parallel; the gateway balances between them). auto: the
+    plan chooses (1 unless the hardware holds more copies)."""
+
+    numa: Choice(AUTO, "bind", "interleave", "none") = AUTO
+    """NUMA memory and CPU policy of each worker: bind (numactl --cpunodebind + --membind to the node nearest
+    its GPU), interleave (numactl --interleave over the socket's nodes, with llama.cpp --numa distribute), or
+    none. auto: bind when the CPU-resident weights fit the nearest node's free memory, else interleave."""
+
+    smt: Choice(AUTO, "on", "off", bools=("on", "off")) = AUTO
+    """Use the second hardware thread of each core: on, off (one thread per physical core). auto: off for
+    generation threads, on for batch threads."""
+
+    threads: AutoInt(1, 4096) = AUTO
+    """Generation threads per worker (`-t`). auto: the physical cores of the bound node or socket."""
+
+    threads_batch: AutoInt(1, 4096) = AUTO
+    """Prompt-processing threads per worker (`-tb`). auto: all hardware threads of the bound node or
+    socket."""
+
+    disable_numa_balancing: AutoBool = AUTO
+    """Turn the kernel's automatic NUMA balancing off while the workers run (restored afterwards; needs root,
+    otherwise a warning). auto: on machines with more than one NUMA node."""
+
+    op_offload_min_batch: AutoInt(1, 1 << 20, words=("off",)) = AUTO
+    """Smallest batch for which llama.cpp copies CPU-resident weights to the GPU to compute there
+    (`GGML_OP_OFFLOAD_MIN_BATCH`); off: never (`--no-op-offload`). auto: where copying over the measured PCIe
+    bandwidth costs less than computing on the CPU."""
+
+    batch: AutoInt(1, 1 << 17) = AUTO
+    """Logical batch size (`-b`). auto: sized so compute buffers fit (up to 4096)."""
+
+    ubatch: AutoInt(1, 1 << 17) = AUTO
+    """Physical micro-batch size (`-ub`), at most `batch`. auto: the plan chooses with `batch`."""
+
+    split_mode: Choice(AUTO, "none", "layer", "row", "tensor", "graph") = AUTO
+    """How a worker with several GPUs splits the model (`-sm`): none, layer, row and tensor (mainline),
+    graph (ik_llama.cpp). auto: the plan chooses for the detected flavor."""
+
+    load_mode: Choice(AUTO, "mmap", "pinned", "mlock") = AUTO
+    """How CPU-resident weights are loaded: mmap (page cache), pinned (read into pinned host buffers, no mmap;
+    fastest GPU copies), mlock (mmap locked in RAM). auto: pinned when RAM allows, else mmap."""
+
+    warmup: Bool = False
+    """Drop the page cache and read the model once before starting (needs root for drop_caches). Off by
+    default: dropping caches affects every process on the machine."""
+
+    host: Host("an IP address or host name", nullable=True) = None
+    """Address each llama-server listens on. null: 127.0.0.1 when the worker runs where the gateway runs,
+    else the node's address."""
+
+    port_base: Port() = 8081
+    """Port of the first worker on a node; the next ones use the following ports."""
+
+    extra_args: ArgList = ()
+    """Extra arguments appended to every llama-server command line, one list item per argument (never split by
+    a shell). Flags that a topology key controls are refused here: set the key instead."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "WorkersConfig":
+        if isinstance(self.batch, int) and isinstance(self.ubatch, int) and self.ubatch > self.batch:
+            cross("ubatch", f"ubatch {self.ubatch} is larger than batch {self.batch}: set ubatch ≤ batch")
+        if not is_auto(self.gpu_group_size) and self.layout not in (AUTO, "gpu-group"):
+            cross("gpu_group_size", f"only applies to layout gpu-group, but layout is {self.layout}: remove "
+                                    "gpu_group_size or set layout: gpu-group")
+        for i, arg in enumerate(self.extra_args):
+            flag = arg.split("=", 1)[0] if arg.startswith("--") else arg
+            if flag in OWNED_FLAGS:
+                key = OWNED_FLAGS[flag]
+                what = ("placement is decided by the plan; steer it with " if key.startswith("nodes[]")
+                        else "set ")
+                cross(f"extra_args.{i}", f"{flag} is controlled by the topology: {what}{key} instead")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------- gateway
+
+
+class GatewayConfig(Section):
+    """The one OpenAI-compatible endpoint in front of all workers."""
+
+    host: Host() = "127.0.0.1"
+    """Address the gateway listens on. Use 0.0.0.0 to serve other machines (set api_key_env then)."""
+
+    port: Port() = 8080
+    """Port the gateway listens on."""
+
+    api_key_env: EnvVarName = None
+    """Name of an environment variable holding the API key clients must send (`Authorization: Bearer KEY`);
+    the key itself never goes in the topology. null: no key."""
+
+
+# -------------------------------------------------------------------------------------------------------- ray
+
+
+class RayConfig(Section):
+    """The Ray cluster that runs the controller, the workers and the gateway."""
+
+    address: RayAddress = "local"
+    """local: start a private Ray head on this machine (stopped by `down`). auto: the running cluster
+    `ray start` made here. HOST:PORT or ray://HOST:PORT: that cluster."""
+
+    dashboard_host: Host() = "127.0.0.1"
+    """Address of the Ray dashboard of a local head (metrics are shown there)."""
+
+    dashboard_port: Port() = 8265
+    """Port of the Ray dashboard of a local head."""
+
+    metrics_export_port: Port(auto=True) = AUTO
+    """Port of the Prometheus metrics endpoint of a local head. auto: Ray picks a free one (shown by
+    `status`)."""
+
+    namespace: Namespace = "orchestrator"
+    """Ray namespace of the controller and its actors; two deployments on one cluster need two namespaces."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RayConfig":
+        if self.address != "local":
+            for key in ("dashboard_host", "dashboard_port", "metrics_export_port"):
+                if self.explicit(key):
+                    cross(key, f"only applies to a local Ray head (ray.address: local), but address is "
+                               f"{self.address!r}: the cluster's dashboard is set where it was started; "
+                               f"remove {key}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------- restart
+
+
+class RestartConfig(Section):
+    """How workers are watched (`/health`) and restarted when they crash or hang."""
+
+    max_restarts: Int(0, 1000) = 5
+    """Restarts of one worker before it is given up (its state and last error stay in `status`)."""
+
+    reset_after: Duration(1, 86400) = 300.0
+    """A worker healthy for this long has its restart count reset."""
+
+    backoff_initial: Duration(0, 3600) = 1.0
+    """Wait before the first restart; doubled after each failed start."""
+
+    backoff_max: Duration(0, 3600) = 30.0
+    """Longest wait between restarts."""
+
+    startup_timeout: Duration(1, 86400) = 1800.0
+    """How long llama-server may take to load the model and answer `/health`."""
+
+    health_interval: Duration(0.1, 600) = 2.0
+    """Time between `/health` checks of a running worker."""
+
+    health_timeout: Duration(0.1, 600) = 5.0
+    """A `/health` check slower than this fails."""
+
+    health_failures: Int(1, 100) = 3
+    """Consecutive failed checks after which a worker is deemed hung and restarted."""
+
+    stop_timeout: Duration(0.1, 600) = 10.0
+    """After SIGTERM, how long a worker may take to exit before SIGKILL."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RestartConfig":
+        if self.backoff_initial > self.backoff_max:
+            cross("backoff_initial", f"backoff_initial ({self.backoff_initial:g}s) is longer than backoff_max "
+                                     f"({self.backoff_max:g}s): lower it or raise backoff_max")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------- topology
+
+
+class Topology(Section):
+    """A whole deployment: the model, the machines, and how to run it (topology.yaml)."""
+
+    model: ModelConfig
+    """What to serve."""
+
+    backend: BackendConfig = BackendConfig()
+    """Which llama-server runs the workers."""
+
+    nodes: tuple[NodeConfig, ...] = (NodeConfig(),)
+    """The machines, each a Ray node. Default: this machine, discovered (`[{name: local}]`)."""
+
+    workers: WorkersConfig = WorkersConfig()
+    """How the llama-server workers are laid out and tuned."""
+
+    gateway: GatewayConfig = GatewayConfig()
+    """The OpenAI-compatible endpoint."""
+
+    ray: RayConfig = RayConfig()
+    """The Ray cluster."""
+
+    restart: RestartConfig = RestartConfig()
+    """Health checks and restarts."""
+
+    _source: str | None = PrivateAttr(default=None)
+    _locations: Any = PrivateAttr(default=None)
+
+    @field_validator("nodes")
+    @classmethod
+    def _some_nodes(cls, nodes: tuple) -> tuple:
+        if not nodes:
+            fail("got an empty list (expected at least one node; leave nodes out to use this machine)")
+        return nodes
+
+    @model_validator(mode="after")
+    def _check(self) -> "Topology":
+        self._check_nodes()
+        self._check_backend()
+        self._check_ports()
+        return self
+
+    def _check_nodes(self) -> None:
+        names: dict[str, int] = {}
+        places: dict[tuple, int] = {}
+        for i, node in enumerate(self.nodes):
+            if node.name in names:
+                cross(f"nodes.{i}.name", f"'{node.name}' is already the name of nodes[{names[node.name]}]: "
+                                         "node names must be unique")
+            names[node.name] = i
+            place = (node.address, node.ray_resource)
+            if place in places:
+                j = places[place]
+                if node.address is None and node.ray_resource is None:
+                    cross(f"nodes.{i}.address", f"nodes[{j}] and nodes[{i}] both leave address out, so both "
+                                                "mean this machine: give each node its Ray node's address")
+                cross(f"nodes.{i}.address", f"nodes[{j}] has the same address"
+                                            + ("" if node.ray_resource is None else " and ray_resource")
+                                            + ": give each node its own address, or set ray_resource when two Ray "
+                                              "nodes share an address")
+            places[place] = i
+        if len(self.nodes) > 1 and self.ray.address == "local":
+            cross("ray.address", f"{len(self.nodes)} nodes need a Ray cluster, but ray.address is local (a private "
+                                 "Ray on this machine): set ray.address to the cluster's HOST:PORT, or auto")
+        if all(n.gpus == () for n in self.nodes):
+            w = self.workers
+            if w.layout == "gpu-group":
+                cross("workers.layout", "gpu-group needs GPUs, but every node has gpus: none: use layout "
+                                        "machine or socket, or give a node GPUs")
+            if w.split_mode not in (AUTO, "none"):
+                cross("workers.split_mode", f"split_mode {w.split_mode} splits a model across GPUs, but every "
+                                            "node has gpus: none: remove split_mode")
+
+    def _check_backend(self) -> None:
+        flavor, w, m = self.backend.flavor, self.workers, self.model
+        if w.split_mode == "graph" and flavor == "mainline":
+            cross("workers.split_mode", "split_mode graph exists only in ik_llama.cpp, but backend.flavor is "
+                                        "mainline: use tensor or layer, or an ik_llama.cpp binary")
+        if w.split_mode in ("row", "tensor") and flavor == "ik_llama.cpp":
+            cross("workers.split_mode", f"split_mode {w.split_mode} is mainline llama.cpp only, but "
+                                        "backend.flavor is ik_llama.cpp: use graph or layer")
+        if w.split_mode == "tensor" and m.flash_attn == "off":
+            cross("model.flash_attn", "split_mode tensor needs flash attention, but model.flash_attn is off: "
+                                      "set it to on or auto, or use another split_mode")
+        if flavor == "mainline":
+            for key in ("cache_type_k", "cache_type_v"):
+                if getattr(m, key) in KV_TYPES_IK_ONLY:
+                    cross(f"model.{key}", f"{getattr(m, key)} is an ik_llama.cpp cache type, but backend.flavor "
+                                          f"is mainline: use one of {', '.join(KV_TYPES_MAINLINE)}")
+
+    def _check_ports(self) -> None:
+        g, w, r = self.gateway, self.workers, self.ray
+        if g.port == w.port_base:
+            cross("gateway.port", f"port {g.port} is also workers.port_base: give the gateway another port")
+        if r.address == "local" and g.port == r.dashboard_port:
+            cross("gateway.port", f"port {g.port} is also ray.dashboard_port: give the gateway another port")
+        if r.address == "local" and w.port_base == r.dashboard_port:
+            cross("workers.port_base", f"port {w.port_base} is also ray.dashboard_port: choose another "
+                                       "port_base")
+
+    # ------------------------------------------------------------------------------------------ public helpers
+
+    @property
+    def source(self) -> str | None:
+        """The topology file this was read from (None when built in code)."""
+        return self._source
+
+    def where(self, key: str | tuple) -> str:
+        """``FILE:LINE`` of a dotted key (``"nodes.0.gpus"``) or of its nearest ancestor the file spells out."""
+        path = _split_key(key)
+        line = self._locations.line_of(path) if self._locations is not None else None
+        src = self._source or "<topology>"
+        return f"{src}:{line}" if line else src
+
+    def error(self, key: str | tuple, message: str):
+        """A ConfigError pointing at ``key``: for checks that need the machine or the model (a GPU index the
+        machine lacks, a context that cannot fit), made by the planner: ``raise topo.error("nodes.0.gpus",
+        "GPU 3 does not exist (the machine has GPUs 0-1)")``."""
+        from orchestrator.errors import ConfigError
+
+        return ConfigError(f"{self.where(key)}: {display_key(_split_key(key))}: {message}")
+
+    def check_files(self) -> None:
+        """Raise ConfigError for the first file the topology names that does not exist (the model, a recorded
+        machine, an explicit binary). Separate from loading, so a topology can be checked elsewhere."""
+        import os
+
+        wanted: list[tuple[str, str, str]] = [("model.path", self.model.path, "model file")]
+        if self.backend.binary != AUTO:
+            wanted.append(("backend.binary", self.backend.binary, "llama-server binary"))
+        for i, node in enumerate(self.nodes):
+            if node.machine != "live":
+                wanted.append((f"nodes.{i}.machine", node.machine, "recorded machine"))
+        for key, path, what in wanted:
+            if not os.path.exists(path):
+                raise self.error(key, f"{what} {path} does not exist")
+            if os.path.isdir(path):
+                raise self.error(key, f"{what} {path} is a directory, not a file")
+        if self.backend.binary != AUTO and not os.access(self.backend.binary, os.X_OK):
+            raise self.error("backend.binary", f"{self.backend.binary} is not executable")
+
+    def override(self, changes: "dict[str, Any]") -> "Topology":
+        """A new Topology with dotted keys changed (``{"nodes.0.vram_limit": "12GiB", "workers.threads": 8}``),
+        validated exactly like the file: for bench sweeps and command-line overrides. Keys the file left out
+        stay decided by the plan. Raises ConfigError naming the key."""
+        from orchestrator.config.loader import validate_changes
+
+        return validate_changes(self, changes)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict (sizes in bytes, durations in seconds, paths absolute); loading it again
+        (as YAML or through ``Topology.model_validate``) gives an equal Topology."""
+        return self.model_dump(mode="json")
+
+    def node(self, name: str) -> NodeConfig:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _split_key(key: str | tuple) -> tuple:
+    if isinstance(key, tuple):
+        return key
+    return tuple(int(p) if p.isdigit() else p for p in key.split(".") if p)
+
+
+def display_key(path: tuple) -> str:
+    """``("nodes", 0, "gpus")`` → ``nodes[0].gpus``."""
+    out = ""
+    for p in path:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelConfig, "backend": BackendConfig, "nodes": NodeConfig, "workers": WorkersConfig,
+    "gateway": GatewayConfig, "ray": RayConfig, "restart": RestartConfig,
+}
