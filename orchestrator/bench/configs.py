@@ -340,6 +340,15 @@ def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
                        cpu_expert_layers=tuple(cel) if cel is not None else None, predicted=predicted)
 
 
+def server_from_plan_json(data: Mapping, worker: int = 0) -> str | None:
+    """The llama-server binary in ``workers[i].argv`` of ``orchestrator plan --json`` output, if any."""
+    try:
+        argv = data["workers"][worker].get("argv") or ()
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return next((a for a in argv if re.search(r"(^|/)llama-server[^/]*$", a)), None)
+
+
 def _device_key(device: str, gpus: Sequence[int]) -> str:
     """"CUDA1" of a worker using machine GPUs (4, 5) -> "gpu5"; "CPU" stays."""
     m = re.fullmatch(r"CUDA(\d+)", str(device))

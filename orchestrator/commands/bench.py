@@ -21,12 +21,14 @@ environment). Example:
 
 
 def _ints(text: str) -> tuple[int, ...]:
+    if text.strip() == "none":
+        return ()
     try:
         vals = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals:
-        raise argparse.ArgumentTypeError("expected at least one integer")
+        raise argparse.ArgumentTypeError("expected at least one integer (or 'none')")
     return vals
 
 
@@ -70,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="load modes of the sweep (mmap, pinned, mlock; default mmap,pinned)")
     src.add_argument("--offload", type=_offload_values, metavar="N,...",
                      help="GGML_OP_OFFLOAD_MIN_BATCH values ('never' = no offload; default: around the plan's)")
-    src.add_argument("--server", metavar="PATH", help="llama-server (default: $LLAMA_SERVER, PATH, build cache)")
+    src.add_argument("--server", metavar="PATH", help="llama-server (default: the plan's, else $LLAMA_SERVER, PATH, "
+                                                      "the build cache)")
     how = p.add_argument_group("how to measure")
     how.add_argument("--vram-budget", metavar="SIZE", help="leave only SIZE free on each GPU (ballast), e.g. 12GiB")
     how.add_argument("--gpus", type=_ints, metavar="I,...", help="GPUs to sample and hold to the budget (default all)")
@@ -81,10 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="prompt lengths (default 8,32,64,128,512,4096)")
     how.add_argument("--pp-reps", type=int, default=3, help="requests per prompt length per run (default 3)")
     how.add_argument("--tg-depths", type=_ints, default=(0, 4096), metavar="N,...",
-                     help="context depths for generation (default 0,4096)")
+                     help="context depths for generation (default 0,4096; none = skip)")
     how.add_argument("--tg-tokens", type=int, default=128, help="tokens generated per depth (default 128)")
     how.add_argument("--concurrency", type=_ints, default=(1, 4), metavar="N,...",
-                     help="concurrent streamed requests for time to first token (default 1,4)")
+                     help="concurrent streamed requests for time to first token (default 1,4; none = skip)")
     how.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of those requests (default 128)")
     how.add_argument("--ttft-requests", type=int, default=8, help="requests per concurrency level (default 8)")
     how.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
@@ -101,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _configs(args: argparse.Namespace):
-    from orchestrator.bench.configs import GROUPS, build_configs, config_from_plan_json, dedupe, parse_config_option
+    from orchestrator.bench.configs import (GROUPS, build_configs, config_from_plan_json, dedupe, parse_config_option,
+                                            server_from_plan_json)
     from orchestrator.errors import ConfigError
 
     extra = [parse_config_option(t) for t in args.config]
@@ -120,6 +124,8 @@ def _configs(args: argparse.Namespace):
         except json.JSONDecodeError as e:
             raise ConfigError(f"--plan-json {args.plan_json}: not JSON (line {e.lineno}: {e.msg})") from None
         plan = config_from_plan_json(data, args.worker)
+        if not args.server:
+            args.server = server_from_plan_json(data, args.worker)
     others = [c for c in extra if c.name != "plan"]
     if plan is None:
         if args.configs:
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     options = BenchOptions(rounds=args.rounds, workload=workload, order=args.order, load_timeout=args.load_timeout,
                            prime_page_cache=not args.no_prime, seed=args.seed, vram_budget=budget,
                            max_seconds=args.max_minutes * 60 if args.max_minutes else None, gpus=args.gpus)
-    configs = _configs(args)
+    configs = _configs(args)          # may take the server binary from the plan JSON
     if args.server:
         server = args.server
     else:

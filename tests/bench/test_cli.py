@@ -24,12 +24,13 @@ def _run(argv, capsys):
 def test_cli_runs_plan_and_fit_and_prints_json(tmp_path, tiny_moe, llama_server_path, capsys):
     rc, out, err = _run(["--server", llama_server_path, "--config", f"plan=-m {tiny_moe} -c 512 -np 1 -t 1",
                          "--configs", "plan,fit", "--rounds", "1", "--pp", "16,64", "--pp-reps", "1",
-                         "--tg-depths", "0", "--tg-tokens", "4", "--concurrency", "1", "--ttft-requests", "1",
+                         "--tg-depths", "0", "--tg-tokens", "4", "--concurrency", "none",
                          "--out", str(tmp_path / "o"), "--json", "--progress", "plain", "--no-charts"], capsys)
     assert rc == 0, err
     d = json.loads(out)
     assert set(d["summary"]) == {"plan", "fit"} and d["summary"]["fit"]["loaded"] == 1
     assert d["summary"]["plan"]["metrics"]["pp64"]["median"] > 0
+    assert not [k for k in d["summary"]["plan"]["metrics"] if k.startswith("ttft")]      # --concurrency none
     assert any(r["kind"] == "plan/fit" and r["metric"] == "pp64" for r in d["ratios"])
     assert "1/2 round 1/1 plan: starting" in err and "2/2 round 1/1 fit: loaded in" in err
     assert (tmp_path / "o" / "bench.json").is_file() and (tmp_path / "o" / "bench.txt").is_file()

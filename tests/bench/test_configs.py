@@ -25,6 +25,7 @@ from orchestrator.bench.configs import (
     parse_args,
     parse_config_option,
     plan_config,
+    server_from_plan_json,
     with_args,
     without,
 )
@@ -184,8 +185,11 @@ def test_config_from_plan_json_args_and_argv_forms():
     assert c.wrapper == ("numactl", "--membind=0", "--") and c.args == PLAN_ARGS
     assert c.predicted == {"pp": {512: 900.0}, "tg": 40.0, "memory": {"gpu3": 11 << 30, "CPU": 6 << 30}}
     assert c.params["n_cpu_moe"] == 3
-    c2 = config_from_plan_json({"workers": [{"argv": ["/opt/bin/llama-server", "-m", "x.gguf"], "env": {}}]})
+    d2 = {"workers": [{"argv": ["/opt/bin/llama-server", "-m", "x.gguf"], "env": {}}]}
+    c2 = config_from_plan_json(d2)
     assert c2.args == ("-m", "x.gguf") and c2.wrapper == ()
+    assert server_from_plan_json(d2) == "/opt/bin/llama-server" and server_from_plan_json({"workers": []}) is None
+    assert server_from_plan_json({"workers": [w]}) == "/b/llama-server"
     with pytest.raises(ConfigError, match="workers"):
         config_from_plan_json({})
     with pytest.raises(ConfigError, match="worker 2 does not exist"):

@@ -214,3 +214,25 @@ def test_a_held_ballast_is_recorded_and_its_loss_stops_the_run(tmp_path, tiny_mo
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["ballast"]["budget"] == 1 << 30 and data["ballast"]["gpus"]["0"]["device"] == "simulated"
     assert data["runs"] == [] and "HardwareError" in data["interrupted"]
+
+
+@pytest.mark.gpu
+def test_gpu_run_holds_the_budget_and_records_vram_power_temperature(tmp_path, tiny_moe, llama_server_path):
+    """Device counterpart (CUDA llama-server on the GPU machine): `pytest tests/bench -m gpu -q -s`."""
+    budget = 4 << 30
+    plan = parse_config_option(f"plan=-m {tiny_moe} -c 1024 -np 1 -t 2 -ngl 999")
+    configs = build_configs(plan, ["plan", "cpu-moe"])
+    data = run_bench(configs, llama_server_path, tmp_path, _opts(rounds=1, vram_budget=budget, gpus=(0,)),
+                     progress=Progress())
+    held = data["ballast"]["gpus"]["0"]
+    assert abs(held["free"] - budget) <= 32 << 20
+    for r in data["runs"]:
+        assert r["status"] == "ok", r.get("error")
+        g = r["resources"]["gpus"]["0"]
+        print(r["config"], {k: v for k, v in g.items()}, r["gpu_free_before"])
+        assert abs(r["gpu_free_before"]["0"] - budget) <= 64 << 20     # every config starts at the budget
+        assert g["peak_delta"] > 100 << 20                              # at least a CUDA context
+        assert g["power_mean_w"] > 0 and 0 < g["temp_max_c"] < 120
+    m = data["summary"]["plan"]["metrics"]
+    assert m["vram_peak_gpu0"]["median"] > 0 and "power_mean_w_gpu0" in m
+    assert _servers_left() == []
