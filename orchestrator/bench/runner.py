@@ -37,6 +37,7 @@ from orchestrator.units import MiB
 
 SCHEMA = "orchestrator-bench/1"
 ORDERS = ("serpentine", "rotate", "fixed")
+_PORT_TAKEN = re.compile(r"already in use|couldn't bind|address in use", re.IGNORECASE)
 _OOM = re.compile(r"out of memory|\bOOM\b|cudaMalloc failed|failed to allocate|unable to allocate", re.IGNORECASE)
 
 
@@ -207,7 +208,16 @@ class _Bench:
         t0 = time.monotonic()
         proc = None
         try:
-            proc = self.launcher(spec, log)
+            try:
+                proc = self.launcher(spec, log)
+            except LaunchError as e:
+                if not _PORT_TAKEN.search(str(e)):
+                    raise
+                port = free_port(o.host)                 # someone took the port between our check and the start
+                spec = LaunchSpec(name=spec.name, argv=cfg.argv(self.binary, o.host, port), env=spec.env,
+                                  host=o.host, port=port)
+                run["argv"] = list(spec.argv)
+                proc = self.launcher(spec, log)
             sampler.attach(proc.pid)
             sampler.phase("load")
             run["load_s"] = round(float(proc.wait_healthy(o.load_timeout)), 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -178,8 +179,16 @@ def run(args: argparse.Namespace) -> int:
         print(describe(configs, server, options))
         return 0
     out = args.out or time.strftime("bench-%Y%m%d-%H%M%S")
-    data = run_bench(configs, server, out, options, progress=make_progress(args.progress),
-                     charts=not args.no_charts)
+
+    def terminated(signum, frame):               # SIGTERM (a timeout, `kill`): stop the server, keep the results
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        data = run_bench(configs, server, out, options, progress=make_progress(args.progress),
+                         charts=not args.no_charts)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json:
         json.dump({"out": str(out), "files": data.get("files"), "summary": data["summary"],
                    "ratios": data["ratios"], "stopped_early": data.get("stopped_early")}, sys.stdout, indent=1)

@@ -100,3 +100,43 @@ def test_bench_imports_without_rich_gguf_pydantic_ray():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+@pytest.mark.integration
+def test_sigterm_stops_the_server_and_keeps_the_results(tmp_path, tiny_moe, llama_server_path):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "orchestrator", "bench", "--server", llama_server_path,
+           "--config", f"a=-m {tiny_moe} -c 512 -np 1 -t 1", "--config", f"b=-m {tiny_moe} -c 512 -np 1 -t 1",
+           "--rounds", "50", "--pp", "16", "--pp-reps", "1", "--tg-depths", "none", "--concurrency", "none",
+           "--out", str(out), "--progress", "plain", "--no-charts", "--no-prime"]
+    p = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            runs = []
+            try:
+                runs = json.loads((out / "bench.json").read_text()).get("runs", [])
+            except (OSError, ValueError):
+                pass
+            if len(runs) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(runs) >= 2
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130 and "orchestrator bench: interrupted" in err
+    data = json.loads((out / "bench.json").read_text())
+    assert data["interrupted"] == "KeyboardInterrupt" and len(data["runs"]) >= 2 and "summary" in data
+    left = [q for q in psutil.process_iter(["cmdline"]) if str(tiny_moe) in " ".join(q.info["cmdline"] or [])]
+    assert left == []

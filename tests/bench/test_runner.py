@@ -236,3 +236,22 @@ def test_gpu_run_holds_the_budget_and_records_vram_power_temperature(tmp_path, t
     m = data["summary"]["plan"]["metrics"]
     assert m["vram_peak_gpu0"]["median"] > 0 and "power_mean_w_gpu0" in m
     assert _servers_left() == []
+
+
+@pytest.mark.integration
+def test_a_port_taken_at_start_is_retried_on_another(tmp_path, tiny_moe, llama_server_path):
+    from orchestrator.errors import LaunchError
+
+    real = default_launcher()
+    ports = []
+
+    def launcher(spec, log):
+        ports.append(spec.port)
+        if len(ports) == 1:
+            raise LaunchError(f"worker {spec.name}: port {spec.port} on 127.0.0.1 is already in use")
+        return real(spec, log)
+
+    data = run_bench([_plan(tiny_moe)], llama_server_path, tmp_path, _opts(rounds=1, workload=Workload(
+        pp=(8,), pp_reps=1, tg_depths=(), concurrency=())), launcher=launcher, progress=Progress(), charts=False)
+    (r,) = data["runs"]
+    assert r["status"] == "ok" and len(ports) == 2 and r["argv"][-1] == str(ports[1])
