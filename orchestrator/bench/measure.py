@@ -156,7 +156,7 @@ class Workload:
     """What is measured on each configuration (see ``BenchOptions``)."""
 
     pp: tuple[int, ...] = (8, 32, 64, 128, 512, 4096)
-    pp_reps: int = 3
+    pp_reps: int = 3                 # requests per length up to 1024 tokens; fewer above (see pp_reps())
     tg_depths: tuple[int, ...] = (0, 4096)
     tg_tokens: int = 128
     tg_reps: int = 1
@@ -165,6 +165,12 @@ class Workload:
     ttft_tokens: int = 4
     ttft_requests: int = 8
     warmup: bool = True
+
+
+def pp_reps(reps: int, length: int) -> int:
+    """Requests per prompt length: ``reps`` up to 1024 tokens, fewer for longer prompts (about reps × 1024
+    tokens each; at least 1) — a long prompt is already a long, stable measurement, and rounds add samples."""
+    return max(1, min(reps, -(-reps * 1024 // length)))
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -218,7 +224,7 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
             out["skipped"].append(f"pp{length}: does not fit the slot context of {info.slot_ctx} tokens")
             continue
         on_step(f"pp{length}")
-        for _ in range(w.pp_reps):
+        for _ in range(pp_reps(w.pp_reps, length)):
             t = await guarded(f"pp{length}", lambda: client.completion(n, 1))
             if out["crashed"]:
                 return out

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from orchestrator.bench.configs import BenchConfig
-from orchestrator.bench.measure import MeasureError, Workload, run_measure
+from orchestrator.bench.measure import MeasureError, Workload, pp_reps, run_measure
 from orchestrator.bench.progress import Progress, make_progress
 from orchestrator.bench.report import render_text, write_atomic, write_charts, write_json
 from orchestrator.bench.sampler import Nvml, ResourceSampler, gpu_free
@@ -379,7 +379,7 @@ def _finish(data: dict, out: Path, charts: bool) -> None:
 def describe(configs: Sequence[BenchConfig], server_binary: str, options: BenchOptions) -> str:
     """What a run would do, without starting anything (``--dry-run``)."""
     w = options.workload
-    per = (2 * w.warmup + len(w.pp) * w.pp_reps + len(w.tg_depths) * w.tg_reps
+    per = (2 * w.warmup + sum(pp_reps(w.pp_reps, n) for n in w.pp) + len(w.tg_depths) * w.tg_reps
            + sum(max(1, -(-w.ttft_requests // c)) * c for c in w.concurrency))
     lines = [f"{len(configs)} configurations × {options.rounds} rounds = {len(configs) * options.rounds} server "
              f"starts, {per} requests each ({options.order} order)"]

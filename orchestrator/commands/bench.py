@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="configuration order per round (default serpentine: forward, backward, ...)")
     how.add_argument("--pp", type=_ints, default=(8, 32, 64, 128, 512, 4096), metavar="N,...",
                      help="prompt lengths (default 8,32,64,128,512,4096)")
-    how.add_argument("--pp-reps", type=int, default=3, help="requests per prompt length per run (default 3)")
+    how.add_argument("--pp-reps", type=int, default=3, help="requests per prompt length per run, up to 1024 tokens; fewer for longer prompts (default 3)")
     how.add_argument("--tg-depths", type=_ints, default=(0, 4096), metavar="N,...",
                      help="context depths for generation (default 0,4096; none = skip)")
     how.add_argument("--tg-tokens", type=int, default=128, help="tokens generated per depth (default 128)")

@@ -22,6 +22,13 @@ def test_fit_length():
     assert fit_length(511, 0, 512) == 511
 
 
+def test_pp_reps_shrink_for_long_prompts():
+    from orchestrator.bench.measure import pp_reps
+
+    assert [pp_reps(3, n) for n in (8, 512, 1024, 2048, 4096, 16384)] == [3, 3, 3, 2, 1, 1]
+    assert pp_reps(1, 8) == 1
+
+
 def test_workload_on_a_real_server(tiny_server):
     w = Workload(pp=(8, 64, 512, 700), pp_reps=2, tg_depths=(0, 300), tg_tokens=16, concurrency=(1, 3),
                  ttft_prompt=32, ttft_tokens=2, ttft_requests=3)
