@@ -297,10 +297,6 @@ def run_bench(configs: Sequence[BenchConfig], server_binary: str, out_dir: str |
     _check_configs(configs)
     _check_binary(server_binary)
     out = Path(out_dir)
-    try:
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot create it: {e.strerror}") from None
     progress = progress or make_progress("auto")
     launcher = launcher or default_launcher()
     own_nvml = nvml == "auto"
@@ -315,6 +311,10 @@ def run_bench(configs: Sequence[BenchConfig], server_binary: str, out_dir: str |
 
             own_ballast = ballast = VramBallast(options.vram_budget, options.gpus,
                                                 tolerance=options.vram_tolerance).start()
+        try:
+            (out / "logs").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out {out}: cannot create it: {e.strerror}") from None
         bench = _Bench(configs, server_binary, out, options, progress, launcher, nvml, ballast)
         plan_order = schedule([c.name for c in configs], options.rounds, options.order)
         data = {

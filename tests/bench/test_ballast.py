@@ -182,3 +182,12 @@ def test_real_ballast_on_gpu0_leaves_the_budget_free_and_gives_it_back():
         assert nv.memory(0)[2] >= free_before - 256 * MiB
     finally:
         nv.close()
+
+
+def test_without_a_gpu_the_budget_is_a_clear_error(tmp_path):
+    from orchestrator.bench.sampler import Nvml
+
+    if Nvml.open() is not None:
+        pytest.skip("this machine has a GPU: the real ballast test covers it")
+    with pytest.raises(HardwareError, match="--vram-budget needs an NVIDIA GPU"):
+        VramBallast(GiB).start()

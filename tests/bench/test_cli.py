@@ -140,3 +140,13 @@ def test_sigterm_stops_the_server_and_keeps_the_results(tmp_path, tiny_moe, llam
     assert data["interrupted"] == "KeyboardInterrupt" and len(data["runs"]) >= 2 and "summary" in data
     left = [q for q in psutil.process_iter(["cmdline"]) if str(tiny_moe) in " ".join(q.info["cmdline"] or [])]
     assert left == []
+
+
+def test_vram_budget_without_gpu_exits_2_and_leaves_nothing(tmp_path, tiny_moe, llama_server_path, capsys):
+    from orchestrator.bench.sampler import Nvml
+
+    if Nvml.open() is not None:
+        pytest.skip("this machine has a GPU: test_gpu_run_holds_the_budget... covers it")
+    rc, out, err = _run(["--server", llama_server_path, "--config", f"a=-m {tiny_moe}", "--vram-budget", "1GiB",
+                         "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "needs an NVIDIA GPU" in err and not (tmp_path / "o").exists()
