@@ -85,7 +85,7 @@ def _cell(k: str, m: Mapping[str, Any] | None) -> str:
         s = f"{v:.1f}"
     else:
         s = f"{v:.1f}" if v < 100 else f"{v:.0f}"
-    if m.get("n", 1) > 1 and v and (k.startswith(("pp", "tg", "ttft"))):
+    if m.get("n", 1) > 1 and v and m["max"] != m["min"] and (k.startswith(("pp", "tg", "ttft"))):
         spread = (m["max"] - m["min"]) / 2 / abs(v) * 100
         s += f" ±{spread:.0f}%"
     return s
@@ -234,16 +234,28 @@ def write_charts(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
         def threshold(n: str) -> int:
             return int(summary[n]["params"].get("op_offload_min_batch") or 32)
 
+        palette = [c for c in plt.get_cmap("tab10").colors if c != plt.get_cmap("tab10").colors[3]]  # no red
+        lengths: set[int] = set()
+        others = 0
         for n in sorted(sweep, key=threshold):
             pts = sorted((int(_PP.match(k).group(1)), v["median"]) for k, v in summary[n]["metrics"].items()
                          if _PP.match(k))
             if not pts:
                 continue
+            lengths.update(p[0] for p in pts)
             t = threshold(n)
             label = f"{n} (threshold {'never' if t >= 10**9 else t})"
+            if n == "plan":
+                color = "tab:red"
+            else:
+                color = palette[others % len(palette)]
+                others += 1
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
-                    linewidth=2.5 if n == "plan" else 1.2, color="tab:red" if n == "plan" else None)
+                    linewidth=2.5 if n == "plan" else 1.2, color=color)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(lengths))
+        ax.set_xticklabels([str(x) for x in sorted(lengths)])
+        ax.minorticks_off()
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("prompt tokens/s")
         ax.set_title("GGML_OP_OFFLOAD_MIN_BATCH sweep")

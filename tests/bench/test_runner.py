@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from orchestrator.bench import BenchOptions, VramBallast, Workload, build_configs, parse_config_option, run_bench
-from orchestrator.bench.configs import OFFLOAD_ENV, BenchConfig
+from orchestrator.bench.configs import OFFLOAD_ENV, OFFLOAD_NEVER, BenchConfig
 from orchestrator.bench.progress import Progress
 from orchestrator.bench.runner import schedule
 from orchestrator.bench.server import default_launcher
@@ -255,3 +255,22 @@ def test_a_port_taken_at_start_is_retried_on_another(tmp_path, tiny_moe, llama_s
         pp=(8,), pp_reps=1, tg_depths=(), concurrency=())), launcher=launcher, progress=Progress(), charts=False)
     (r,) = data["runs"]
     assert r["status"] == "ok" and len(ports) == 2 and r["argv"][-1] == str(ports[1])
+
+
+@pytest.mark.integration
+def test_every_kind_of_derived_configuration_loads_on_the_real_server(tmp_path, tiny_moe, llama_server_path):
+    """The flags and values the generators emit (--fit on --fit-ctx, --load-mode none/mmap, --n-cpu-moe, -ot,
+    the threshold variable) are accepted by the real llama-server."""
+    plan = parse_config_option(
+        rf"plan=-m {tiny_moe} -c 1024 -np 1 -t 1 -ngl 999 -ot blk\.(0|1)\.ffn_(up|down|gate)_exps=CPU "
+        "--fit off -ub 256 -b 512 --load-mode none")
+    assert plan.params["n_cpu_moe"] == 2
+    configs = build_configs(plan, ncmoe_values=[1], ubatches=[128], load_modes=("mmap", "pinned"),
+                            offload_values=[OFFLOAD_NEVER])
+    assert [c.name for c in configs] == ["plan", "fit", "cpu-moe", "ncmoe1-ub128-mmap", "ncmoe1-ub128-pinned",
+                                         "offload-never"]
+    w = Workload(pp=(8,), pp_reps=1, tg_depths=(), concurrency=(), warmup=False)
+    data = run_bench(configs, llama_server_path, tmp_path, _opts(rounds=1, workload=w, prime_page_cache=False),
+                     progress=Progress(), charts=False)
+    assert [(r["config"], r["status"]) for r in data["runs"]] == [(c.name, "ok") for c in configs], \
+        [r.get("error") for r in data["runs"]]
