@@ -200,6 +200,18 @@ class SimulatedDevice:
         return self.free()
 
 
+def cuda_bus_id(nvml_bus_id: str) -> str:
+    """NVML's ``00000000:65:00.0`` (8-digit domain) as CUDA's ``[domain]:[bus]:[device].[function]`` with the
+    4-digit domain (``0000:65:00.0``), the form cuDeviceGetByPCIBusId documents."""
+    dom, sep, rest = nvml_bus_id.strip().partition(":")
+    if not sep:
+        return nvml_bus_id
+    try:
+        return f"{int(dom, 16):04x}:{rest.lower()}"
+    except ValueError:
+        return nvml_bus_id
+
+
 # --- the child process -----------------------------------------------------------------------------------------
 
 def _die_with_parent() -> None:
@@ -241,7 +253,7 @@ def child_main(argv: Sequence[str] | None = None) -> int:
             pynvml.nvmlInit()
             h = pynvml.nvmlDeviceGetHandleByIndex(a.gpu)
             bus = pynvml.nvmlDeviceGetPciInfo(h).busId
-            bus = bus.decode() if isinstance(bus, bytes) else bus
+            bus = cuda_bus_id(bus.decode() if isinstance(bus, bytes) else bus)
             name = pynvml.nvmlDeviceGetName(h)
             info["device"] = name.decode() if isinstance(name, bytes) else str(name)
             info["pci_bus_id"] = bus

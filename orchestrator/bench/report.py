@@ -137,10 +137,19 @@ def render_text(data: Mapping[str, Any]) -> str:
     if data.get("ratios"):
         rh, rr = ratio_rows(data["ratios"])
         parts += ["", plain_table(rh, rr)]
-    errs = [(n, e) for n, s in data["summary"].items() for e in s.get("errors", [])]
+    errs = _problems(data)
     if errs:
         parts += ["", "problems:"] + [f"  {n}: {e}" for n, e in errs]
     return "\n".join(parts)
+
+
+def _problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = [(n, e) for n, s in data["summary"].items() for e in s.get("errors", [])]
+    out += [(n, f"warning: {w}") for n, s in data["summary"].items() for w in s.get("warnings", [])]
+    for note in (data.get("stopped_early"), data.get("interrupted")):
+        if note:
+            out.append(("bench", note))
+    return out
 
 
 def print_tables(data: Mapping[str, Any], file=None) -> None:
@@ -176,8 +185,7 @@ def print_tables(data: Mapping[str, Any], file=None) -> None:
             style = "red" if r[-1] == "NO" else None
             t2.add_row(*r, style=style)
         console.print(t2)
-    errs = [(n, e) for n, s in data["summary"].items() for e in s.get("errors", [])]
-    for n, e in errs:
+    for n, e in _problems(data):
         console.print(f"[yellow]{n}[/yellow]: {e}", highlight=False, markup=True)
 
 

@@ -85,10 +85,15 @@ def summarize(configs: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, 
             for e in ([r["error"]] if r.get("error") else []) + list(r.get("errors") or []):
                 if e not in errors:
                     errors.append(e)
+        warnings: list[str] = []
+        for r in mine:
+            for w in list(r.get("warnings") or []) + list((r.get("samples") or {}).get("skipped") or []):
+                if w not in warnings:
+                    warnings.append(w)
         out[name] = {"group": c.get("group", "extra"), "params": dict(c.get("params") or {}),
                      "runs": len(mine), "loaded": sum(1 for r in mine if r.get("loaded")),
                      "crashed": sum(1 for r in mine if r.get("crashed")),
-                     "errors": errors, "metrics": metrics}
+                     "errors": errors, "warnings": warnings, "metrics": metrics}
     return out
 
 

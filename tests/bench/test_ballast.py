@@ -52,6 +52,14 @@ class FakeGpu:
         self.used -= self.live.pop(h)
 
 
+def test_cuda_bus_id_from_nvml():
+    from orchestrator.bench.ballast import cuda_bus_id
+
+    assert cuda_bus_id("00000000:65:00.0") == "0000:65:00.0"
+    assert cuda_bus_id("00000001:E3:00.0") == "0001:e3:00.0"
+    assert cuda_bus_id("0000:65:00.0") == "0000:65:00.0"
+
+
 def _within(free, budget, tol=DEFAULT_TOLERANCE):
     return budget - tol <= free <= budget + tol
 

@@ -116,8 +116,10 @@ def test_ratios_without_plan_or_with_failed_plan():
 def test_render_text_shows_table_ratios_and_problems():
     configs, runs = _bench()
     runs.append(_run("fit", 2, loaded=False, error="failed to load model"))
+    runs[0]["warnings"] = ["context shrank: 2 slot(s) of 2048 tokens for -c 8192"]
     s = summarize(configs, runs)
-    text = render_text({"summary": s, "ratios": ratios(s, configs)})
+    text = render_text({"summary": s, "ratios": ratios(s, configs), "stopped_early": "time budget of 60 s"})
     assert "pp512" in text and "plan/fit" in text and "NO" in text
     assert "fit: failed to load model" in text
+    assert "plan: warning: context shrank" in text and "bench: time budget of 60 s" in text
     assert "1/2" in text                                                    # fit loaded once of twice
