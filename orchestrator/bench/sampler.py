@@ -156,6 +156,9 @@ class ResourceSampler:
             self._pid = pid
 
     def phase(self, name: str) -> None:
+        """Switch phase; a sample is taken first, so even a phase shorter than the interval is seen."""
+        if self._thread is not None:
+            self.sample()
         with self._lock:
             self._phase = name
 
