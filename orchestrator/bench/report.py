@@ -91,21 +91,31 @@ def _cell(k: str, m: Mapping[str, Any] | None) -> str:
     return s
 
 
+def _buffers_cell(b: Mapping[str, int] | None) -> str:
+    if not b:
+        return "-"
+    return ", ".join(f"{dev} {fmt_bytes(v)}" for dev, v in sorted(b.items(), key=lambda x: -x[1]))
+
+
 def table_rows(summary: Mapping[str, Any], part: str = "speed") -> tuple[list[str], list[list[str]]]:
     cols = _columns(summary, part)
+    buffers = part == "latency" and any(s.get("llama_buffers") for s in summary.values())
     header = ["config"] + (["loaded"] if part == "speed" else []) + [_header(k) for k in cols]
+    header += ["llama.cpp buffers"] if buffers else []
     rows = []
     for name, s in summary.items():
         row = [name]
         if part == "speed":
             row.append(f"{s['loaded']}/{s['runs']}" + (f" ({s['crashed']} crashed)" if s.get("crashed") else ""))
         row += [_cell(k, s["metrics"].get(k)) for k in cols]
+        if buffers:
+            row.append(_buffers_cell(s.get("llama_buffers")))
         rows.append(row)
     return header, rows
 
 
 TITLES = {"speed": "tokens/s (median ±half the range over all samples)",
-          "latency": "time to first token, peak memory, power and temperature"}
+          "latency": "time to first token, peak memory, power and temperature; llama.cpp's own buffers"}
 
 
 def ratio_rows(rs: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from orchestrator.bench.configs import BenchConfig
+from orchestrator.bench.configs import BenchConfig, has_flag
+from orchestrator.bench.logparse import parse_server_log
 from orchestrator.bench.measure import MeasureError, Workload, pp_reps, run_measure
 from orchestrator.bench.progress import Progress, make_progress
 from orchestrator.bench.report import render_text, write_atomic, write_charts, write_json
@@ -57,6 +58,7 @@ class BenchOptions:
     vram_budget: int | None = None       # bytes left free on each GPU by the ballast (the plan's vram_limit)
     vram_tolerance: int = 32 * MiB
     gpus: tuple[int, ...] | None = None  # machine GPUs sampled (and held to the budget); default all
+    log_verbosity: int | None = 4        # -lv for every server (when the binary has it): buffer sizes, fit decisions
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -113,6 +115,15 @@ def server_version(binary: str) -> str:
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     keep = [ln for ln in lines if re.search(r"version|built with|Device \d|ggml_cuda_init", ln)]
     return " | ".join((keep or lines)[:6])
+
+
+def binary_has_flag(binary: str, flag: str) -> bool:
+    """Whether ``binary --help`` lists ``flag`` (False when it cannot be run)."""
+    try:
+        r = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", r.stdout + r.stderr) is not None
 
 
 def _mem_available() -> int | None:
@@ -172,6 +183,15 @@ class _Bench:
         self.nvml = nvml
         self.ballast = ballast
         self.gpus = list(options.gpus) if options.gpus is not None else (list(range(nvml.count())) if nvml else [])
+        self.log_flags: tuple[str, ...] = ()
+        if options.log_verbosity is not None and binary_has_flag(server_binary, "--log-verbosity"):
+            self.log_flags = ("-lv", str(options.log_verbosity))
+
+    def argv(self, cfg: BenchConfig, port: int) -> tuple[str, ...]:
+        argv = cfg.argv(self.binary, self.opt.host, port)
+        if self.log_flags and not any(has_flag(cfg.args, f) for f in ("-lv", "--verbosity", "--log-verbosity")):
+            argv += self.log_flags
+        return argv
 
     def _settle_gpus(self) -> dict[str, int]:
         """Free memory per GPU before a start; with a budget, wait (up to 15 s) for the previous server's memory
@@ -191,7 +211,7 @@ class _Bench:
         if self.ballast is not None and not self.ballast.alive():
             raise HardwareError("the VRAM ballast process is gone: further results would not be under the budget")
         port = free_port(o.host)
-        spec = LaunchSpec(name=f"bench-{cfg.name}", argv=cfg.argv(self.binary, o.host, port), env=dict(cfg.env),
+        spec = LaunchSpec(name=f"bench-{cfg.name}", argv=self.argv(cfg, port), env=dict(cfg.env),
                           host=o.host, port=port)
         log = self.out / "logs" / f"r{round_}-{cfg.name}.log"
         run: dict[str, Any] = {"config": cfg.name, "round": round_, "position": position, "status": "error",
@@ -214,7 +234,7 @@ class _Bench:
                 if not _PORT_TAKEN.search(str(e)):
                     raise
                 port = free_port(o.host)                 # someone took the port between our check and the start
-                spec = LaunchSpec(name=spec.name, argv=cfg.argv(self.binary, o.host, port), env=spec.env,
+                spec = LaunchSpec(name=spec.name, argv=self.argv(cfg, port), env=spec.env,
                                   host=o.host, port=port)
                 run["argv"] = list(spec.argv)
                 proc = self.launcher(spec, log)
@@ -248,6 +268,9 @@ class _Bench:
                 proc.stop(grace=o.stop_grace)
             sampler.stop()
             run["resources"] = sampler.summary()
+            llama = parse_server_log(log)
+            if llama:
+                run["llama"] = llama
             run["wall_s"] = round(time.monotonic() - t0, 2)
         run["oom"] = bool(run.get("error") and _OOM.search(run["error"]))
         return run

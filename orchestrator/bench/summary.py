@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
+from orchestrator.bench.logparse import device_totals
 from orchestrator.bench.measure import quantile
 
 # plan ÷ --fit targets (issue 7)
@@ -94,6 +95,10 @@ def summarize(configs: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, 
                      "runs": len(mine), "loaded": sum(1 for r in mine if r.get("loaded")),
                      "crashed": sum(1 for r in mine if r.get("crashed")),
                      "errors": errors, "warnings": warnings, "metrics": metrics}
+        buffers = next(((r.get("llama") or {}).get("buffers") for r in mine
+                        if r.get("loaded") and (r.get("llama") or {}).get("buffers")), None)
+        if buffers:
+            out[name]["llama_buffers"] = device_totals(buffers)     # weights + KV + compute per buffer type
     return out
 
 

@@ -114,7 +114,10 @@ def test_two_configs_two_rounds_and_a_broken_one(tmp_path, tiny_moe, llama_serve
         assert all(1 < t["tps"] < 1e6 for t in s["tg"])
         assert {k: len(v) for k, v in s["ttft"].items()} == {"1": 2, "2": 2}
         assert (1 << 20) < r["resources"]["rss_peak"] < (2 << 30)     # the model is mapped, nothing absurd
-        assert f"--port" in r["argv"] and r["argv"][0] == llama_server_path
+        assert "--port" in r["argv"] and r["argv"][0] == llama_server_path
+        assert r["argv"][-2:] == ["-lv", "4"]                           # llama.cpp's buffer sizes in the log
+        assert r["llama"]["buffers"]["model"]["CPU_Mapped"] > 500_000   # the ~1 MB model, mapped
+        assert r["config"] != "fit" or any("fit" in x or "memory" in x for x in r["llama"]["fit"])
     assert next(r for r in data["runs"] if r["config"] == "offload64")["env"] == {OFFLOAD_ENV: "64"}
     assert rec.lines[3].startswith("FAILED (load-failed)")
 
@@ -124,6 +127,7 @@ def test_two_configs_two_rounds_and_a_broken_one(tmp_path, tiny_moe, llama_serve
     m = summ["plan"]["metrics"]
     assert m["pp128"]["n"] == 4 and m["pp128"]["min"] <= m["pp128"]["median"] <= m["pp128"]["max"]
     assert m["tg8@0"]["n"] == 2 and m["ttft_p95_c2"]["n"] == 4
+    assert summ["plan"]["llama_buffers"]["CPU_Mapped"] > 500_000 and "llama_buffers" not in summ["broken"]
     kinds = {(r["kind"], r["metric"]) for r in data["ratios"]}
     assert {("plan/fit", "pp128"), ("plan/fit", "tg8@0"), ("threshold/best", "pp8")} <= kinds
     assert all(r["value"] > 0 for r in data["ratios"])
@@ -254,7 +258,7 @@ def test_a_port_taken_at_start_is_retried_on_another(tmp_path, tiny_moe, llama_s
     data = run_bench([_plan(tiny_moe)], llama_server_path, tmp_path, _opts(rounds=1, workload=Workload(
         pp=(8,), pp_reps=1, tg_depths=(), concurrency=())), launcher=launcher, progress=Progress(), charts=False)
     (r,) = data["runs"]
-    assert r["status"] == "ok" and len(ports) == 2 and r["argv"][-1] == str(ports[1])
+    assert r["status"] == "ok" and len(ports) == 2 and r["argv"][r["argv"].index("--port") + 1] == str(ports[1])
 
 
 @pytest.mark.integration
