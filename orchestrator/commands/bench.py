@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument("--load-timeout", type=float, default=900.0, help="seconds for a server to load (default 900)")
     how.add_argument("--max-minutes", type=float, help="start no configuration that would end after this")
     how.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    how.add_argument("--server-verbosity", default="4", metavar="N|none",
+                     help="-lv added to every server so its log has llama.cpp's buffer sizes and --fit decisions "
+                          "(default 4; none = add nothing)")
     out = p.add_argument_group("output")
     out.add_argument("--out", metavar="DIR", help="output directory (default bench-YYYYmmdd-HHMMSS)")
     out.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
@@ -165,7 +168,13 @@ def run(args: argparse.Namespace) -> int:
     workload = Workload(pp=args.pp, pp_reps=args.pp_reps, tg_depths=args.tg_depths, tg_tokens=args.tg_tokens,
                         concurrency=args.concurrency, ttft_prompt=args.ttft_prompt,
                         ttft_requests=args.ttft_requests, warmup=not args.no_warmup)
-    options = BenchOptions(rounds=args.rounds, workload=workload, order=args.order, load_timeout=args.load_timeout,
+    if args.server_verbosity == "none":
+        verbosity = None
+    elif args.server_verbosity.isdigit():
+        verbosity = int(args.server_verbosity)
+    else:
+        raise ConfigError(f"--server-verbosity: expected a number or 'none', got {args.server_verbosity!r}")
+    options = BenchOptions(log_verbosity=verbosity, rounds=args.rounds, workload=workload, order=args.order, load_timeout=args.load_timeout,
                            prime_page_cache=not args.no_prime, seed=args.seed, vram_budget=budget,
                            max_seconds=args.max_minutes * 60 if args.max_minutes else None, gpus=args.gpus)
     configs = _configs(args)          # may take the server binary from the plan JSON

@@ -150,3 +150,8 @@ def test_vram_budget_without_gpu_exits_2_and_leaves_nothing(tmp_path, tiny_moe, 
     rc, out, err = _run(["--server", llama_server_path, "--config", f"a=-m {tiny_moe}", "--vram-budget", "1GiB",
                          "--out", str(tmp_path / "o")], capsys)
     assert rc == 2 and "needs an NVIDIA GPU" in err and not (tmp_path / "o").exists()
+
+
+def test_server_verbosity_option(capsys, tmp_path):
+    rc, out, err = _run(["--config", "a=-m x", "--server-verbosity", "loud"], capsys)
+    assert rc == 2 and "--server-verbosity: expected a number or 'none'" in err
