@@ -18,6 +18,7 @@ from orchestrator.bench.configs import (
     GROUPS,
     BenchConfig,
     build_configs,
+    config_from_launch_spec,
     config_from_plan_json,
     config_from_worker,
     cpu_moe_config,
@@ -32,7 +33,7 @@ from orchestrator.bench.runner import BenchOptions, describe, run_bench, schedul
 from orchestrator.bench.summary import ratios, summarize
 
 __all__ = [
-    "GROUPS", "BenchConfig", "BenchOptions", "VramBallast", "Workload", "build_configs", "config_from_plan_json",
+    "GROUPS", "BenchConfig", "BenchOptions", "VramBallast", "Workload", "build_configs", "config_from_launch_spec", "config_from_plan_json",
     "config_from_worker", "cpu_moe_config", "describe", "fill_to_budget", "fit_config", "ncmoe_sweep",
     "offload_sweep", "parse_config_option", "plan_config", "ratios", "run_bench", "schedule", "summarize",
 ]

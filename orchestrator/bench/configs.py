@@ -302,6 +302,31 @@ def config_from_worker(worker: Any, *, wrapper: Sequence[str] = ()) -> BenchConf
                        predicted=predicted)
 
 
+def split_server_argv(argv: Sequence[str]) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
+    """(wrapper, binary, flags) of a complete command line: the binary is the word after the last ``--``
+    (numactl ... -- llama-server), else the first word named llama-server*, else the first word."""
+    argv = tuple(argv)
+    if not argv:
+        raise ConfigError("empty command line")
+    if "--" in argv:
+        i = len(argv) - 1 - argv[::-1].index("--") + 1
+    else:
+        i = next((k for k, a in enumerate(argv) if re.search(r"(^|/)llama-server[^/]*$", a)), 0)
+    if i >= len(argv):
+        raise ConfigError(f"no server binary after '--' in {' '.join(argv)}")
+    return argv[:i], argv[i], argv[i + 1:]
+
+
+def config_from_launch_spec(spec: Any, worker: Any | None = None) -> BenchConfig:
+    """The plan configuration of a ``LaunchSpec`` (what ``up`` runs: wrappers, binary, flags, env), with the
+    planner's ``WorkerPlan`` for its predictions and CPU expert layers when given."""
+    wrapper, _binary, args = split_server_argv(spec.argv)
+    if worker is not None:
+        c = config_from_worker(worker, wrapper=wrapper)
+        return replace(c, args=args, env=dict(spec.env))
+    return plan_config(args, dict(spec.env), wrapper=wrapper)
+
+
 def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
     """The plan configuration from ``orchestrator plan --json`` output (``workers[i]`` with ``args`` or ``argv``,
     ``env``, ``predicted``, ``devices``/``memory``, ``gpus``, ``cpu_expert_layers``)."""

@@ -211,3 +211,20 @@ def test_config_from_worker_plan():
     assert c.predicted == {"pp": {512: 800.0}, "tg": 35.0, "memory": {"gpu1": 10, "CPU": 6}}
     assert BenchConfig.from_dict(c.to_dict()) == BenchConfig.from_dict(c.to_dict())
     assert BenchConfig.from_dict(c.to_dict()).args == c.args
+
+
+def test_config_from_launch_spec_splits_wrappers_binary_and_flags():
+    from orchestrator.bench.configs import config_from_launch_spec, split_server_argv
+    from orchestrator.launch.spec import LaunchSpec
+
+    argv = ("/repo/scripts/numa/disable-numa-balancing.sh", "numactl", "--cpunodebind=0", "--membind=0", "--",
+            "/cache/bin/llama-server", *PLAN_ARGS)
+    spec = LaunchSpec(name="w0", argv=argv, env=PLAN_ENV, port=8081)
+    c = config_from_launch_spec(spec)
+    assert c.wrapper == argv[:5] and c.args == PLAN_ARGS and c.env == PLAN_ENV and c.group == "plan"
+    assert c.params["n_cpu_moe"] == 20 and c.params["op_offload_min_batch"] == 64
+    assert c.argv("/cache/bin/llama-server", "127.0.0.1", 1)[:6] == argv[:6]
+    assert split_server_argv(["/x/llama-server", "-m", "m"]) == ((), "/x/llama-server", ("-m", "m"))
+    assert split_server_argv(["./server", "-m", "m"]) == ((), "./server", ("-m", "m"))
+    with pytest.raises(ConfigError):
+        split_server_argv(["numactl", "--"])
