@@ -392,8 +392,8 @@ def _finish(data: dict, out: Path, charts: bool) -> None:
     if charts:
         try:
             files["charts"] = [p.name for p in write_charts(data, out)]
-        except ImportError as e:
-            data.setdefault("notes", []).append(f"no charts: {e}")
+        except Exception as e:  # noqa: BLE001 - charts are secondary: never lose the measurements over them
+            data.setdefault("notes", []).append(f"no charts: {type(e).__name__}: {e}")
     data["files"] = files
     write_json(out / "bench.json", data)
     write_atomic(out / "bench.txt", (render_text(data) + "\n").encode())
