@@ -9,6 +9,6 @@ ORCH="${VENV:-.venv}/bin/orchestrator"
 model=models/demo-moe.gguf
 if [ ! -f "$model" ]; then
   mkdir -p models
-  "$ORCH" synth-model "$model" --like qwen3-30b-a3b --scale 0.05 --quant q8_0
+  "$ORCH" synth-model "$model" --like qwen3-30b-a3b --scale 0.125 --quant q8_0
 fi
 exec "$ORCH" up topologies/demo.yaml "$@"

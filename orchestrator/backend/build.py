@@ -26,6 +26,8 @@ from orchestrator.errors import BackendError
 from orchestrator.paths import cache_dir
 
 TARGETS = ("llama-server", "llama-bench", "llama-fit-params")
+# ik_llama.cpp keeps its tools under examples/ and has llama-sweep-bench instead of llama-fit-params
+FLAVOR_TARGETS = {"mainline": TARGETS, "ik_llama.cpp": ("llama-server", "llama-bench", "llama-sweep-bench")}
 BUILD_FORMAT = 2  # bump when the cache layout or the fixed CMake flags change
 
 
@@ -41,9 +43,13 @@ class BuildOptions:
     cuda_archs: tuple[str, ...] = ()         # e.g. ("90",); empty = from the detected GPUs, else llama.cpp's list
     native: bool = False                     # GGML_NATIVE: tune for this CPU (off: portable AVX2 build)
     build_type: str = "Release"
-    targets: tuple[str, ...] = TARGETS
+    targets: tuple[str, ...] = ()            # empty = the flavor's own set (FLAVOR_TARGETS)
     extra_cmake: tuple[str, ...] = ()
     jobs: int = 0                            # 0 = all CPUs
+
+    @property
+    def resolved_targets(self) -> tuple[str, ...]:
+        return self.targets or FLAVOR_TARGETS.get(self.flavor, TARGETS)
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,8 @@ def cmake_args(opts: BuildOptions, *, cuda: bool, archs: tuple[str, ...]) -> lis
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        # ik_llama.cpp's server and benches live under examples/
+        f"-DLLAMA_BUILD_EXAMPLES={'ON' if opts.flavor == 'ik_llama.cpp' else 'OFF'}",
         "-DLLAMA_BUILD_SERVER=ON",
         "-DLLAMA_BUILD_APP=OFF",
         "-DLLAMA_USE_PREBUILT_UI=OFF",
@@ -132,7 +139,7 @@ def build_key(opts: BuildOptions, source: Path | None, *, cuda: bool, archs: tup
         "source": sid,
         "flavor": opts.flavor,
         "cmake": cmake_args(opts, cuda=cuda, archs=archs),
-        "targets": sorted(opts.targets),
+        "targets": sorted(opts.resolved_targets),
     }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     return f"{opts.flavor}-{'cuda' if cuda else 'cpu'}-{key}", {**spec, "source_description": desc}
@@ -242,10 +249,10 @@ def build(
     with open(root / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not rebuild:
-            info = _cached(prefix, opts.targets)
+            info = _cached(prefix, opts.resolved_targets)
             if info is not None:
                 return BuildResult(key, prefix, prefix / "bin" / "llama-server",
-                                   {t: prefix / "bin" / t for t in opts.targets}, cached=True, info=info)
+                                   {t: prefix / "bin" / t for t in opts.resolved_targets}, cached=True, info=info)
         if prefix.exists():
             shutil.rmtree(prefix)
         work = root / f"{key}.partial"
@@ -278,15 +285,15 @@ def build(
             if rc != 0:
                 raise BackendError(f"llama.cpp configure failed (exit {rc}); last lines of {log.name}:\n{_tail(log)}")
             jobs = opts.jobs or os.cpu_count() or 2
-            prog = _Progress(f"building {'/'.join(opts.targets)}")
-            rc = _run_logged(["cmake", "--build", str(bdir), "--target", *opts.targets, "-j", str(jobs)],
+            prog = _Progress(f"building {'/'.join(opts.resolved_targets)}")
+            rc = _run_logged(["cmake", "--build", str(bdir), "--target", *opts.resolved_targets, "-j", str(jobs)],
                              work, log, env, prog)
             prog.done()
             if rc != 0:
                 raise BackendError(f"llama.cpp build failed (exit {rc}); the compiler's last lines:\n{_tail(log)}")
             (work / "bin").mkdir()
             binaries = {}
-            for t in opts.targets:
+            for t in opts.resolved_targets:
                 found = next((p for p in (bdir / "bin" / t, bdir / t) if p.is_file()), None)
                 if found is None:
                     raise BackendError(f"llama.cpp build finished but {t} is missing under {bdir}")

@@ -48,7 +48,7 @@ class _Candidate:
 
 
 def _kv_layers(model: ModelInfo, req: PlanRequest) -> list[int]:
-    n_ctx = req.context * req.parallel
+    n_ctx = req.context
     return [M.kv_bytes(model, n_ctx, req.parallel, req.type_k, req.type_v, layer) for layer in range(model.n_layers)]
 
 
@@ -146,7 +146,7 @@ def _place(costs, kv_layer, budgets, mode, req):
 
 
 def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine):
-    n_ctx = req.context * req.parallel
+    n_ctx = req.context
     compute = M.compute_bytes(model, n_ubatch=ub, n_ctx=n_ctx, device="cuda", flash_attn=fa != "off")
     overhead = M.cuda_overhead(model)
     budgets = []
@@ -213,7 +213,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
     fa = _flash_attn(req, has_gpu)
     kv_layer = _kv_layers(model, req)
     mode, mode_why = _split_mode(req, backend, model, len(gpus), fa)
-    n_ctx = req.context * req.parallel
+    n_ctx = req.context
 
     if gpus:
         # main GPU: best measured host bandwidth (ties: lowest index)
@@ -260,7 +260,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
             ub, e = errors[0]
             raise PlanError(
                 f"model {model.paths[0]}: attention, norms, shared weights, output and the KV cache for "
-                f"{req.context} tokens x {req.parallel} slots need {fmt_bytes(e.need)} but the GPUs "
+                f"{req.context} tokens ({req.parallel} slots) need {fmt_bytes(e.need)} but the GPUs "
                 f"{list(gpu_indexes)} offer {fmt_bytes(e.have)} after reserves: lower model.context or "
                 f"model.parallel, quantize the KV cache (model.cache_type: q8_0), or add GPUs")
         best = _choose(cands)

@@ -32,7 +32,7 @@ class NodeRequest:
 @dataclass(frozen=True)
 class PlanRequest:
     # model / serving
-    context: int = 8192                      # tokens per request (per slot)
+    context: int = 8192                      # tokens per worker (-c), shared by its slots
     parallel: int = 1                        # concurrent slots per worker (llama-server -np)
     type_k: str = "f16"
     type_v: str = "f16"

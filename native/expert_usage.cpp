@@ -1,0 +1,284 @@
+// expert_usage: which routed experts a MoE model's router picks, read through llama.cpp itself.
+//
+// Loads a GGUF, evaluates prompts of random token ids (one fresh context state per prompt) and captures the
+// router's top-k output of every MoE layer (the graph tensors named "ffn_moe_topk-<layer>") with the
+// scheduler's eval callback. Prints one JSON object on stdout:
+//
+//   {"model": ..., "arch": ..., "n_expert": 128, "n_expert_used": 8, "n_layer": 48,
+//    "runs": [{"n_tokens": 512, "layers": [{"layer": 0, "distinct": 125, "max_share": 0.03,
+//                                            "counts": [..n_expert..]}, ...]}, ...]}
+//
+// "distinct" is the number of experts chosen at least once by any token of the prompt; "max_share" the
+// largest fraction of (token, slot) picks that went to a single expert.
+//
+// usage: expert_usage MODEL.gguf [-n TOKENS]... [--seed S] [-t THREADS] [-ngl N] [--text-ids]
+//   -n      prompt length (repeatable; default: 512 and 8)
+//   --seed  seed of the random token ids (default 1)
+//   -t      CPU threads (default: all)
+//   -ngl    layers to offload to a GPU (default 0)
+//
+// Built on demand by orchestrator/model/routing.py against the static llama.cpp libraries that
+// `orchestrator build` keeps in its cache.
+
+#include "llama.h"
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct capture {
+    int n_expert = 0;
+    std::map<int, std::vector<int64_t>> counts;   // layer -> picks per expert
+    std::string error;
+};
+
+const char * PREFIX = "ffn_moe_topk-";
+
+bool on_tensor(struct ggml_tensor * t, bool ask, void * user_data) {
+    auto * cap = static_cast<capture *>(user_data);
+    if (std::strncmp(t->name, PREFIX, std::strlen(PREFIX)) != 0) {
+        return !ask;   // ask: not needed; after compute: keep going
+    }
+    if (ask) {
+        return true;
+    }
+    if (t->type != GGML_TYPE_I32) {
+        cap->error = std::string(t->name) + ": expected an I32 tensor";
+        return false;
+    }
+    const int layer = std::atoi(t->name + std::strlen(PREFIX));
+    const size_t nbytes = ggml_nbytes(t);
+    std::vector<uint8_t> buf(nbytes);
+    ggml_backend_tensor_get(t, buf.data(), 0, nbytes);   // a strided view: read its whole span
+    auto & counts = cap->counts[layer];
+    if (counts.empty()) {
+        counts.assign(cap->n_expert, 0);
+    }
+    for (int64_t i3 = 0; i3 < t->ne[3]; i3++) {
+        for (int64_t i2 = 0; i2 < t->ne[2]; i2++) {
+            for (int64_t i1 = 0; i1 < t->ne[1]; i1++) {
+                for (int64_t i0 = 0; i0 < t->ne[0]; i0++) {
+                    const size_t off = i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+                    int32_t e;
+                    std::memcpy(&e, buf.data() + off, sizeof(e));
+                    if (e < 0 || e >= cap->n_expert) {
+                        cap->error = std::string(t->name) + ": expert id " + std::to_string(e) + " out of range";
+                        return false;
+                    }
+                    counts[e]++;
+                }
+            }
+        }
+    }
+    return true;
+}
+
+void quiet_log(enum ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        std::fputs(text, stderr);
+    }
+}
+
+std::string meta(const llama_model * model, const std::string & key) {
+    char buf[256];
+    const int n = llama_model_meta_val_str(model, key.c_str(), buf, sizeof(buf));
+    return n < 0 ? std::string() : std::string(buf);
+}
+
+std::string json_escape(const std::string & s) {
+    std::string out;
+    for (char c : s) {
+        if (c == '"' || c == '\\') {
+            out += '\\';
+            out += c;
+        } else if (static_cast<unsigned char>(c) < 0x20) {
+            char tmp[8];
+            std::snprintf(tmp, sizeof(tmp), "\\u%04x", c);
+            out += tmp;
+        } else {
+            out += c;
+        }
+    }
+    return out;
+}
+
+int usage(const char * argv0) {
+    std::fprintf(stderr, "usage: %s MODEL.gguf [-n TOKENS]... [--seed S] [-t THREADS] [-ngl N]\n", argv0);
+    return 2;
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    if (argc < 2) {
+        return usage(argv[0]);
+    }
+    std::string path;
+    std::vector<int> lengths;
+    unsigned seed = 1;
+    int threads = (int) std::thread::hardware_concurrency();
+    int ngl = 0;
+    for (int i = 1; i < argc; i++) {
+        const std::string a = argv[i];
+        auto next = [&](void) -> const char * {
+            if (i + 1 >= argc) {
+                std::fprintf(stderr, "expert_usage: %s needs a value\n", a.c_str());
+                std::exit(2);
+            }
+            return argv[++i];
+        };
+        if (a == "-n") {
+            lengths.push_back(std::atoi(next()));
+        } else if (a == "--seed") {
+            seed = (unsigned) std::strtoul(next(), nullptr, 10);
+        } else if (a == "-t") {
+            threads = std::atoi(next());
+        } else if (a == "-ngl") {
+            ngl = std::atoi(next());
+        } else if (a == "-h" || a == "--help") {
+            return usage(argv[0]);
+        } else if (path.empty() && a[0] != '-') {
+            path = a;
+        } else {
+            std::fprintf(stderr, "expert_usage: unknown argument %s\n", a.c_str());
+            return usage(argv[0]);
+        }
+    }
+    if (path.empty()) {
+        return usage(argv[0]);
+    }
+    if (lengths.empty()) {
+        lengths = {512, 8};
+    }
+    int max_len = 0;
+    for (int n : lengths) {
+        if (n < 1) {
+            std::fprintf(stderr, "expert_usage: -n must be positive\n");
+            return 2;
+        }
+        max_len = n > max_len ? n : max_len;
+    }
+    if (threads < 1) {
+        threads = 1;
+    }
+
+    llama_log_set(quiet_log, nullptr);
+    llama_backend_init();
+
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = ngl;
+    llama_model * model = llama_model_load_from_file(path.c_str(), mp);
+    if (!model) {
+        std::fprintf(stderr, "expert_usage: %s: failed to load the model\n", path.c_str());
+        return 1;
+    }
+    const std::string arch = meta(model, "general.architecture");
+    const int n_expert = std::atoi(meta(model, arch + ".expert_count").c_str());
+    const int n_used = std::atoi(meta(model, arch + ".expert_used_count").c_str());
+    if (n_expert <= 0) {
+        std::fprintf(stderr, "expert_usage: %s: not a MoE model (no %s.expert_count)\n", path.c_str(), arch.c_str());
+        llama_model_free(model);
+        return 1;
+    }
+
+    capture cap;
+    cap.n_expert = n_expert;
+
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = (uint32_t) max_len + 16;
+    cp.n_batch = (uint32_t) max_len;
+    cp.n_ubatch = (uint32_t) max_len;
+    cp.n_seq_max = 1;
+    cp.n_threads = threads;
+    cp.n_threads_batch = threads;
+    cp.cb_eval = on_tensor;
+    cp.cb_eval_user_data = &cap;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) {
+        std::fprintf(stderr, "expert_usage: %s: failed to create a context\n", path.c_str());
+        llama_model_free(model);
+        return 1;
+    }
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> pick(0, n_vocab - 1);
+    std::string out = "{\"model\": \"" + json_escape(path) + "\", \"arch\": \"" + json_escape(arch) +
+                      "\", \"n_expert\": " + std::to_string(n_expert) + ", \"n_expert_used\": " +
+                      std::to_string(n_used) + ", \"n_layer\": " + std::to_string(llama_model_n_layer(model)) +
+                      ", \"seed\": " + std::to_string(seed) + ", \"runs\": [";
+    int status = 0;
+    for (size_t r = 0; r < lengths.size(); r++) {
+        const int n = lengths[r];
+        std::vector<llama_token> tokens(n);
+        for (auto & t : tokens) {
+            t = pick(rng);
+        }
+        cap.counts.clear();
+        llama_memory_clear(llama_get_memory(ctx), true);
+        // every token is an output, so the last layer routes all of them too (llama.cpp drops the rows it
+        // does not need to output before the last layer's FFN)
+        llama_batch batch = llama_batch_init(n, 0, 1);
+        for (int i = 0; i < n; i++) {
+            batch.token[i] = tokens[i];
+            batch.pos[i] = i;
+            batch.n_seq_id[i] = 1;
+            batch.seq_id[i][0] = 0;
+            batch.logits[i] = 1;
+        }
+        batch.n_tokens = n;
+        const int rc = llama_decode(ctx, batch);
+        llama_batch_free(batch);
+        if (rc != 0 || !cap.error.empty()) {
+            std::fprintf(stderr, "expert_usage: decode of %d tokens failed (%d) %s\n", n, rc, cap.error.c_str());
+            status = 1;
+            break;
+        }
+        if (cap.counts.empty()) {
+            std::fprintf(stderr, "expert_usage: no ffn_moe_topk tensors seen: this llama.cpp names them differently\n");
+            status = 1;
+            break;
+        }
+        out += r ? ", " : "";
+        out += "{\"n_tokens\": " + std::to_string(n) + ", \"layers\": [";
+        bool first = true;
+        for (const auto & [layer, counts] : cap.counts) {
+            int64_t total = 0, top = 0;
+            int distinct = 0;
+            for (int64_t c : counts) {
+                total += c;
+                top = c > top ? c : top;
+                distinct += c > 0;
+            }
+            char share[32];
+            std::snprintf(share, sizeof(share), "%.4f", total ? (double) top / (double) total : 0.0);
+            out += first ? "" : ", ";
+            first = false;
+            out += "{\"layer\": " + std::to_string(layer) + ", \"distinct\": " + std::to_string(distinct) +
+                   ", \"max_share\": " + share + ", \"counts\": [";
+            for (size_t e = 0; e < counts.size(); e++) {
+                out += (e ? "," : "") + std::to_string(counts[e]);
+            }
+            out += "]}";
+        }
+        out += "]}";
+    }
+    out += "]}\n";
+    if (status == 0) {
+        std::fputs(out.c_str(), stdout);
+    }
+    llama_free(ctx);
+    llama_model_free(model);
+    llama_backend_free();
+    return status;
+}

@@ -1,0 +1,328 @@
+"""Measure how a MoE model routes tokens, through llama.cpp itself.
+
+``native/expert_usage.cpp`` loads a GGUF with libllama, evaluates prompts of random token ids and records the
+router's top-k (the ``ffn_moe_topk-<layer>`` graph tensors) of every MoE layer. This module compiles it on
+demand against the static libraries and headers that ``orchestrator build`` keeps in its cache
+(``<cache>/llama.cpp/<key>/{lib,include}``), caches the binary under ``<cache>/native/`` keyed by the source,
+the libraries and the flags, runs it and parses its JSON.
+
+A synthetic model is only useful for speed measurements if its routing looks like a trained model's: llama.cpp
+reads and copies only the experts a batch uses. :func:`check` states the rule the tests enforce.
+
+``python -m orchestrator.model.routing MODEL.gguf`` prints a per-layer table.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.errors import BackendError, ModelError
+from orchestrator.paths import REPO_ROOT, cache_dir
+
+SOURCE = REPO_ROOT / "native" / "expert_usage.cpp"
+TOOL = "expert_usage"
+
+
+@dataclass(frozen=True)
+class DevTree:
+    """Static llama.cpp libraries and public headers to link a native tool against."""
+
+    libs: tuple[Path, ...]
+    include_dirs: tuple[Path, ...]
+    origin: str
+
+    @property
+    def cuda(self) -> bool:
+        return any(p.name.startswith("libggml-cuda") for p in self.libs)
+
+
+@dataclass(frozen=True)
+class LayerUsage:
+    layer: int
+    distinct: int          # experts picked at least once
+    max_share: float       # largest fraction of all picks taken by one expert
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RoutingRun:
+    n_tokens: int
+    layers: tuple[LayerUsage, ...]
+
+    def min_distinct(self) -> int:
+        return min(u.distinct for u in self.layers)
+
+
+@dataclass(frozen=True)
+class RoutingReport:
+    model: str
+    arch: str
+    n_expert: int
+    n_expert_used: int
+    n_layer: int
+    runs: tuple[RoutingRun, ...]
+
+    def run(self, n_tokens: int) -> RoutingRun:
+        for r in self.runs:
+            if r.n_tokens == n_tokens:
+                return r
+        raise KeyError(n_tokens)
+
+
+def parse_report(text: str) -> RoutingReport:
+    d = json.loads(text)
+    runs = tuple(
+        RoutingRun(r["n_tokens"], tuple(LayerUsage(x["layer"], x["distinct"], float(x["max_share"]),
+                                                   tuple(x["counts"])) for x in r["layers"]))
+        for r in d["runs"])
+    return RoutingReport(d["model"], d["arch"], int(d["n_expert"]), int(d["n_expert_used"]), int(d["n_layer"]), runs)
+
+
+def check(report: RoutingReport, *, long_tokens: int = 512, short_tokens: int = 8,
+          min_fraction: float = 0.9) -> list[str]:
+    """Problems with the routing (empty when it looks like a trained model's).
+
+    Over ``long_tokens`` tokens every MoE layer must pick at least ``min_fraction`` of its experts; over
+    ``short_tokens`` tokens every layer must pick more than ``n_expert_used`` distinct experts (the minimum, when
+    all tokens agree).
+    """
+    problems = []
+    need = min_fraction * report.n_expert
+    for u in report.run(long_tokens).layers:
+        if u.distinct < need:
+            problems.append(f"layer {u.layer}: {u.distinct}/{report.n_expert} experts used over {long_tokens} tokens "
+                            f"(need >= {need:.0f})")
+    for u in report.run(short_tokens).layers:
+        if u.distinct <= report.n_expert_used:
+            problems.append(f"layer {u.layer}: only {u.distinct} distinct experts over {short_tokens} tokens "
+                            f"(the minimum is {report.n_expert_used})")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------------------
+# building the tool
+
+
+def _lib_order(libs: list[Path]) -> list[Path]:
+    def rank(p: Path) -> tuple[int, str]:
+        n = p.name
+        if n.startswith("libllama"):
+            return 0, n
+        if n == "libggml.a":
+            return 1, n
+        if n == "libggml-base.a":
+            return 3, n
+        return 2, n
+    return sorted(libs, key=rank)
+
+
+def _wanted(name: str) -> bool:
+    """libllama and the ggml libraries; not the tools' own libraries (server, bench, common)."""
+    return name == "libllama.a" or (name.startswith("libggml") and name.endswith(".a"))
+
+
+def dev_tree_from_cache(cache: Path | None = None) -> DevTree | None:
+    """The newest cached ``orchestrator build`` that kept its libraries and headers."""
+    from orchestrator.backend.build import cached_builds
+
+    for prefix, info in cached_builds(cache):
+        dev = info.get("dev") or {}
+        names = dev.get("libs") or []
+        libdir = prefix / dev.get("lib", "lib")
+        incdir = prefix / dev.get("include", "include")
+        libs = [libdir / n for n in names if _wanted(n) and (libdir / n).is_file()]
+        if libs and any(p.name == "libllama.a" for p in libs) and (incdir / "llama.h").is_file():
+            return DevTree(tuple(_lib_order(libs)), (incdir,), f"build cache {prefix}")
+    return None
+
+
+def dev_tree_from_dirs(build_dir: Path, include_dirs: list[Path]) -> DevTree:
+    """A llama.cpp CMake build tree (static libs anywhere under it) plus header directories."""
+    libs = [p for p in build_dir.rglob("*.a") if _wanted(p.name)]
+    if not any(p.name == "libllama.a" for p in libs):
+        raise BackendError(f"{build_dir}: no libllama.a under it (build llama.cpp with BUILD_SHARED_LIBS=OFF)")
+    for d in include_dirs:
+        if not d.is_dir():
+            raise BackendError(f"{d}: header directory not found")
+    return DevTree(tuple(_lib_order(libs)), tuple(include_dirs), f"build tree {build_dir}")
+
+
+def find_dev_tree() -> DevTree:
+    """The build cache, else ``$ORCHESTRATOR_LLAMA_BUILD_DIR`` + ``$ORCHESTRATOR_LLAMA_INCLUDE`` (path list)."""
+    tree = dev_tree_from_cache()
+    if tree:
+        return tree
+    bdir = os.environ.get("ORCHESTRATOR_LLAMA_BUILD_DIR")
+    inc = os.environ.get("ORCHESTRATOR_LLAMA_INCLUDE")
+    if bdir and inc:
+        return dev_tree_from_dirs(Path(bdir), [Path(p) for p in inc.split(os.pathsep) if p])
+    raise BackendError("no llama.cpp libraries to link expert_usage against: run `orchestrator build` first "
+                       "(or set ORCHESTRATOR_LLAMA_BUILD_DIR and ORCHESTRATOR_LLAMA_INCLUDE)")
+
+
+def _cuda_link_flags() -> list[str]:
+    from orchestrator.backend.build import find_nvcc
+
+    dirs = []
+    nvcc = find_nvcc()
+    if nvcc:
+        root = Path(nvcc).resolve().parent.parent
+        dirs += [root / "lib64", root / "lib", root / "targets" / "x86_64-linux" / "lib"]
+    dirs += [Path("/usr/local/cuda/lib64")]
+    flags = []
+    for d in dirs:
+        if d.is_dir():
+            flags += [f"-L{d}", f"-Wl,-rpath,{d}"]
+        if (d / "stubs").is_dir():
+            flags.append(f"-L{d / 'stubs'}")
+    return flags + ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
+
+
+def compile_argv(tree: DevTree, out: Path, cxx: str = "c++", extra: tuple[str, ...] = ()) -> list[str]:
+    argv = [cxx, "-O2", "-std=c++17", str(SOURCE), "-o", str(out)]
+    argv += [f"-I{d}" for d in tree.include_dirs]
+    argv += ["-Wl,--start-group", *[str(p) for p in tree.libs], "-Wl,--end-group"]
+    if tree.cuda:
+        argv += _cuda_link_flags()
+    argv += [*extra, "-fopenmp", "-lpthread", "-ldl", "-lm"]
+    return argv
+
+
+# libraries a llama.cpp build may need beyond the fixed list, added when the linker asks for them
+# (GGML_CUDA_NCCL is on by default and links NCCL when the build machine has it)
+_ON_DEMAND = (("undefined reference to `nccl", "-lnccl"),)
+
+
+def _tool_key(tree: DevTree, cxx: str) -> str:
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(cxx.encode())
+    for p in tree.libs:
+        st = p.stat()
+        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for d in tree.include_dirs:
+        h.update(str(d).encode())
+    return h.hexdigest()[:16]
+
+
+def build_tool(tree: DevTree | None = None, *, cache: Path | None = None) -> Path:
+    """Compile expert_usage (once per source/libraries/flags) and return its path."""
+    if not SOURCE.is_file():
+        raise BackendError(f"{SOURCE} not found: the routing tool is built from a source checkout "
+                           f"(pip install -e .)")
+    tree = tree or find_dev_tree()
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or ""
+    if not cxx:
+        raise BackendError("no C++ compiler found (install g++) to build the expert_usage tool")
+    root = (cache or cache_dir()) / "native"
+    root.mkdir(parents=True, exist_ok=True)
+    key = _tool_key(tree, cxx)
+    exe = root / f"{TOOL}-{key}"
+    if os.access(exe, os.X_OK):
+        return exe
+    with open(root / f".{TOOL}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.access(exe, os.X_OK):
+            return exe
+        tmp = root / f"{TOOL}-{key}.partial"
+        extra: list[str] = []
+        try:
+            while True:
+                argv = compile_argv(tree, tmp, cxx, tuple(extra))
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                more = [flag for needle, flag in _ON_DEMAND
+                        if proc.returncode != 0 and needle in proc.stderr and flag not in extra]
+                if not more:
+                    break
+                extra += more
+            if proc.returncode != 0:
+                tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-15:])
+                raise BackendError(f"building {TOOL} against {tree.origin} failed (exit {proc.returncode}):\n{tail}")
+            os.replace(tmp, exe)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return exe
+
+
+# --------------------------------------------------------------------------------------------------------------
+# running it
+
+
+def measure(model: os.PathLike | str, *, lengths: tuple[int, ...] = (512, 8), seed: int = 1,
+            threads: int | None = None, ngl: int = 0, tool: Path | None = None,
+            timeout: float = 1800) -> RoutingReport:
+    """Run expert_usage on ``model`` and return what its routers picked."""
+    model = Path(model)
+    if not model.is_file():
+        raise ModelError(f"{model}: model file not found")
+    exe = tool or build_tool()
+    argv = [str(exe), str(model), "--seed", str(seed), "-ngl", str(ngl)]
+    for n in lengths:
+        argv += ["-n", str(n)]
+    if threads:
+        argv += ["-t", str(threads)]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BackendError(f"{TOOL} on {model} took longer than {timeout:.0f}s") from None
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.splitlines()[-10:])
+        raise ModelError(f"{model}: {TOOL} failed (exit {proc.returncode}): {tail}")
+    return parse_report(proc.stdout)
+
+
+def format_report(report: RoutingReport) -> str:
+    lines = [f"{report.model}: {report.arch}, {report.n_expert} experts, top {report.n_expert_used}"]
+    head = "layer " + " ".join(f"{'distinct/' + str(r.n_tokens) + 't':>14} {'max share':>9}" for r in report.runs)
+    lines.append(head)
+    for i, u0 in enumerate(report.runs[0].layers):
+        cells = []
+        for r in report.runs:
+            u = r.layers[i]
+            cells.append(f"{u.distinct:>14} {u.max_share:>9.3f}")
+        lines.append(f"{u0.layer:>5} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m orchestrator.model.routing",
+                                description="Per-layer expert usage of a MoE GGUF, measured through llama.cpp")
+    p.add_argument("model", type=Path)
+    p.add_argument("-n", type=int, action="append", dest="lengths", help="prompt length (default 512 and 8)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("-t", "--threads", type=int)
+    p.add_argument("-ngl", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    lengths = tuple(a.lengths or (512, 8))
+    try:
+        rep = measure(a.model, lengths=lengths, seed=a.seed, threads=a.threads, ngl=a.ngl)
+    except (ModelError, BackendError) as e:
+        print(f"routing: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps({"model": rep.model, "n_expert": rep.n_expert, "runs": [
+            {"n_tokens": r.n_tokens, "distinct": [u.distinct for u in r.layers]} for r in rep.runs]}))
+    else:
+        print(format_report(rep))
+    if 512 in lengths and 8 in lengths:
+        problems = check(rep)
+        for pr in problems:
+            print("FAIL " + pr)
+        print("routing check: " + ("ok" if not problems else f"{len(problems)} problem(s)"))
+        return 1 if problems else 0
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,496 @@
+"""Write a synthetic GGUF shaped like a real MoE model: random but sane weights, a working tokenizer.
+
+The file has exactly the tensor names, ggml shapes, tensor types and GGUF metadata of the real model's Q4_0 (or
+Q8_0) file (see :mod:`orchestrator.model.shapes`), so llama.cpp loads it, places it and runs it as it would the
+real one: memory, bandwidth and expert-routing behaviour are those of the real model; the text it writes is noise.
+
+How the weights are made (never element-wise quantization):
+
+* Quantized tensors are written as ready-made blocks: random quant bytes (nibbles / int8 / MXFP4 codes) next to
+  a fixed, finite f16 scale per tensor role whose **sign is random per block**. A random sign per block removes
+  the common bias that raw random nibbles carry (q4_0's ``q - 8`` averages -0.5): without it every matrix adds
+  the same direction to every token, the residual stream of all tokens converges, and every token picks the same
+  experts. ``attn_output`` gets a smaller scale so attention, which averages over the context, cannot wash the
+  tokens' own signal out of the residual stream. :mod:`orchestrator.model.routing` measures the result through
+  llama.cpp (tests/integration/test_routing.py).
+* Routed-expert tensors (almost all of the bytes) come from a pool of pre-formatted random blocks per role, read
+  at a random block offset per expert and written with ``os.writev`` -- no per-byte work, so the write runs at
+  disk speed. Everything else (embeddings, attention, routers, norms) is generated fresh.
+* F32 tensors: routers are Gaussian, norms are 1, biases and attention sinks small.
+
+The file is written to ``OUT.part`` and renamed when complete; any failure (including Ctrl-C) removes it.
+The GGUF v3 container is written here directly (no gguf package needed); only numpy is imported.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from orchestrator.errors import ModelError
+from orchestrator.model import shapes as S
+
+ALIGNMENT = 32  # GGUF default general.alignment
+
+# Target RMS of a tensor's elements, as gain / sqrt(row length) (the row length is the matmul fan-in).
+# "embd" is absolute. Chosen so that hidden states stay O(1) through every layer and routing spreads over the
+# experts like a trained model's (measured with orchestrator.model.routing; see docs/synth.md).
+GAIN = {
+    "embd": 1.0,          # absolute element RMS of token embeddings
+    "attn_in": 1.0,
+    "attn_out": 0.25,     # small: attention averages over tokens, keep it from dominating the residual
+    "ffn_in": 1.0,
+    "ffn_down": 0.5,
+    "exp_in": 1.0,
+    "exp_down": 1.0,
+    "shexp_down": 0.5,
+    "output": 1.0,
+    "router": 1.0,
+}
+_ABSOLUTE = {"embd"}
+
+
+@dataclass(frozen=True)
+class WeightStyle:
+    """How random weights are scaled: per-role gains and whether block scales get a random sign."""
+
+    name: str
+    gains: tuple[tuple[str, float], ...]
+    signed: bool
+
+    def gain(self, role: str) -> float:
+        return dict(self.gains)[role]
+
+
+STYLES = {
+    "realistic": WeightStyle("realistic", tuple(GAIN.items()), True),
+    # the naive generator: positive scales everywhere and a full-size attn_output. Routing collapses onto a few
+    # experts; kept so the routing test proves that its check can fail.
+    "naive": WeightStyle("naive", tuple({**GAIN, "attn_out": 1.0}.items()), False),
+}
+
+# RMS of the integer codes of each block format (before scaling)
+_Q4_0_RMS = float(np.sqrt(np.mean((np.arange(16) - 8.0) ** 2)))                      # 4.637
+_Q8_0_RMS = float(np.sqrt(np.mean(np.arange(-32, 32, dtype=np.float64) ** 2)))      # 18.5 (codes -32..31)
+_Q6_K_RMS = float(np.sqrt(np.mean((np.arange(64) - 32.0) ** 2)))                     # 18.5
+_Q6_K_SUBSCALE = 4                                                                   # |int8 sub-block scale|
+_MXFP4_K = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float64)
+_MXFP4_RMS = float(np.sqrt(np.mean(_MXFP4_K ** 2)))                                 # 5.85 (element = k * 2^(e-128))
+
+POOL_BYTES = 64 << 20     # per (type, scale) pool of pre-formatted expert blocks
+CHUNK_BYTES = 16 << 20    # fresh random data is generated and written in chunks of this size
+
+
+@dataclass(frozen=True)
+class SynthResult:
+    path: Path
+    shape: S.ModelShape
+    quant: str
+    n_tensors: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _bytes_to_unicode() -> list[str]:
+    """The byte-level BPE alphabet: printable bytes map to themselves, the rest to U+0100.. (GPT-2 scheme)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    # token ids 0..255 in GPT-2 order: printable bytes first, then the remapped ones
+    order = printable + [b for b in range(256) if b not in printable]
+    return [table[b] for b in order]
+
+
+def build_vocab(shape: S.ModelShape) -> tuple[list[str], list[int], list[str], dict[str, int]]:
+    """A byte-level BPE vocabulary of exactly ``shape.n_vocab`` tokens: tokens, token types, merges, special ids.
+
+    Ids 0..255 (after any leading specials) are the 256 byte tokens; then merged tokens built from a 70-character
+    alphabet (2-character tokens, then 3-character ones, ...), each with its merge rule; special tokens sit at
+    their real ids (counted from the end of the vocabulary for the ones near the end), the rest of their region
+    is padding, as in the real converted files.
+    """
+    n = shape.n_vocab
+    tokens: list[str | None] = [None] * n
+    types = [1] * n  # NORMAL
+    special_ids: dict[str, int] = {}
+    for sp in shape.specials:
+        tid = sp.token_id(n)
+        if not (0 <= tid < n):
+            raise ModelError(f"{shape.like}: special token {sp.text!r} id {tid} outside the vocabulary of {n}")
+        tokens[tid] = sp.text
+        types[tid] = 3  # CONTROL
+        if sp.role:
+            special_ids[sp.role] = tid
+    tail_start = min([sp.token_id(n) for sp in shape.specials if sp.from_end] or [n])
+    for i in range(tail_start, n):
+        if tokens[i] is None:
+            tokens[i] = f"[PAD{i}]"
+            types[i] = 5  # UNUSED
+
+    free = [i for i in range(tail_start) if tokens[i] is None]
+    byte_chars = _bytes_to_unicode()
+    if len(free) < 256 + 1:
+        raise ModelError(f"{shape.like}: vocabulary of {n} too small for 256 byte tokens")
+    for i, ch in zip(free[:256], byte_chars):
+        tokens[i] = ch
+    rest = free[256:]
+
+    # merged tokens: alphabet = space marker, lower, upper, digits, some punctuation
+    space = chr(0x120)  # 'Ġ' is byte 0x20 in the GPT-2 alphabet
+    newline = chr(0x10A)  # 'Ċ' is byte 0x0A
+    alphabet = [space] + list("etaoinshrdlcumwfgypbvkjxqz") + list("ETAOINSHRDLCUMWFGYPBVKJXQZ") + \
+        list("0123456789") + list(".,:;!?-'\"()") + [newline]
+    merges: list[str] = []
+    seen = set(t for t in tokens if t is not None)
+    need = len(rest)
+    level = alphabet  # tokens of the previous length
+    made: list[str] = []
+    while len(made) < need:
+        nxt = []
+        for left in level:
+            for right in alphabet:
+                tok = left + right
+                if tok in seen:
+                    continue
+                seen.add(tok)
+                made.append(tok)
+                merges.append(f"{left} {right}")
+                nxt.append(tok)
+                if len(made) >= need:
+                    break
+            if len(made) >= need:
+                break
+        level = nxt
+    for i, tok in zip(rest, made):
+        tokens[i] = tok
+    assert all(t is not None for t in tokens)
+    return tokens, types, merges, special_ids  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# block generation
+
+
+class _Rng:
+    """Fast uniform random bytes (SFC64) and Gaussians from one seed."""
+
+    def __init__(self, seed: int):
+        self.gen = np.random.Generator(np.random.SFC64(seed))
+
+    def bytes(self, n: int) -> np.ndarray:
+        words = self.gen.integers(0, np.iinfo(np.uint64).max, size=(n + 7) // 8, dtype=np.uint64, endpoint=True)
+        return words.view(np.uint8)[:n]
+
+
+def _scale_for(spec: S.TensorSpec, style: WeightStyle = STYLES["realistic"]) -> float:
+    gain = style.gain(spec.role)
+    return gain if spec.role in _ABSOLUTE else gain / np.sqrt(S.fan_in(spec))
+
+
+def make_blocks(qtype: str, n_blocks: int, rms: float, rng: _Rng, *, signed: bool = True) -> np.ndarray:
+    """``n_blocks`` random blocks of ``qtype`` whose elements have RMS ``rms``; random sign per block scale
+    (``signed=False``: every scale positive, the naive way that collapses routing; kept to prove the check)."""
+    blk, size = S.BLOCK[qtype]
+    raw = rng.bytes(n_blocks * size).reshape(n_blocks, size)
+    # the scale bytes are overwritten below: their random low bit picks the sign
+    sign_bit = raw[:, 0] & 1 if signed else np.zeros(n_blocks, np.uint8)
+    if qtype == "q4_0":
+        d = np.float16(rms / _Q4_0_RMS)
+        raw[:, 0:2] = np.where(sign_bit[:, None].astype(bool), -d, d).astype(np.float16).reshape(-1, 1).view(np.uint8)
+    elif qtype == "q8_0":
+        # int8 codes in -32..31 (like a trained tensor's, most codes are far from +-127), which keeps the f16
+        # scale a normal number even for the widest rows
+        qs = raw[:, 2:].view(np.int8)
+        qs >>= 2
+        d = np.float16(rms / _Q8_0_RMS)
+        raw[:, 0:2] = np.where(sign_bit[:, None].astype(bool), -d, d).astype(np.float16).reshape(-1, 1).view(np.uint8)
+    elif qtype == "q6_k":
+        # ql[128] qh[64] scales[16] (int8) d (f16): random sign per 16-element sub-block, fixed |scale|
+        d = np.float16(rms / (_Q6_K_RMS * _Q6_K_SUBSCALE))
+        sc = raw[:, 192:208].view(np.int8)
+        sc[:] = np.where((sc & 1) & signed, -_Q6_K_SUBSCALE, _Q6_K_SUBSCALE).astype(np.int8)
+        raw[:, 208:210] = np.full((n_blocks, 1), d, dtype=np.float16).view(np.uint8)
+    elif qtype == "mxfp4":
+        # e8m0 exponent + 16 bytes of FP4 codes (symmetric table: no bias); exponent varies by one step
+        # half the blocks one exponent lower: mean square = (1 + 1/4) / 2 of the upper one's
+        e = 128 + int(round(np.log2(rms / (_MXFP4_RMS * np.sqrt(0.625)))))
+        if not (1 <= e <= 254):
+            raise ValueError(f"mxfp4 scale exponent {e} out of range")
+        raw[:, 0] = e - (raw[:, 1] & 1)
+    else:  # pragma: no cover
+        raise ValueError(qtype)
+    return raw
+
+
+def _f32_data(spec: S.TensorSpec, rng: _Rng, style: WeightStyle) -> np.ndarray:
+    shape = spec.ne[::-1]
+    if spec.role == "norm":
+        return np.ones(shape, np.float32)
+    if spec.role == "router":
+        return rng.gen.standard_normal(shape, dtype=np.float32) * np.float32(_scale_for(spec, style))
+    if spec.role in ("bias", "router_bias"):
+        return rng.gen.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+    if spec.role == "sinks":
+        return np.zeros(shape, np.float32)
+    raise ValueError(f"{spec.name}: no f32 generator for role {spec.role}")
+
+
+class _Pools:
+    """Pools of pre-formatted random blocks, one per (type, scale), for the routed-expert tensors."""
+
+    def __init__(self, rng: _Rng, pool_bytes: int, signed: bool = True):
+        self.rng = rng
+        self.pool_bytes = pool_bytes
+        self.signed = signed
+        self.pools: dict[tuple[str, float], np.ndarray] = {}
+
+    def get(self, qtype: str, rms: float, want_bytes: int) -> np.ndarray:
+        key = (qtype, float(rms))
+        if key not in self.pools:
+            size = S.BLOCK[qtype][1]
+            n = max(1, min(self.pool_bytes, want_bytes) // size)
+            self.pools[key] = make_blocks(qtype, n, rms, self.rng, signed=self.signed).reshape(-1)
+        return self.pools[key]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# writer
+
+
+def _write_all(fd: int, bufs: list) -> int:
+    """writev everything in ``bufs`` (handles short writes and the IOV_MAX limit)."""
+    total = 0
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while views:
+        batch = views[:512]
+        n = os.writev(fd, batch)
+        total += n
+        # drop fully written views, trim a partial one
+        i = 0
+        while i < len(batch) and n >= len(batch[i]):
+            n -= len(batch[i])
+            i += 1
+        views = views[i:]
+        if n:
+            views[0] = views[0][n:]
+    return total
+
+
+def _human(n: int) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{n} B"
+
+
+def _pad(n: int) -> int:
+    return (-n) % ALIGNMENT
+
+
+def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: WeightStyle) -> int:
+    if spec.type == "f32":
+        data = _f32_data(spec, rng, style)
+        return _write_all(fd, [data, bytes(_pad(data.nbytes))])
+    blk, size = S.BLOCK[spec.type]
+    rms = _scale_for(spec, style)
+    nbytes = spec.nbytes
+    written = 0
+    if spec.is_expert:
+        pool = pools.get(spec.type, rms, nbytes)
+        per_expert = nbytes // spec.ne[2]
+        n_pool_blocks = len(pool) // size
+        bufs = []
+        for _ in range(spec.ne[2]):
+            left = per_expert
+            while left:
+                off = int(rng.gen.integers(0, n_pool_blocks)) * size
+                take = min(left, len(pool) - off)
+                bufs.append(pool[off:off + take])
+                left -= take
+            if len(bufs) >= 256:
+                written += _write_all(fd, bufs)
+                bufs = []
+        written += _write_all(fd, bufs)
+    else:
+        blocks_per_chunk = max(1, CHUNK_BYTES // size)
+        n_blocks = nbytes // size
+        done = 0
+        while done < n_blocks:
+            k = min(blocks_per_chunk, n_blocks - done)
+            written += _write_all(fd, [make_blocks(spec.type, k, rms, rng, signed=style.signed)])
+            done += k
+    assert written == nbytes, (spec.name, written, nbytes)
+    return written + _write_all(fd, [bytes(_pad(nbytes))])
+
+
+def write_data(fd: int, specs: list[S.TensorSpec], *, seed: int = 0, pool_bytes: int = POOL_BYTES,
+               style: str = "realistic", progress: Callable[[int, int], None] | None = None,
+               rng: _Rng | None = None) -> int:
+    """Write the tensor data of ``specs`` (each padded to the alignment) to ``fd``; returns the bytes written.
+
+    Also used on its own by scripts/bench_synth_write.py to time the generator against /dev/null.
+    """
+    wstyle = STYLES[style]
+    rng = rng or _Rng(seed)
+    pools = _Pools(rng, pool_bytes, signed=wstyle.signed)
+    total = S.total_bytes(specs, ALIGNMENT)
+    done = 0
+    for sp in specs:
+        done += _write_tensor(fd, sp, rng, pools, wstyle)
+        if progress:
+            progress(done, total)
+    return done
+
+
+# GGUF v3 (ggml/include/gguf.h): header, key/values, tensor infos, padding to the alignment, tensor data.
+_GGUF_MAGIC = b"GGUF"
+_GGUF_VERSION = 3
+_T_U32, _T_I32, _T_F32, _T_BOOL, _T_STR, _T_ARR = 4, 5, 6, 7, 8, 9
+
+
+def _str(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, kind: str, val) -> bytes:
+    head = _str(key)
+    if kind == "u32":
+        return head + struct.pack("<II", _T_U32, int(val))
+    if kind == "i32":
+        return head + struct.pack("<Ii", _T_I32, int(val))
+    if kind == "f32":
+        return head + struct.pack("<If", _T_F32, float(val))
+    if kind == "bool":
+        return head + struct.pack("<IB", _T_BOOL, 1 if val else 0)
+    if kind == "str":
+        return head + struct.pack("<I", _T_STR) + _str(str(val))
+    if kind == "str[]":
+        return head + struct.pack("<IIQ", _T_ARR, _T_STR, len(val)) + b"".join(_str(v) for v in val)
+    if kind == "i32[]":
+        return head + struct.pack("<IIQ", _T_ARR, _T_I32, len(val)) + np.asarray(val, dtype="<i4").tobytes()
+    raise ValueError(kind)  # pragma: no cover
+
+
+def gguf_header(shape: S.ModelShape, quant: str | None, specs: list[S.TensorSpec]) -> bytes:
+    """Header, metadata (with the generated tokenizer) and tensor infos, padded to the data alignment."""
+    kvs = [(k, kind, v) for k, v, kind in S.metadata(shape, quant)]
+    tokens, types, merges, special = build_vocab(shape)
+    kvs += [
+        ("tokenizer.ggml.model", "str", "gpt2"),
+        ("tokenizer.ggml.pre", "str", shape.tokenizer_pre),
+        ("tokenizer.ggml.tokens", "str[]", tokens),
+        ("tokenizer.ggml.token_type", "i32[]", types),
+        ("tokenizer.ggml.merges", "str[]", merges),
+    ]
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        if role in special:
+            kvs.append((f"tokenizer.ggml.{key}", "u32", special[role]))
+    kvs.append(("tokenizer.ggml.add_bos_token", "bool", shape.add_bos))
+    if shape.chat_template:
+        kvs.append(("tokenizer.chat_template", "str", shape.chat_template))
+    parts = [_GGUF_MAGIC, struct.pack("<IQQ", _GGUF_VERSION, len(specs), len(kvs))]
+    parts += [_kv(k, kind, v) for k, kind, v in kvs]
+    offset = 0
+    for sp in specs:
+        parts.append(_str(sp.name) + struct.pack("<I", len(sp.ne)) + struct.pack(f"<{len(sp.ne)}Q", *sp.ne)
+                     + struct.pack("<IQ", S.GGML_TYPE_ID[sp.type], offset))
+        offset += sp.nbytes + _pad(sp.nbytes)
+    head = b"".join(parts)
+    return head + bytes(_pad(len(head)))
+
+
+def plan(like: str, *, scale: float = 1.0, quant: str | None = None, layers: int | None = None
+         ) -> tuple[S.ModelShape, list[S.TensorSpec]]:
+    shape = S.scaled(S.get(like), scale, layers=layers)
+    return shape, S.tensor_specs(shape, quant)
+
+
+def write_model(
+    out: os.PathLike | str,
+    like: str,
+    *,
+    scale: float = 1.0,
+    quant: str | None = None,
+    seed: int = 0,
+    layers: int | None = None,
+    pool_bytes: int = POOL_BYTES,
+    fsync: bool = True,
+    style: str = "realistic",
+    progress: Callable[[int, int], None] | None = None,
+) -> SynthResult:
+    """Write the synthetic model to ``out`` (via ``out.part``, renamed when complete)."""
+    out = Path(out)
+    if style not in STYLES:
+        raise ModelError(f"weight style {style!r}: expected one of {', '.join(STYLES)}")
+    shape, specs = plan(like, scale=scale, quant=quant, layers=layers)
+    quant = quant or shape.default_quant
+    data_bytes = S.total_bytes(specs, ALIGNMENT)
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise ModelError(f"{out}: is a directory; give the output file name (e.g. {out / (like + '.gguf')})")
+    if not parent.is_dir():
+        raise ModelError(f"{out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ModelError(f"{out}: directory {parent} is not writable")
+    part = out.with_name(out.name + ".part")
+    rng = _Rng(seed)
+    t0 = time.monotonic()
+    fd = -1
+    ok = False
+    try:
+        header = gguf_header(shape, quant, specs)
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise ModelError(f"{out}: cannot write {part}: {e.strerror or e}") from None
+        st = os.fstatvfs(fd)
+        free_bytes = st.f_bavail * st.f_frsize
+        if free_bytes < len(header) + data_bytes + (16 << 20):
+            raise ModelError(f"{out}: needs {_human(len(header) + data_bytes)} but {parent} has only "
+                             f"{_human(free_bytes)} free (use --scale or --layers for a smaller model)")
+        _write_all(fd, [header])
+        write_data(fd, specs, seed=seed, pool_bytes=pool_bytes, style=style, progress=progress, rng=rng)
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        size = part.stat().st_size
+        expect = len(header) + data_bytes
+        if size != expect:  # pragma: no cover - a bug, not a user error
+            raise RuntimeError(f"{part}: wrote {size} bytes, expected {expect}")
+        os.replace(part, out)
+        ok = True
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ModelError(f"{out}: disk full while writing ({_human(data_bytes)} needed)") from None
+        raise ModelError(f"{out}: write failed: {e.strerror or e}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if not ok:
+            try:
+                part.unlink()
+            except OSError:
+                pass
+    seconds = time.monotonic() - t0
+    return SynthResult(out, shape, quant, len(specs), out.stat().st_size, seconds)

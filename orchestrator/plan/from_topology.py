@@ -1,0 +1,66 @@
+"""Topology (validated topology.yaml) -> PlanRequest: the user's explicit wishes; "auto" stays the planner's call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.config import Topology
+from orchestrator.plan.request import NodeRequest, PlanRequest
+from orchestrator.units import GiB, MiB
+
+AUTO = "auto"
+DEFAULT_CONTEXT = 8192
+DEFAULT_VRAM_RESERVE = 512 * MiB
+
+
+def _auto(v, default=None):
+    return default if v in (AUTO, None) else v
+
+
+def default_ram_reserve(total_bytes: int | None) -> int:
+    """Host memory left to the OS and others: 10% of RAM, at least 1 GiB, at most 8 GiB."""
+    if not total_bytes:
+        return 4 * GiB
+    return int(min(8 * GiB, max(1 * GiB, total_bytes * 0.10)))
+
+
+def request_from_topology(topo: Topology, *, ram_totals: dict[str, int | None] | None = None,
+                          n_gpus: dict[str, int] | None = None) -> PlanRequest:
+    m, w = topo.model, topo.workers
+    nodes = []
+    for n in topo.nodes:
+        gpus = n.gpus
+        if gpus == "all":
+            sel = None
+        elif gpus == "none":
+            sel = ()
+        else:
+            sel = tuple(gpus)
+        limit = n.vram_limit
+        if limit in (AUTO, None):
+            vram_limit = None
+        elif isinstance(limit, (list, tuple)):
+            order = list(sel) if sel else list(range(len(limit)))
+            vram_limit = {g: int(v) for g, v in zip(order, limit)}
+        else:
+            vram_limit = int(limit)
+        nodes.append(NodeRequest(
+            name=n.name, address=n.address, gpus=sel, vram_limit=vram_limit,
+            vram_reserve=int(_auto(n.vram_reserve, DEFAULT_VRAM_RESERVE)),
+            ram_reserve=int(_auto(n.ram_reserve, default_ram_reserve((ram_totals or {}).get(n.name)))),
+        ))
+    ctk = _auto(m.cache_type_k, "f16")
+    ctv = _auto(m.cache_type_v, ctk)
+    alias = m.alias or Path(str(m.path)).name.removesuffix(".gguf")
+    op = w.op_offload_min_batch
+    op_val = None if op in (AUTO, None) else (1 << 30 if op == "off" else int(op))
+    dnb = w.disable_numa_balancing
+    return PlanRequest(
+        context=int(_auto(m.context, DEFAULT_CONTEXT)), parallel=int(_auto(m.parallel, 1)),
+        type_k=ctk, type_v=ctv, flash_attn=_auto(m.flash_attn, "auto"), alias=alias,
+        flavor=_auto(topo.backend.flavor), nodes=tuple(nodes), layout=w.layout, replicas=_auto(w.replicas),
+        numa=w.numa, smt=w.smt, threads=_auto(w.threads), threads_batch=_auto(w.threads_batch),
+        disable_numa_balancing=True if dnb in (AUTO, None) else bool(dnb),
+        op_offload_min_batch=op_val, batch=_auto(w.batch), ubatch=_auto(w.ubatch), split_mode=w.split_mode,
+        load_mode=w.load_mode, extra_args=tuple(w.extra_args), host=w.host or "127.0.0.1", port_base=w.port_base,
+    )

@@ -1,0 +1,130 @@
+"""The routing rule and the expert_usage build plumbing (pure parts; the measurement itself is in
+tests/integration/test_routing.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import BackendError
+from orchestrator.model import routing
+
+
+def _report(distinct_long, distinct_short, n_expert=128, used=8):
+    def layers(ds, n_tok):
+        out = []
+        for i, d in enumerate(ds):
+            counts = [0] * n_expert
+            for e in range(d):
+                counts[e] = 1
+            counts[0] += n_tok * used - d
+            out.append({"layer": i, "distinct": d, "max_share": counts[0] / (n_tok * used), "counts": counts})
+        return out
+    return json.dumps({"model": "m.gguf", "arch": "qwen3moe", "n_expert": n_expert, "n_expert_used": used,
+                       "n_layer": len(distinct_long), "seed": 1,
+                       "runs": [{"n_tokens": 512, "layers": layers(distinct_long, 512)},
+                                {"n_tokens": 8, "layers": layers(distinct_short, 8)}]})
+
+
+def test_parse_report():
+    rep = routing.parse_report(_report([128, 120], [40, 9]))
+    assert (rep.n_expert, rep.n_expert_used, rep.arch) == (128, 8, "qwen3moe")
+    assert rep.run(512).layers[1].distinct == 120
+    assert sum(rep.run(8).layers[0].counts) == 64
+    assert rep.run(8).min_distinct() == 9
+    with pytest.raises(KeyError):
+        rep.run(7)
+
+
+def test_check_passes_a_spread_routing():
+    assert routing.check(routing.parse_report(_report([128, 116, 125], [41, 30, 9]))) == []
+
+
+def test_check_flags_each_collapsed_layer():
+    rep = routing.parse_report(_report([128, 115, 10], [41, 8, 8]))
+    problems = routing.check(rep)
+    assert len(problems) == 4
+    assert problems[0].startswith("layer 1: 115/128")   # 115 < 0.9 * 128 = 115.2
+    assert "layer 2: 10/128" in problems[1]
+    assert "only 8 distinct experts over 8 tokens" in problems[2]
+
+
+def test_format_report_has_a_row_per_layer():
+    text = routing.format_report(routing.parse_report(_report([128, 120], [40, 9])))
+    assert len(text.splitlines()) == 2 + 2
+
+
+def _fake_build(cache: Path, key: str, libs: list[str]) -> Path:
+    prefix = cache / "llama.cpp" / key
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "lib").mkdir()
+    (prefix / "include").mkdir()
+    (prefix / "bin" / "llama-server").write_text("#!/bin/sh\n")
+    (prefix / "bin" / "llama-server").chmod(0o755)
+    (prefix / "include" / "llama.h").write_text("")
+    for n in libs:
+        (prefix / "lib" / n).write_bytes(b"!<arch>\n")
+    (prefix / "build.json").write_text(json.dumps({"dev": {"libs": libs, "lib": "lib", "include": "include"}}))
+    return prefix
+
+
+def test_dev_tree_from_the_build_cache_orders_libs_for_static_linking(tmp_path):
+    prefix = _fake_build(tmp_path, "mainline-cpu-abc",
+                         ["libllama-common.a", "libggml-base.a", "libggml-cpu.a", "libggml.a", "libllama.a",
+                          "libllama-server-impl.a"])
+    tree = routing.dev_tree_from_cache(tmp_path)
+    assert tree is not None and str(prefix) in tree.origin
+    assert [p.name for p in tree.libs] == ["libllama.a", "libggml.a", "libggml-cpu.a", "libggml-base.a"]
+    assert not tree.cuda
+    argv = routing.compile_argv(tree, tmp_path / "out", "c++")
+    assert argv[0] == "c++" and str(routing.SOURCE) in argv
+    assert f"-I{prefix / 'include'}" in argv
+    i, j = argv.index("-Wl,--start-group"), argv.index("-Wl,--end-group")
+    assert [Path(a).name for a in argv[i + 1:j]] == [p.name for p in tree.libs]
+    assert "-lcudart" not in argv
+
+
+def test_cuda_build_links_the_cuda_runtime(tmp_path):
+    _fake_build(tmp_path, "mainline-cuda-abc",
+                ["libggml-base.a", "libggml-cpu.a", "libggml-cuda.a", "libggml.a", "libllama.a"])
+    tree = routing.dev_tree_from_cache(tmp_path)
+    assert tree.cuda
+    argv = routing.compile_argv(tree, tmp_path / "out", "c++")
+    assert {"-lcudart", "-lcublas", "-lcuda"} <= set(argv)
+
+
+def test_a_build_without_libraries_is_not_a_dev_tree(tmp_path):
+    prefix = _fake_build(tmp_path, "old", [])
+    (prefix / "build.json").write_text("{}")
+    assert routing.dev_tree_from_cache(tmp_path) is None
+
+
+def test_no_dev_tree_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path))
+    monkeypatch.delenv("ORCHESTRATOR_LLAMA_BUILD_DIR", raising=False)
+    monkeypatch.delenv("ORCHESTRATOR_LLAMA_INCLUDE", raising=False)
+    with pytest.raises(BackendError, match="orchestrator build"):
+        routing.find_dev_tree()
+
+
+def test_build_tree_without_libllama(tmp_path):
+    with pytest.raises(BackendError, match="libllama.a"):
+        routing.dev_tree_from_dirs(tmp_path, [tmp_path])
+
+
+def test_a_failing_link_reports_the_linker_and_leaves_no_binary(tmp_path):
+    """A real compiler against empty archives: the link fails, the error carries its last lines."""
+    import shutil as _sh
+
+    if not (_sh.which("c++") or _sh.which("g++")):
+        pytest.fail("a C++ compiler is required (scripts/setup.sh installs g++)")
+    prefix = _fake_build(tmp_path, "broken", ["libggml-base.a", "libggml.a", "libllama.a"])
+    (prefix / "include" / "llama.h").write_text("#error this is not llama.h\n")
+    tree = routing.dev_tree_from_cache(tmp_path)
+    with pytest.raises(BackendError) as e:
+        routing.build_tool(tree, cache=tmp_path)
+    assert "failed" in str(e.value) and "llama.h" in str(e.value)
+    left = [p.name for p in (tmp_path / "native").iterdir() if not p.name.startswith(".")]
+    assert left == []
