@@ -20,6 +20,7 @@ OFFLOAD_DEFAULT = 32                # llama.cpp's default when the variable is u
 OFFLOAD_NEVER = 1_000_000_000       # larger than any batch: CPU-resident weights are never copied to the GPU
 
 GROUPS = ("plan", "fit", "cpu-moe", "ncmoe-sweep", "offload-sweep")
+OPTIONAL_GROUPS = ("control",)          # asked for by name only
 
 # long name of every flag the generators look at (llama-server's short and long aliases)
 _ALIASES = {
@@ -422,6 +423,12 @@ def cpu_moe_config(plan: BenchConfig) -> BenchConfig:
                        params={"op_offload_min_batch": OFFLOAD_DEFAULT}, wrapper=plan.wrapper)
 
 
+def control_config(plan: BenchConfig) -> BenchConfig:
+    """The plan again under another name (an A/A control): ``plan/control`` should be 1.0, and how far it is
+    not is the noise floor of this machine and run, against which the 0.97 targets are read."""
+    return replace(plan, name="plan-control", group="control")
+
+
 def _load_mode_pairs(plan_args: Sequence[str], mode: str) -> list[tuple[str, str | None]]:
     if has_flag(plan_args, "--load-mode") or _uses_fit(plan_args):   # a mainline that has --load-mode
         return [("--load-mode", {"mmap": "mmap", "pinned": "none", "mlock": "mlock"}[mode])]
@@ -514,11 +521,12 @@ def offload_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]
 def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_values: Sequence[int] | None = None,
                   ubatches: Sequence[int] | None = None, load_modes: Sequence[str] = ("mmap", "pinned"),
                   offload_values: Sequence[int] | None = None, n_layers: int | None = None) -> list[BenchConfig]:
-    """The configurations named in ``which`` (plan, fit, cpu-moe, ncmoe-sweep, offload-sweep), derived from the
-    plan's, in that order; names are unique."""
-    unknown = [w for w in which if w not in GROUPS]
+    """The configurations named in ``which`` (plan, fit, cpu-moe, ncmoe-sweep, offload-sweep, and the optional
+    control: the plan again), derived from the plan's, in that order; names are unique."""
+    unknown = [w for w in which if w not in GROUPS + OPTIONAL_GROUPS]
     if unknown:
-        raise ConfigError(f"unknown bench configuration group {unknown[0]!r}: expected one of {', '.join(GROUPS)}")
+        raise ConfigError(f"unknown bench configuration group {unknown[0]!r}: expected one of "
+                          f"{', '.join(GROUPS + OPTIONAL_GROUPS)}")
     out: list[BenchConfig] = []
     for w in which:
         if w == "plan":
@@ -530,6 +538,8 @@ def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_val
         elif w == "ncmoe-sweep":
             vals = list(ncmoe_values) if ncmoe_values is not None else default_ncmoe_values(plan, n_layers)
             out += ncmoe_sweep(plan, vals, ubatches, load_modes)
+        elif w == "control":
+            out.append(control_config(plan))
         elif w == "offload-sweep":
             vals = list(offload_values) if offload_values is not None else default_offload_values(plan)
             out += offload_sweep(plan, vals)

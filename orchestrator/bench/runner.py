@@ -171,6 +171,15 @@ def _gpu_inventory(nvml: Any, gpus: Sequence[int]) -> list[dict]:
     return out
 
 
+def _stop_server(proc: Any, grace: float) -> None:
+    """Stop a server even when Ctrl-C/SIGTERM lands in the middle of stopping it: finish, then re-raise."""
+    try:
+        proc.stop(grace=grace)
+    except KeyboardInterrupt:
+        proc.stop(grace=grace)
+        raise
+
+
 class _Bench:
     def __init__(self, configs: Sequence[BenchConfig], server_binary: str, out_dir: Path, options: BenchOptions,
                  progress: Progress, launcher: Launcher, nvml: Any, ballast: Any):
@@ -265,7 +274,7 @@ class _Bench:
         finally:
             sampler.phase("stop")
             if proc is not None:
-                proc.stop(grace=o.stop_grace)
+                _stop_server(proc, o.stop_grace)
             sampler.stop()
             run["resources"] = sampler.summary()
             llama = parse_server_log(log)
@@ -379,7 +388,11 @@ def run_bench(configs: Sequence[BenchConfig], server_binary: str, out_dir: str |
     finally:
         progress.close()
         if own_ballast is not None:
-            own_ballast.stop()
+            try:
+                own_ballast.stop()
+            except KeyboardInterrupt:
+                own_ballast.stop()
+                raise
         if own_nvml and nvml is not None:
             nvml.close()
 

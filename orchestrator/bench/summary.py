@@ -142,7 +142,9 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
       (≥ 0.97);
     - ``threshold/best``: at every prompt length, the plan's op-offload threshold (the plan itself) against the
       best of the plan and the threshold sweep (≥ 0.97);
-    - ``predicted/measured``: the plan's predicted pp, tg and memory against the measurement (tg within ±15%).
+    - ``predicted/measured``: the plan's predicted pp, tg and memory against the measurement (tg within ±15%);
+    - ``plan/control``: the plan against itself run again (A/A): the noise floor, within 0.97–1.03 to read the
+      0.97 targets meaningfully.
     """
     out: list[dict] = []
     if plan not in summary:
@@ -155,6 +157,15 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
             a, b = _med(summary, plan, m), _med(summary, fit, m)
             if b:
                 out.append(_entry("plan/fit", m, a, b, fit, FIT_TARGETS.get(m)))
+
+    for ctl in (n for n, g in groups.items() if g == "control" and n in summary):
+        for m in plan_metrics:
+            b = _med(summary, ctl, m)
+            if b:
+                e = _entry("plan/control", m, _med(summary, plan, m), b, ctl, None)
+                e["target"] = [SWEEP_TARGET, 1 / SWEEP_TARGET]
+                e["ok"] = SWEEP_TARGET <= e["value"] <= 1 / SWEEP_TARGET
+                out.append(e)
 
     sweep = [n for n, g in groups.items() if g == "ncmoe-sweep" and n in summary]
     for m in plan_metrics:

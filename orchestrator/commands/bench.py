@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="a configuration given as llama-server flags (repeatable; the name 'plan' is the plan)")
     src.add_argument("--configs", type=_words, default=None, metavar="LIST",
                      help="derived groups: plan,fit,cpu-moe,ncmoe-sweep,offload-sweep (default: all of them "
-                          "when there is a plan)")
+                          "when there is a plan); control = the plan again, an A/A noise check")
     src.add_argument("--ncmoe", type=_ints, metavar="N,...", help="--n-cpu-moe values (default: plan ±1)")
     src.add_argument("--ub", type=_ints, metavar="N,...", help="-ub values of the sweep (default: 512 and the plan's)")
     src.add_argument("--load-modes", type=_words, default=("mmap", "pinned"), metavar="LIST",

@@ -150,6 +150,13 @@ def test_offload_sweep_ik_llama_uses_its_own_knob():
     assert get_arg(c.args, "-cuda") == "offload-batch-size=96" and OFFLOAD_ENV not in c.env
 
 
+def test_control_is_the_plan_again_by_request_only(plan):
+    cs = build_configs(plan, ["plan", "control"])
+    assert [c.name for c in cs] == ["plan", "plan-control"]
+    assert cs[1].args == plan.args and cs[1].env == plan.env and cs[1].group == "control"
+    assert "plan-control" not in [c.name for c in build_configs(plan, ncmoe_values=[1], offload_values=[32])]
+
+
 def test_build_configs_order_unique_and_unknown_group(plan):
     cs = build_configs(plan, ncmoe_values=[20], ubatches=[4096], load_modes=("pinned",), offload_values=[32])
     assert [c.name for c in cs] == ["plan", "fit", "cpu-moe", "ncmoe20-ub4096-pinned", "offload32"]

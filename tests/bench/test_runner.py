@@ -278,3 +278,19 @@ def test_every_kind_of_derived_configuration_loads_on_the_real_server(tmp_path, 
                      progress=Progress(), charts=False)
     assert [(r["config"], r["status"]) for r in data["runs"]] == [(c.name, "ok") for c in configs], \
         [r.get("error") for r in data["runs"]]
+
+
+def test_an_interrupt_while_stopping_still_stops_the_server():
+    from orchestrator.bench.runner import _stop_server
+
+    class Proc:
+        calls = 0
+
+        def stop(self, grace):
+            Proc.calls += 1
+            if Proc.calls == 1:
+                raise KeyboardInterrupt       # Ctrl-C / SIGTERM lands inside the first stop
+
+    with pytest.raises(KeyboardInterrupt):
+        _stop_server(Proc(), 1.0)
+    assert Proc.calls == 2

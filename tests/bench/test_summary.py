@@ -123,3 +123,11 @@ def test_render_text_shows_table_ratios_and_problems():
     assert "fit: failed to load model" in text
     assert "plan: warning: context shrank" in text and "bench: time budget of 60 s" in text
     assert "1/2" in text                                                    # fit loaded once of twice
+
+
+def test_plan_against_its_control_is_the_noise_floor():
+    configs = [_cfg("plan", "plan"), _cfg("plan-control", "control")]
+    runs = [_run("plan", 1, pp={512: [1000]}, tg={0: [50]}), _run("plan-control", 1, pp={512: [1020]}, tg={0: [45]})]
+    by = {(r["kind"], r["metric"]): r for r in ratios(summarize(configs, runs), configs)}
+    assert by[("plan/control", "pp512")]["ok"] is True and by[("plan/control", "tg128@0")]["ok"] is False
+    assert by[("plan/control", "tg128@0")]["value"] == pytest.approx(50 / 45)
