@@ -135,11 +135,14 @@ def test_sigterm_stops_the_server_and_keeps_the_results(tmp_path, tiny_moe, llam
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert p.returncode == 130 and "orchestrator bench: interrupted" in err
+    assert p.returncode == 130 and "orchestrator bench: interrupted" in err, (p.returncode, err[-2000:])
     data = json.loads((out / "bench.json").read_text())
     assert data["interrupted"] == "KeyboardInterrupt" and len(data["runs"]) >= 2 and "summary" in data
-    left = [q for q in psutil.process_iter(["cmdline"]) if str(tiny_moe) in " ".join(q.info["cmdline"] or [])]
-    assert left == []
+    left = []
+    for q in psutil.process_iter(["cmdline", "status"]):
+        if str(tiny_moe) in " ".join(q.info["cmdline"] or []) and q.info["status"] != psutil.STATUS_ZOMBIE:
+            left.append((q.pid, q.info["status"], q.info["cmdline"]))
+    assert left == [], left
 
 
 def test_vram_budget_without_gpu_exits_2_and_leaves_nothing(tmp_path, tiny_moe, llama_server_path, capsys):
