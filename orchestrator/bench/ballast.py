@@ -323,6 +323,7 @@ class VramBallast:
         gpus = self._resolve_gpus()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [_package_root()] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        env.pop("CUDA_VISIBLE_DEVICES", None)     # GPUs are named by NVML index / PCI bus id: all must be visible
         try:
             for g in gpus:
                 cmd = [self.python, "-m", "orchestrator.bench.ballast", "--budget", str(self.budget),
