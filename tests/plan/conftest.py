@@ -8,7 +8,6 @@ it would the real file while the disk holds a few MB.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
