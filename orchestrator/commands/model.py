@@ -1,17 +1,201 @@
-"""orchestrator model (not built yet)."""
+"""orchestrator model PATH: what a GGUF model is made of and what it costs in memory."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
-from orchestrator.commands._unbuilt import not_built
+HELP = "Read a GGUF model: tensor classes, sizes per layer, KV cache and memory needs"
+DESCRIPTION = (
+    "Read a GGUF model's header (all shards; never the tensor data) and print its tensor classes by size, the "
+    "layers grouped into ranges of identical make-up, and the memory llama.cpp will need for a context: KV "
+    "cache, compute buffer and output buffer, for everything on the host. --json prints the documented JSON "
+    "(docs/model.md)."
+)
 
-HELP = "Read a GGUF model: tensor classes, sizes, KV cache and memory needs (not built yet)"
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.add_argument("path", metavar="PATH", help="model .gguf (for a split model, any of its shards)")
+    p.add_argument("--ctx", type=_positive, default=4096, help="context size in tokens (default: 4096)")
+    p.add_argument("--parallel", type=_positive, default=1, help="parallel sequences, llama-server -np (default: 1)")
+    p.add_argument("--ubatch", type=_positive, default=512, help="micro-batch, llama-server -ub (default: 512)")
+    p.add_argument("--batch", type=_positive, default=2048,
+                   help="logical batch, llama-server -b (default: 2048); the micro-batch is at most this")
+    p.add_argument("--kv", choices=KV_TYPES, default="f16", help="KV cache type for K and V (default: f16)")
+    p.add_argument("--kv-unified", action="store_true", help="one KV stream shared by all sequences (-kvu)")
+    p.add_argument("--no-flash-attn", action="store_true", help="size for flash attention off (-fa off)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--no-tensors", action="store_true", help="leave the per-tensor list out of --json")
 
 
 def run(args: argparse.Namespace) -> int:
-    return not_built("model", 4)
+    from orchestrator.model.reader import read_model
+
+    model = read_model(args.path)
+    for w in model.warnings:
+        print(f"orchestrator model: warning: {w}", file=sys.stderr)
+    mem = _memory(model, args)
+    if args.json:
+        out = model.to_json(tensors=not args.no_tensors)
+        out["memory"] = mem
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    print(render(model, mem))
+    return 0
+
+
+def _memory(model, args) -> dict:
+    from orchestrator.model.memory import (ServerSettings, compute_buffer_estimate, context_layout,
+                                           kv_bytes_per_token, kv_cache_bytes, output_buffer_bytes)
+
+    fa = not args.no_flash_attn
+    if not fa and args.kv not in ("f16", "f32", "bf16"):
+        from orchestrator.errors import ConfigError
+        raise ConfigError(f"--kv {args.kv} needs flash attention (llama.cpp rejects a quantized V cache without it)")
+    s = ServerSettings(n_ctx=args.ctx, n_parallel=args.parallel, n_ubatch=args.ubatch, n_batch=args.batch,
+                       flash_attn=fa, type_k=args.kv, type_v=args.kv, kv_unified=args.kv_unified)
+    lay = context_layout(model, s.n_ctx, s.n_parallel, n_ubatch=s.n_ubatch, kv_unified=s.kv_unified,
+                         flash_attn=fa, n_batch=s.n_batch)
+    kv = kv_cache_bytes(model, s.n_ctx, s.n_parallel, s.type_k, s.type_v, kv_unified=s.kv_unified,
+                        n_ubatch=s.n_ubatch, flash_attn=fa, n_batch=s.n_batch)
+    comp = compute_buffer_estimate(model, n_ubatch=s.n_ubatch, n_ctx=s.n_ctx, device="cpu", flash_attn=fa,
+                                   n_parallel=s.n_parallel, kv_unified=s.kv_unified, type_k=s.type_k,
+                                   type_v=s.type_v, n_batch=s.n_batch)
+    out_b = output_buffer_bytes(model, s.n_parallel)
+    weights = model.loaded_bytes()
+    return {
+        "settings": {"n_ctx": s.n_ctx, "n_parallel": s.n_parallel, "n_ubatch": s.n_ubatch, "type_k": s.type_k,
+                     "type_v": s.type_v, "kv_unified": s.kv_unified, "flash_attn": fa},
+        "n_batch": s.n_batch, "n_ubatch_effective": lay.n_ubatch,
+        "n_ctx_padded": lay.n_ctx, "n_ctx_seq": lay.n_ctx_seq, "n_stream": lay.n_stream,
+        "swa_cells": lay.cells_swa,
+        "weights": weights,
+        "kv_cache": kv,
+        "kv_per_token": kv_bytes_per_token(model, s.type_k, s.type_v, flash_attn=fa),
+        "compute_cpu": comp.total,
+        "compute_phase": comp.phase,
+        "output": out_b,
+        "total_cpu": weights + kv + comp.total + out_b,
+    }
+
+
+def _params(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return str(n)
+
+
+def _layer_groups(model) -> list[tuple[int, int, str, dict]]:
+    """Consecutive layers with the same make-up (tensor names minus the layer number, types and bytes)."""
+    from orchestrator.model.classes import split_layer
+
+    sig: dict[int, tuple] = {}
+    for t in model.tensors:
+        if t.layer is None:
+            continue
+        _, rest = split_layer(t.name)
+        sig.setdefault(t.layer, []).append((rest, t.type, t.bytes))  # type: ignore[arg-type]
+    groups: list[tuple[int, int, str, dict]] = []
+    moe = set(model.moe_layers)
+    for layer in sorted(sig):
+        key = tuple(sorted(sig[layer]))
+        if model.n_nextn_layers and layer >= model.n_trunk_layers:
+            kind = "mtp"
+        else:
+            kind = "moe" if layer in moe else "dense"
+        if groups and groups[-1][1] == layer - 1 and groups[-1][2] == kind and groups[-1][3]["_key"] == key:
+            a, _, k, d = groups[-1]
+            groups[-1] = (a, layer, k, d)
+        else:
+            groups.append((layer, layer, kind, {"_key": key, "bytes": model.layer_bytes(layer)}))
+    return groups
+
+
+def render(model, mem: dict) -> str:
+    from orchestrator.model.classes import TensorClass
+    from orchestrator.units import fmt_bytes
+
+    lines: list[str] = []
+    shards = len(model.paths)
+    lines.append(f"model   {model.path}" + (f" (+{shards - 1} more shards)" if shards > 1 else ""))
+    lines.append(f"arch    {model.arch}" + (f"  name {model.name}" if model.name else "")
+                 + f"  file {fmt_bytes(model.file_bytes)}")
+    layers = f"{model.n_layers} layers" + (f" ({model.n_nextn_layers} MTP)" if model.n_nextn_layers else "")
+    attn = f"heads {model.n_head}/{model.n_head_kv} x {model.head_dim_k}"
+    if model.mla:
+        attn = (f"heads {model.n_head} MLA (kv_lora {model.mla.kv_lora_rank}, rope {model.mla.qk_rope_head_dim}, "
+                f"q_lora {model.mla.q_lora_rank})")
+    lines.append(f"shape   {layers}, embd {model.n_embd}, {attn}, vocab {model.n_vocab}, trained ctx {model.n_ctx_train}")
+    if model.n_expert:
+        moe = (f"experts {model.n_expert} ({model.n_expert_used} used"
+               + (f", {model.n_expert_shared} shared" if model.n_expert_shared else "") + f"), expert ffn {model.n_ff_exp}")
+        if model.n_dense_lead:
+            moe += f", {model.n_dense_lead} leading dense layers (ffn {model.n_ff})"
+        lines.append(f"moe     {moe}")
+    if model.swa_layers:
+        lines.append(f"swa     window {model.sliding_window} on {len(model.swa_layers)} of {model.n_trunk_layers} layers"
+                     + (" (chunked)" if model.swa_chunked else ""))
+    lines.append(f"params  {_params(model.params_total)} total, {_params(model.params_active)} active per token")
+    lines.append("")
+
+    by_class = model.bytes_by_class()
+    total = sum(by_class.values()) or 1
+    lines.append(f"{'class':16s} {'bytes':>12s} {'share':>7s}")
+    for c in TensorClass:
+        if by_class[c]:
+            lines.append(f"{c.value:16s} {fmt_bytes(by_class[c]):>12s} {by_class[c] / total * 100:6.1f}%")
+    lines.append(f"{'total':16s} {fmt_bytes(total):>12s}")
+    lines.append("")
+
+    cols = [TensorClass.ATTENTION, TensorClass.NORM, TensorClass.ROUTER, TensorClass.DENSE_FFN,
+            TensorClass.SHARED_EXPERT, TensorClass.ROUTED_EXPERT, TensorClass.OTHER]
+    short = {TensorClass.ATTENTION: "attention", TensorClass.NORM: "norm", TensorClass.ROUTER: "router",
+             TensorClass.DENSE_FFN: "dense_ffn", TensorClass.SHARED_EXPERT: "shared", TensorClass.ROUTED_EXPERT:
+             "experts", TensorClass.OTHER: "other"}
+    lines.append("per layer " + f"{'layers':>9s} {'kind':5s} " + " ".join(f"{short[c]:>10s}" for c in cols)
+                 + f" {'layer':>10s} {'all':>10s}")
+    for a, b, kind, d in _layer_groups(model):
+        per = d["bytes"]
+        n = b - a + 1
+        rng = f"{a}" if a == b else f"{a}-{b}"
+        one = sum(per.values())
+        lines.append(f"{'':10s}{rng:>9s} {kind:5s} " + " ".join(f"{fmt_bytes(per[c]) if per[c] else '-':>10s}" for c in cols)
+                     + f" {fmt_bytes(one):>10s} {fmt_bytes(one * n):>10s}")
+    if model.moe_layers:
+        l0 = model.moe_layers[0]
+        lines.append(f"one routed expert of layer {l0}: {fmt_bytes(model.bytes_per_expert(l0))}; "
+                     f"{model.n_expert_used} used per token: {fmt_bytes(model.bytes_per_expert(l0) * model.n_expert_used)}")
+    glob = model.global_bytes()
+    lines.append("globals: " + ", ".join(f"{c.value} {fmt_bytes(v)}" for c, v in glob.items() if v))
+    lines.append("")
+
+    s = mem["settings"]
+    lines.append(f"memory for ctx {s['n_ctx']} (padded {mem['n_ctx_padded']}), parallel {s['n_parallel']}"
+                 + (" unified" if s["kv_unified"] else "") + f", ubatch {mem['n_ubatch_effective']}"
+                 + (f" (--ubatch {s['n_ubatch']} is capped by --batch {mem['n_batch']})"
+                    if mem["n_ubatch_effective"] < min(s["n_ubatch"], mem["n_ctx_padded"]) else "")
+                 + f", kv {s['type_k']}, flash attention {'on' if s['flash_attn'] else 'off'}:")
+    lines.append(f"  weights loaded   {fmt_bytes(mem['weights']):>12s}")
+    lines.append(f"  KV cache         {fmt_bytes(mem['kv_cache']):>12s}   ({fmt_bytes(mem['kv_per_token'])} per token of context"
+                 + (f"; SWA layers {mem['swa_cells']} cells" if mem["swa_cells"] else "") + ")")
+    lines.append(f"  compute (CPU)    {fmt_bytes(mem['compute_cpu']):>12s}   (peak in the {mem['compute_phase']} phase)")
+    lines.append(f"  output           {fmt_bytes(mem['output']):>12s}")
+    lines.append(f"  all on the host  {fmt_bytes(mem['total_cpu']):>12s}")
+    for w in model.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)

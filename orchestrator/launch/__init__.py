@@ -1,8 +1,20 @@
 """Turn a plan into processes: argv + env for one worker (numactl wrapper, NUMA-balancing wrapper, llama-server).
 
 :class:`LaunchSpec` is the one description of a process that ``plan`` prints and ``up``/``bench`` run.
+
+* :mod:`~orchestrator.launch.numa` — :class:`NumaPolicy` (what the planner decides) and :func:`numactl_argv`; pure.
+* :mod:`~orchestrator.launch.wrappers` — :func:`wrap` puts an argv under ``scripts/numa/`` wrappers.
+* :mod:`~orchestrator.launch.build` — :func:`spec_for_worker` (a planner ``WorkerPlan`` -> :class:`LaunchSpec`)
+  and :func:`worker_spec` (the same from plain values).
+* :mod:`~orchestrator.launch.process` — :func:`start` / :func:`launch` a spec as a real process group, wait for
+  ``/health``, stop it; failures are :class:`~orchestrator.errors.LaunchError` with llama-server's own reason.
+  (Import it explicitly; it is not re-exported here so that pure users stay free of subprocess.)
 """
 
+from orchestrator.launch.build import spec_for_worker, worker_spec
+from orchestrator.launch.numa import NumaPolicy, format_cpulist, numactl_argv, parse_cpulist
 from orchestrator.launch.spec import LaunchSpec
+from orchestrator.launch.wrappers import wrap
 
-__all__ = ["LaunchSpec"]
+__all__ = ["LaunchSpec", "NumaPolicy", "format_cpulist", "numactl_argv", "parse_cpulist", "spec_for_worker", "worker_spec",
+           "wrap"]

@@ -29,6 +29,15 @@ class LaunchSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def connect_url(self) -> str:
+        """The URL to reach the server from its own machine: a wildcard host (``0.0.0.0``, ``::``, empty) means
+        loopback there, and an IPv6 address gets its brackets."""
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(self.host, self.host)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
     def shell_line(self) -> str:
         """For display only: the env and argv quoted as a user would type them."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))

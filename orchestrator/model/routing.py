@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import BackendError, ModelError
-from orchestrator.paths import REPO_ROOT, cache_dir
+from orchestrator.paths import cache_dir, native_dir
 
-SOURCE = REPO_ROOT / "native" / "expert_usage.cpp"
+SOURCE = native_dir() / "expert_usage.cpp"
 TOOL = "expert_usage"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.model import ModelInfo, TensorClass
+from orchestrator.model.memory import cuda_tensor_bytes
 
 # Tensors llama.cpp keeps with the input layer: always on the CPU ("little benefit to offloading the input layer").
 _INPUT_CLASSES = {TensorClass.EMBEDDINGS}
@@ -54,14 +55,15 @@ def model_costs(model: ModelInfo) -> ModelCosts:
     has_output = False
     embd_b = embd_p = 0
     for t in model.tensors:
+        size = cuda_tensor_bytes(t)  # what the tensor takes in VRAM (quantized rows padded): budgets are VRAM
         if t.layer is None:
             if t.cls in _INPUT_CLASSES:
-                input_b += t.bytes
-                embd_b, embd_p = t.bytes, t.n_elements
+                input_b += size
+                embd_b, embd_p = size, t.n_elements
             elif t.cls == TensorClass.OTHER:
                 continue
             else:
-                output_b += t.bytes
+                output_b += size
                 output_p += t.n_elements
                 if t.cls == TensorClass.OUTPUT and t.name.startswith("output."):
                     has_output = True
@@ -69,10 +71,10 @@ def model_costs(model: ModelInfo) -> ModelCosts:
         if t.layer >= skip_from or t.layer >= n or t.cls == TensorClass.OTHER:
             continue
         if t.cls == TensorClass.ROUTED_EXPERT:
-            experts[t.layer] += t.bytes
+            experts[t.layer] += size
             expert_p[t.layer] += t.n_elements
         else:
-            always[t.layer] += t.bytes
+            always[t.layer] += size
             always_p[t.layer] += t.n_elements
     if not has_output:  # tied embeddings: llama.cpp duplicates token_embd as the output head
         output_b += embd_b

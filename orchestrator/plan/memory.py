@@ -2,21 +2,50 @@
 
 from __future__ import annotations
 
-from orchestrator.model import ModelInfo
+from orchestrator.model import ModelInfo, TensorClass
 from orchestrator.model import memory as mm
 
 
-def kv_bytes(model: ModelInfo, n_ctx: int, n_parallel: int, type_k: str, type_v: str, layer: int) -> int:
-    """KV cache bytes of one layer for a context of ``n_ctx`` tokens in total over ``n_parallel`` sequences."""
-    return mm.kv_cache_bytes(model, n_ctx, n_parallel, type_k=type_k, type_v=type_v, layers=[layer])
+def kv_by_layer(model: ModelInfo, *, n_ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,
+                n_batch: int, flash_attn: bool, flavor: str) -> list[int]:
+    """KV cache bytes of every layer (0 for layers without a cache) for llama-server's ``-c n_ctx -np n``."""
+    by = mm.kv_cache_bytes_by_layer(model, n_ctx, n_parallel, type_k, type_v, None, n_ubatch=n_ubatch,
+                                    n_batch=n_batch, flash_attn=flash_attn, flavor=_flavor(flavor))
+    return [by.get(i, 0) for i in range(model.n_layers)]
 
 
-def compute_bytes(model: ModelInfo, *, n_ubatch: int, n_ctx: int, device: str, flash_attn: bool,
-                  cpu_layers: int | None = None) -> int:
-    """Compute buffer of one device for micro-batches of ``n_ubatch`` tokens."""
-    return mm.compute_buffer_bytes(model, n_ubatch=n_ubatch, n_ctx=n_ctx, device=device, flash_attn=flash_attn)
+def _flavor(flavor: str) -> str:
+    return "ik_llama.cpp" if flavor == "ik_llama.cpp" else "mainline"
 
 
-def cuda_overhead(model: ModelInfo) -> int:
-    """CUDA context, cuBLAS workspace and kernels loaded at the first batch, per GPU."""
-    return mm.cuda_overhead_bytes()
+def staging_bytes(model: ModelInfo, cpu_expert_layers) -> int:
+    """Room a GPU's compute buffer needs to copy in a host-resident expert tensor for an offloaded batch."""
+    layers = set(cpu_expert_layers)
+    return mm.offloaded_weight_bytes(t for t in model.tensors
+                                     if t.cls is TensorClass.ROUTED_EXPERT and t.layer in layers)
+
+
+def gpu_compute_bytes(model: ModelInfo, *, n_ubatch: int, n_batch: int, n_ctx: int, n_parallel: int,
+                      flash_attn: bool, type_k: str, type_v: str, has_output: bool, staging: int, flavor: str) -> int:
+    return mm.compute_buffer_bytes(model, n_ubatch=n_ubatch, n_ctx=n_ctx, device="cuda", flash_attn=flash_attn,
+                                   n_parallel=n_parallel, n_batch=n_batch, type_k=type_k, type_v=type_v,
+                                   has_layers=True, has_output=has_output, offloaded_weight_bytes=staging,
+                                   flavor=_flavor(flavor))
+
+
+def cpu_compute_bytes(model: ModelInfo, *, n_ubatch: int, n_batch: int, n_ctx: int, n_parallel: int,
+                      flash_attn: bool, type_k: str, type_v: str, has_layers: bool, has_output: bool,
+                      flavor: str) -> int:
+    return mm.compute_buffer_bytes(model, n_ubatch=n_ubatch, n_ctx=n_ctx, device="cpu", flash_attn=flash_attn,
+                                   n_parallel=n_parallel, n_batch=n_batch, type_k=type_k, type_v=type_v,
+                                   has_layers=has_layers, has_output=has_output, flavor=_flavor(flavor))
+
+
+def cuda_overhead(model: ModelInfo, n_ubatch: int) -> int:
+    """CUDA context, kernels loaded at the first batch and ggml's pool after a full micro-batch, per GPU."""
+    return mm.cuda_overhead_bytes(model, n_ubatch=n_ubatch)
+
+
+def output_bytes(model: ModelInfo, n_parallel: int) -> int:
+    """The host-side logits buffer."""
+    return mm.output_buffer_bytes(model, n_parallel)

@@ -4,7 +4,8 @@ the rest in host memory. Pure arithmetic on byte counts; the regexes llama.cpp r
 
 from __future__ import annotations
 
-import bisect
+
+import numpy as np
 from dataclasses import dataclass
 
 from orchestrator.plan.costs import ModelCosts
@@ -82,6 +83,8 @@ def place_single(costs: ModelCosts, kv_layer: list[int], gpu: GpuBudget,
             cpu_kv=0,
         )
     # partial offload: the last k layers (always-used part + KV) on the GPU, experts and the rest on the CPU
+    if gpu.budget <= 0:
+        raise _DoesNotFit(always, gpu.budget)
     room = gpu.budget
     k = 0
     for i in reversed(layers):
@@ -90,6 +93,8 @@ def place_single(costs: ModelCosts, kv_layer: list[int], gpu: GpuBudget,
             break
         room -= need
         k += 1
+    if k == 0:
+        raise _DoesNotFit(always, gpu.budget)
     start = n - k
     gpu_layers = set(range(start, n))
     gpu_w = sum(costs.layer_always[i] for i in gpu_layers)
@@ -119,48 +124,44 @@ def place_layer_split(costs: ModelCosts, kv_layer: list[int], gpus: list[GpuBudg
     for e in costs.layer_experts:
         pre_exp.append(pre_exp[-1] + e)
 
-    def best_in_range(i: int, j: int, budget: int) -> tuple[int, float] | None:
-        """Expert bytes kept on a GPU holding layers [i, j), and its fill (None: the always-used part won't fit).
-
-        Expert layers are taken from the end of the range while they fit (bisect on prefix sums); layer sizes
-        are (nearly) uniform, so this equals the best whole-layer choice.
-        """
-        need = pre_base[j] - pre_base[i]
-        if need > budget:
-            return None
-        room = budget - need
-        s = bisect.bisect_left(pre_exp, pre_exp[j] - room, i, j + 1)
-        kept = pre_exp[j] - pre_exp[s]
-        return kept, (need + kept) / budget if budget else 1.0
-
-    NEG = None
-    # dp[g][j] = (expert_bytes, -max_util, boundaries) using GPUs 0..g-1 for layers [0, j)
-    dp: list[list] = [[NEG] * (n + 1) for _ in range(g_count + 1)]
-    dp[0][0] = (0, 0.0, ())
+    # dp over GPUs and range ends, vectorised over range starts: value = (expert bytes kept in VRAM, -fullest
+    # GPU's fill); back-pointers rebuild the ranges
+    pb = np.asarray(pre_base, dtype=np.float64)
+    pe = np.asarray(pre_exp, dtype=np.float64)
+    NEG_INF = -1.0
+    val = np.full((g_count + 1, n + 1), NEG_INF)
+    fill = np.zeros((g_count + 1, n + 1))
+    back = np.zeros((g_count + 1, n + 1), dtype=np.int64)
+    val[0, 0] = 0.0
+    I = np.arange(n + 1)[:, None]          # range start i (rows)
+    J = np.arange(n + 1)[None, :]          # range end j (columns)
     for g in range(1, g_count + 1):
-        budget = gpus[g - 1].budget - (costs.output_bytes if g == g_count else 0)
-        for j in range(n + 1):
-            if g == g_count and j != n:
-                continue
-            best = NEG
-            for i in range(j + 1):
-                prev = dp[g - 1][i]
-                if prev is NEG:
-                    continue
-                if i == j:
-                    r = (0, 0.0)
-                else:
-                    r = best_in_range(i, j, budget)
-                    if r is None:
-                        continue
-                cand = (prev[0] + r[0], min(prev[1], -r[1]), prev[2] + (j,))
-                if best is NEG or (cand[0], cand[1]) > (best[0], best[1]):
-                    best = cand
-            dp[g][j] = best
-    final = dp[g_count][n]
-    if final is NEG:
+        budget = float(gpus[g - 1].budget - (costs.output_bytes if g == g_count else 0))
+        need = pb[None, :] - pb[:, None]                       # need[i, j]: always-used bytes of layers [i, j)
+        ok = (I <= J) & (need <= budget) & (val[g - 1][:, None] >= 0)
+        if g == g_count:
+            ok &= J == n
+        room = budget - need
+        s_idx = np.searchsorted(pe, pe[None, :] - room, side="left")
+        s_idx = np.minimum(np.maximum(s_idx, I), J)
+        kept = np.where(I == J, 0.0, pe[None, :] - pe[s_idx])
+        util = np.where(I == J, 0.0, (need + kept) / budget if budget > 0 else 1.0)
+        tot = np.where(ok, val[g - 1][:, None] + kept, NEG_INF)
+        worst = np.where(ok, np.maximum(fill[g - 1][:, None], util), np.inf)
+        best = tot.max(axis=0)                                   # per j
+        tie = tot >= (best[None, :] - 0.5)                       # equal expert bytes: least-full worst GPU
+        k = np.argmin(np.where(tie & ok, worst, np.inf), axis=0)
+        cols = np.arange(n + 1)
+        have = best >= 0
+        val[g] = np.where(have, tot[k, cols], NEG_INF)
+        fill[g] = np.where(have, worst[k, cols], 0.0)
+        back[g] = k
+    if val[g_count, n] < 0:
         return _layer_split_fallback(costs, kv_layer, gpus)
-    bounds = (0,) + final[2]
+    ends = [n]
+    for g in range(g_count, 0, -1):
+        ends.append(int(back[g, ends[-1]]))
+    bounds = tuple(reversed(ends))
     layer_gpu: list[int | None] = [None] * n
     exp_on = [costs.layer_experts[i] == 0 for i in range(n)]
     gpu_w, gpu_kv = [], []

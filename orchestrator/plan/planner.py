@@ -12,7 +12,7 @@ from orchestrator.model import ModelInfo
 from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
-from orchestrator.plan.cpu import choose_cpu
+from orchestrator.plan.cpu import choose_cpu, node_available
 from orchestrator.plan.flags import render_args
 from orchestrator.plan.placement import (
     GpuBudget, Placement, _DoesNotFit, cpu_expert_override, place_cpu_only, place_graph_split, place_layer_split,
@@ -47,9 +47,10 @@ class _Candidate:
     speed: SpeedInputs
 
 
-def _kv_layers(model: ModelInfo, req: PlanRequest) -> list[int]:
-    n_ctx = req.context
-    return [M.kv_bytes(model, n_ctx, req.parallel, req.type_k, req.type_v, layer) for layer in range(model.n_layers)]
+def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on", flavor: str = "mainline"
+               ) -> list[int]:
+    return M.kv_by_layer(model, n_ctx=req.context, n_parallel=req.parallel, type_k=req.type_k, type_v=req.type_v,
+                         n_ubatch=ub, n_batch=max(ub, 2048), flash_attn=fa != "off", flavor=flavor)
 
 
 def _flash_attn(req: PlanRequest, has_gpu: bool) -> str:
@@ -145,29 +146,42 @@ def _place(costs, kv_layer, budgets, mode, req):
     return place_layer_split(costs, kv_layer, budgets)
 
 
-def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine):
+def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine,
+              flavor="mainline"):
+    """Place the model for micro-batch ``ub`` and predict its speed."""
     n_ctx = req.context
-    compute = M.compute_bytes(model, n_ubatch=ub, n_ctx=n_ctx, device="cuda", flash_attn=fa != "off")
-    overhead = M.cuda_overhead(model)
-    budgets = []
-    for g in gpus:
-        free, _why = _gpu_free(g, node_req)
-        budgets.append(GpuBudget(g.index, g.name, free - node_req.vram_reserve - overhead - compute))
+    overhead = M.cuda_overhead(model, ub)
+
+    def budgets_for(staging: int) -> tuple[list[GpuBudget], int]:
+        compute = M.gpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                      n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                      type_v=req.type_v, has_output=True, staging=staging, flavor=flavor)
+        out = []
+        for g in gpus:
+            free, _why = _gpu_free(g, node_req)
+            out.append(GpuBudget(g.index, g.name, free - node_req.vram_reserve - overhead - compute))
+        return out, compute
+
+    budgets, compute = budgets_for(0)
     placement = _place(costs, kv_layer, budgets, mode, req)
-    # a CPU-resident expert tensor copied to the GPU for a big batch needs room in the compute buffer
-    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
-    if cpu_layers and req.expert_layers_on_cpu is None:
-        staging = max(costs.layer_experts[i] for i in cpu_layers)
-        budgets2 = [GpuBudget(b.index, b.name, b.budget - staging) for b in budgets]
-        placement = _place(costs, kv_layer, budgets2, mode, req)
-        compute += staging
+    # CPU-resident experts are copied into the GPU's compute buffer for big batches: make room, place again
+    for _ in range(3):
+        staging = M.staging_bytes(model, placement.cpu_expert_layers)
+        if not staging:
+            break
+        budgets, compute2 = budgets_for(staging)
+        again = _place(costs, kv_layer, budgets, mode, req)
+        compute = compute2
+        if again.cpu_expert_layers == placement.cpu_expert_layers:
+            placement = again
+            break
+        placement = again
     speed, _ = _speed_inputs(machine, gpus, load_mode, host_nodes, threads)
     if req.op_offload_min_batch is not None:
         threshold, why = req.op_offload_min_batch, "set by the topology"
     else:
         threshold, why = op_offload_threshold(costs, placement, speed, max_batch=max(ub, 4096))
-    kv_read = 0.0
-    tg, tg_bytes = predict_tg(costs, placement, speed, kv_read)
+    tg, tg_bytes = predict_tg(costs, placement, speed, 0.0)
     pp = predict_pp(costs, placement, speed, ub, threshold)
     return _Candidate(ub, placement, threshold, why, tg, tg_bytes, pp, compute, overhead, speed)
 
@@ -201,7 +215,7 @@ def _ranges(placement: Placement, n_layers: int, gpu_names: list[str]) -> tuple[
 
 def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: ModelInfo, costs: ModelCosts,
                 req: PlanRequest, backend: BackendInfo, gpu_indexes: tuple[int, ...], port: int,
-                package: int | None = None) -> WorkerPlan:
+                package: int | None = None, share: tuple[int, int] | None = None) -> WorkerPlan:
     decisions: list[Decision] = []
     by_index = {g.index: g for g in machine.gpus}
     gpus = [by_index[i] for i in gpu_indexes]
@@ -211,7 +225,8 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                                                   f"(build one with `orchestrator build --cuda`)"))
         gpus = []
     fa = _flash_attn(req, has_gpu)
-    kv_layer = _kv_layers(model, req)
+    flavor = backend.flavor
+    kv_layer = _kv_layers(model, req, fa=fa, flavor=flavor)
     mode, mode_why = _split_mode(req, backend, model, len(gpus), fa)
     n_ctx = req.context
 
@@ -228,14 +243,13 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         # host memory of the anchor node decides pinned vs mmap; evaluate with a first guess of CPU bytes
         load_mode_req = req.load_mode
         ubs = [req.ubatch] if req.ubatch else list(UBATCH_CANDIDATES)
-        first = _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, 512, "pinned", (), 1, machine) \
-            if not req.ubatch else None
-        host_guess = (first.placement.cpu_weights if first else costs.total_bytes)
+        # a first guess of the CPU-resident bytes (what the GPUs cannot hold) picks the NUMA nodes to measure
+        gpu_room = sum(max(0, _gpu_free(g, node_req)[0] - node_req.vram_reserve) for g in gpus)
+        host_guess = max(costs.input_bytes, costs.total_bytes + sum(kv_layer) - gpu_room)
         cpu = choose_cpu(machine, host_bytes=host_guess, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
                          package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch)
-        avail = machine.memory_available_bytes or sum((n.free_bytes or n.memory_bytes or 0)
-                                                      for n in machine.numa_nodes)
+                         threads_batch=req.threads_batch, share=share)
+        avail = machine.memory_available_bytes or sum(node_available(machine, n) for n in machine.numa_nodes)
         if load_mode_req != "auto":
             load_mode = load_mode_req
             lm_why = "set by the topology"
@@ -252,8 +266,9 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         errors = []
         for ub in ubs:
             try:
-                cands.append(_evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode,
-                                       cpu.host_nodes, cpu.threads, machine))
+                kv_ub = _kv_layers(model, req, ub=ub, fa=fa, flavor=flavor)
+                cands.append(_evaluate(model, costs, kv_ub, gpus, node_req, req, mode, fa, ub, load_mode,
+                                       cpu.host_nodes, cpu.threads, machine, flavor))
             except _DoesNotFit as e:
                 errors.append((ub, e))
         if not cands:
@@ -262,14 +277,14 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                 f"model {model.paths[0]}: attention, norms, shared weights, output and the KV cache for "
                 f"{req.context} tokens ({req.parallel} slots) need {fmt_bytes(e.need)} but the GPUs "
                 f"{list(gpu_indexes)} offer {fmt_bytes(e.have)} after reserves: lower model.context or "
-                f"model.parallel, quantize the KV cache (model.cache_type: q8_0), or add GPUs")
+                f"model.parallel, quantize the KV cache (model.cache_type_k and cache_type_v: q8_0), or add GPUs")
         best = _choose(cands)
         placement = best.placement
         # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
         host_bytes = placement.cpu_weights + placement.cpu_kv
         cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
                          package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch)
+                         threads_batch=req.threads_batch, share=share)
         gpu_names = [f"CUDA{k}" for k in range(len(gpus))]
         decisions.append(Decision("gpus", ",".join(str(g.index) for g in gpus),
                                   f"main GPU {main.index} ({main.name}); host memory nearest to it: node {anchor}"))
@@ -296,9 +311,12 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
             memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
                                        compute=best.compute_gpu, overhead=best.overhead_gpu,
                                        budget=free - node_req.vram_reserve))
-        cpu_compute = M.compute_bytes(model, n_ubatch=ub, n_ctx=n_ctx, device="cpu", flash_attn=fa != "off",
-                                      cpu_layers=len(placement.cpu_expert_layers))
-        memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute))
+        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                          n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                          type_v=req.type_v, has_layers=placement.n_gpu_layers <= model.n_layers,
+                                          has_output=placement.n_gpu_layers <= model.n_layers, flavor=flavor)
+        memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
+                                   overhead=M.output_bytes(model, req.parallel)))
         pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes)
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in gpus)}
     else:
@@ -306,10 +324,10 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         host_bytes = placement.cpu_weights + placement.cpu_kv
         cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=None,
                          package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch)
+                         threads_batch=req.threads_batch, share=share)
         ub = req.ubatch or 512
         threshold = None
-        bind = cpu.numa.mode == "bind"
+        bind = cpu.numa.mode == "bind" and len(machine.numa_nodes) > 1
         load_mode = req.load_mode if req.load_mode != "auto" else ("pinned" if bind else "mmap")
         lm_why = ("set by the topology" if req.load_mode != "auto" else
                   "bound to one node: read the weights into memory allocated under the binding (mmap'd pages "
@@ -321,23 +339,33 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         tg, tg_bytes = predict_tg(costs, placement, speed)
         pp = predict_pp(costs, placement, speed, ub, None)
         pred = Prediction(pp=pp, tg=tg, tg_bytes_per_token=tg_bytes)
-        cpu_compute = M.compute_bytes(model, n_ubatch=ub, n_ctx=n_ctx, device="cpu", flash_attn=fa != "off",
-                                      cpu_layers=model.n_layers)
-        memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute)]
+        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+                                          n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                          type_v=req.type_v, has_layers=True, has_output=True, flavor=flavor)
+        memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
+                               overhead=M.output_bytes(model, req.parallel))]
         env = {"CUDA_VISIBLE_DEVICES": ""} if machine.gpus else {}
         gpu_names = []
     decisions.extend(cpu.decisions)
-    avail_host = sum((n.free_bytes or n.memory_bytes or 0) for n in machine.numa_nodes
+    avail_host = sum(node_available(machine, n) for n in machine.numa_nodes
                      if not cpu.host_nodes or n.id in cpu.host_nodes) or (machine.memory_available_bytes or 0)
-    host_total = memory[-1].total
-    if avail_host and host_total + node_req.ram_reserve > avail_host and load_mode != "mmap":
+    host = memory[-1]
+    # KV cache and compute buffers are anonymous memory; weights too unless memory-mapped (then the page cache
+    # holds them and may evict them, at the price of re-reading from disk)
+    anon = host.kv + host.compute + host.overhead + (host.weights if load_mode != "mmap" else 0)
+    if avail_host and anon + node_req.ram_reserve > avail_host:
+        where = f"nodes {list(cpu.host_nodes)}" if cpu.host_nodes else "this machine"
         raise PlanError(
-            f"model {model.paths[0]}: host memory needed {fmt_bytes(host_total)} + ram_reserve "
-            f"{fmt_bytes(node_req.ram_reserve)} exceeds the {fmt_bytes(avail_host)} free on nodes "
-            f"{list(cpu.host_nodes) or 'all'}: add GPUs or memory, lower the context, or use load_mode: mmap")
-    if threshold is not None and not req.op_offload_min_batch and backend.flavor == "mainline":
-        env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
-    elif threshold is not None and backend.flavor == "mainline":
+            f"model {model.paths[0]}: host memory needed {fmt_bytes(anon)} (KV cache {fmt_bytes(host.kv)}, "
+            f"compute {fmt_bytes(host.compute)}"
+            + (f", weights {fmt_bytes(host.weights)}" if load_mode != "mmap" else "")
+            + f") + ram_reserve {fmt_bytes(node_req.ram_reserve)} exceeds the {fmt_bytes(avail_host)} available on "
+            f"{where}: lower model.context ({req.context}) or model.parallel, quantize the KV cache, or add memory")
+    if load_mode == "mmap" and avail_host and host.total > 2 * avail_host:
+        decisions.append(Decision("warning", "weights exceed RAM",
+                                  f"{fmt_bytes(host.total)} in host memory vs {fmt_bytes(avail_host)} available: "
+                                  f"weights will be re-read from disk (slow)"))
+    if threshold is not None and backend.flavor == "mainline":
         env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
     ot = cpu_expert_override(
         [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ""
@@ -370,8 +398,8 @@ def _selected_gpus(machine: Machine, node_req: NodeRequest) -> tuple[int, ...]:
 
 
 def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[int, ...], kv_total: int,
-            node_req: NodeRequest) -> tuple[list[tuple[tuple[int, ...], int | None]], Decision]:
-    """[(gpu indexes, package or None)] per worker on one machine, and why."""
+            node_req: NodeRequest) -> tuple[list[tuple[tuple[int, ...], int | None, tuple[int, int] | None]], Decision]:
+    """[(gpu indexes, package or None, CPU share (k, n) or None)] per worker on one machine, and why."""
     packages = sorted(machine.packages, key=lambda p: p.id)
     layout = req.layout
     if layout == "auto":
@@ -381,7 +409,7 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
         elif len(packages) > 1:
             per_socket_free = []
             for p in packages:
-                per_socket_free.append(sum((n.free_bytes or n.memory_bytes or 0) for n in machine.numa_nodes
+                per_socket_free.append(sum(node_available(machine, n) for n in machine.numa_nodes
                                            if p.id in n.packages))
             need = costs.total_bytes + kv_total + node_req.ram_reserve // len(packages)
             if all(f >= need for f in per_socket_free):
@@ -399,13 +427,16 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
         why = "set by the topology"
     if layout == "machine":
         n = req.replicas or 1
-        return [(gpus, None)] * n, Decision("layout", f"machine x{n}", why)
+        if n > 1 and gpus:
+            raise PlanError(f"workers.replicas: {n} replicas of a GPU worker would share GPUs {list(gpus)}: use "
+                            f"layout gpu-group (one worker per group of GPUs) or one replica per machine")
+        return [(gpus, None, (k, n) if n > 1 else None) for k in range(n)], Decision("layout", f"machine x{n}", why)
     if layout == "socket":
         out = []
         for p in packages:
             node_ids = set(p.nodes)
             pg = tuple(g.index for g in machine.gpus if g.index in gpus and machine.nearest_cpu_node(g) in node_ids)
-            out.append((pg, p.id))
+            out.append((pg, p.id, None))
         return out, Decision("layout", f"socket x{len(out)}", why)
     if layout == "gpu-group":
         groups: dict[int | None, list[int]] = {}
@@ -417,7 +448,7 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
             groups.setdefault(pkg, []).append(g.index)
         if not groups:
             raise PlanError("workers.layout: 'gpu-group' needs GPUs, and none are selected")
-        out = [(tuple(v), k) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
+        out = [(tuple(v), k, None) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
         return out, Decision("layout", f"gpu-group x{len(out)}", why + " (one worker per socket's GPUs)")
     raise PlanError(f"workers.layout: unknown layout {layout!r} (expected auto, machine, socket or gpu-group)")
 
@@ -434,7 +465,7 @@ def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pla
         warn = (f"model.context {request.context} exceeds the model's training context {model.n_ctx_train}")
     else:
         warn = None
-    kv_total = sum(_kv_layers(model, request))
+    kv_total = sum(_kv_layers(model, request, flavor=backend.flavor))
     workers: list[WorkerPlan] = []
     decisions: list[Decision] = []
     port = request.port_base
@@ -443,10 +474,11 @@ def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pla
         gpus = _selected_gpus(machine, node_req)
         groups, why = _layout(machine, costs, request, gpus, kv_total, node_req)
         decisions.append(Decision(f"layout {node_req.name}", why.value, why.why))
-        for k, (gidx, pkg) in enumerate(groups):
+        for k, (gidx, pkg, share) in enumerate(groups):
             name = f"{node_req.name}-{k}" if len(groups) > 1 or len(request.nodes) > 1 else node_req.name
             workers.append(plan_worker(name=name, node_req=node_req, machine=machine, model=model, costs=costs,
-                                       req=request, backend=backend, gpu_indexes=gidx, port=port, package=pkg))
+                                       req=request, backend=backend, gpu_indexes=gidx, port=port, package=pkg,
+                                       share=share))
             port += 1
     summary = {
         "path": model.paths[0], "arch": model.arch, "n_layers": model.n_layers, "n_expert": costs.n_expert,

@@ -36,25 +36,29 @@ def experts_used(n_expert: int, k: int, batch: int) -> float:
     return n_expert * (1.0 - (1.0 - k / n_expert) ** batch)
 
 
-def cpu_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs) -> float:
+def _expert_sums(costs: ModelCosts, layers) -> tuple[float, float]:
+    """(bytes of one expert summed over ``layers``, parameters of one expert summed over ``layers``)."""
+    return (sum(costs.bytes_per_expert(i) for i in layers),
+            float(sum(costs.layer_expert_params[i] for i in layers)))
+
+
+def cpu_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None) -> float:
     """Time to run the routed experts of ``layers`` on the CPU for a batch."""
     if not layers:
         return 0.0
+    bpe, ppe = sums or _expert_sums(costs, layers)
     used = experts_used(costs.n_expert, costs.n_expert_used, batch)
-    bytes_read = sum(costs.bytes_per_expert(i) * used for i in layers)
-    flops = sum(2.0 * batch * costs.n_expert_used * costs.layer_expert_params[i] for i in layers)
-    return max(bytes_read / sp.host_bw, flops / sp.cpu_flops)
+    return max(bpe * used / sp.host_bw, 2.0 * batch * costs.n_expert_used * ppe / sp.cpu_flops)
 
 
-def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs) -> float:
+def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None) -> float:
     """Time to copy the used experts of ``layers`` to the GPU and run them there."""
     if not layers:
         return 0.0
+    bpe, ppe = sums or _expert_sums(costs, layers)
     used = experts_used(costs.n_expert, costs.n_expert_used, batch)
-    copy = sum(costs.bytes_per_expert(i) * used for i in layers) / sp.h2d
-    flops = sum(2.0 * batch * costs.n_expert_used * costs.layer_expert_params[i] for i in layers)
     gpu_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 1e12
-    return copy + flops / gpu_eff
+    return bpe * used / sp.h2d + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
 
 
 def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInputs, max_batch: int) -> tuple[int, str]:
@@ -65,7 +69,8 @@ def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInput
     if not layers or not sp.gpu_mem_bw:
         return max_batch + 1, "no CPU-resident experts: nothing to offload"
     limit = max(max_batch, 2)
-    wins = [offload_expert_time(costs, layers, b, sp) < cpu_expert_time(costs, layers, b, sp)
+    sums = _expert_sums(costs, layers)
+    wins = [offload_expert_time(costs, layers, b, sp, sums) < cpu_expert_time(costs, layers, b, sp, sums)
             for b in range(1, limit + 1)]
     threshold = limit + 1
     for b in range(limit, 0, -1):
@@ -74,8 +79,8 @@ def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInput
         threshold = b
     threshold = max(threshold, 2)
     b = min(threshold, limit)
-    off = offload_expert_time(costs, layers, b, sp)
-    cpu = cpu_expert_time(costs, layers, b, sp)
+    off = offload_expert_time(costs, layers, b, sp, sums)
+    cpu = cpu_expert_time(costs, layers, b, sp, sums)
     used = experts_used(costs.n_expert, costs.n_expert_used, b)
     copied = sum(costs.bytes_per_expert(i) * used for i in layers)
     if threshold > limit:
@@ -159,6 +164,7 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
         else:
             cpu_params += p_always
     gpu_weight_bytes = sum(placement.gpu_weights)
+    sums = _expert_sums(costs, cpu_layers)
     out = {}
     for length in lengths:
         remaining = length
@@ -174,8 +180,8 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
                 t += max(2.0 * cpu_params * b / sp.cpu_flops, 0.0)
             if cpu_layers:
                 if threshold is not None and b >= threshold and sp.gpu_mem_bw:
-                    t += offload_expert_time(costs, cpu_layers, b, sp)
+                    t += offload_expert_time(costs, cpu_layers, b, sp, sums)
                 else:
-                    t += cpu_expert_time(costs, cpu_layers, b, sp)
+                    t += cpu_expert_time(costs, cpu_layers, b, sp, sums)
         out[length] = length / t if t > 0 else 0.0
     return out

@@ -94,13 +94,13 @@ def test_demo_topology_is_this_machine_behind_one_local_gateway():
 def test_h200_topology_is_one_live_gpu():
     t = load_topology(REPO / "topologies" / "h200.yaml")
     (node,) = t.nodes
-    assert node.machine == "live" and node.gpus == (0,)
+    assert node.machine == "live" and node.gpus == "all" and node.vram_limit == 12 * 2**30
 
 
 @pytest.mark.parametrize("name,machine", [
-    ("1socket-1gpu-24g.yaml", "1socket-1gpu-24g.json"),
-    ("2socket-2gpu.yaml", "2socket-2gpu.json"),
-    ("2socket-8gpu.yaml", "2socket-8gpu.json"),
+    ("1socket-1gpu-24g.yaml", "described/1socket-1gpu-24g.json"),
+    ("2socket-2gpu.yaml", "described/2socket-2gpu.json"),
+    ("2socket-8gpu.yaml", "described/2socket-8gpu.json"),
 ])
 def test_machines_we_do_not_have_are_recorded_fixtures(name, machine):
     t = load_topology(REPO / "topologies" / name)

@@ -122,7 +122,7 @@ def test_to_dict_roundtrips_through_yaml(tmp_path):
     again = load_topology(f)
     assert again.to_dict() == src.to_dict()
     d = src.to_dict()
-    assert d["nodes"][0]["gpus"] == list(range(8)) and d["nodes"][0]["vram_reserve"] == GiB
+    assert d["nodes"][0]["gpus"] == "all" and d["nodes"][0]["ram_reserve"] == 32 * GiB
     assert d["restart"]["startup_timeout"] == 3600.0
 
 

@@ -1,0 +1,164 @@
+"""NUMA policy of one worker and the ``numactl`` arguments that apply it. Pure: no I/O.
+
+The planner decides a :class:`NumaPolicy` per worker (it imports this module: a pure dataclass);
+:func:`numactl_argv` renders it. CPU and node numbers are the kernel's (OS) indexes, as sysfs and numactl use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+NumaMode = Literal["bind", "interleave", "none"]
+MODES: tuple[str, ...] = ("bind", "interleave", "none")
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """``"0-3,8,10-11"`` -> ``(0, 1, 2, 3, 8, 10, 11)`` (the kernel's list format; sorted, unique)."""
+    out: set[int] = set()
+    for item in text.replace(" ", "").replace("\n", "").split(","):
+        if not item:
+            continue
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad CPU/node list {text!r}: expected items like 3 or 0-7 separated by commas")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"bad CPU/node list {text!r}: range {item} goes backwards")
+        out.update(range(a, b + 1))
+    return tuple(sorted(out))
+
+
+def format_cpulist(values: Iterable[int]) -> str:
+    """``(0, 1, 2, 3, 8, 10, 11)`` -> ``"0-3,8,10-11"`` (what numactl and sysfs write)."""
+    nums = sorted(set(int(v) for v in values))
+    parts: list[str] = []
+    i = 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        parts.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"NumaPolicy.{name} must be a sequence of ints, not a string (use parse_cpulist)")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"NumaPolicy.{name} holds {v!r}; expected ints")
+        if v < 0:
+            raise ValueError(f"NumaPolicy.{name} holds {v}; CPU and node numbers are >= 0")
+        out.append(v)
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class NumaPolicy:
+    """Where one worker's threads run and where its memory comes from.
+
+    * ``bind``: threads on ``cpus`` (``--physcpubind``) or, when ``cpus`` is empty, on ``cpu_nodes``
+      (``--cpunodebind``); memory only from ``mem_nodes`` (``--membind``).
+    * ``interleave``: memory spread page by page over ``mem_nodes`` (``--interleave``); threads limited as for
+      bind when ``cpus``/``cpu_nodes`` are given, free otherwise.
+    * ``none``: no numactl at all.
+
+    The tuples are stored sorted and without duplicates, so two equal policies compare equal.
+    """
+
+    mode: NumaMode = "none"
+    cpus: tuple[int, ...] = ()
+    cpu_nodes: tuple[int, ...] = ()
+    mem_nodes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"NumaPolicy.mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        for name in ("cpus", "cpu_nodes", "mem_nodes"):
+            object.__setattr__(self, name, _ints(name, getattr(self, name)))
+        if self.mode == "none":
+            if self.cpus or self.cpu_nodes or self.mem_nodes:
+                raise ValueError("NumaPolicy(mode='none') takes no cpus, cpu_nodes or mem_nodes")
+        elif self.mode == "bind":
+            if not self.mem_nodes:
+                raise ValueError("NumaPolicy(mode='bind') needs mem_nodes (the nodes its memory comes from)")
+            if not (self.cpus or self.cpu_nodes):
+                raise ValueError("NumaPolicy(mode='bind') needs cpus or cpu_nodes (where its threads run)")
+        elif not self.mem_nodes:
+            raise ValueError("NumaPolicy(mode='interleave') needs mem_nodes (the nodes to spread memory over)")
+
+    # -- constructors the planner reads well --------------------------------------------------------------
+
+    @classmethod
+    def none(cls) -> "NumaPolicy":
+        return cls("none")
+
+    @classmethod
+    def bind(cls, mem_nodes: Iterable[int], *, cpus: Iterable[int] = (), cpu_nodes: Iterable[int] = ()) -> "NumaPolicy":
+        return cls("bind", tuple(cpus), tuple(cpu_nodes), tuple(mem_nodes))
+
+    @classmethod
+    def interleave(cls, mem_nodes: Iterable[int], *, cpus: Iterable[int] = (),
+                   cpu_nodes: Iterable[int] = ()) -> "NumaPolicy":
+        return cls("interleave", tuple(cpus), tuple(cpu_nodes), tuple(mem_nodes))
+
+    # -- views ---------------------------------------------------------------------------------------------
+
+    @property
+    def n_cpus(self) -> int | None:
+        """Number of CPUs the threads are limited to, when given as CPUs (None when by node or free)."""
+        return len(self.cpus) if self.cpus else None
+
+    def describe(self) -> str:
+        """One short line for plan tables: ``bind cpus 0-15 mem 0-1``."""
+        if self.mode == "none":
+            return "none"
+        parts = [self.mode]
+        if self.cpus:
+            parts.append(f"cpus {format_cpulist(self.cpus)}")
+        elif self.cpu_nodes:
+            parts.append(f"cpu nodes {format_cpulist(self.cpu_nodes)}")
+        parts.append(f"mem {format_cpulist(self.mem_nodes)}")
+        return " ".join(parts)
+
+    @classmethod
+    def from_plan(cls, numa) -> "NumaPolicy":
+        """From the planner's ``orchestrator.plan.types.NumaPlan`` (or anything with ``mode``, ``cpus``,
+        ``cpu_nodes``, ``mem_nodes``). ``none`` drops the CPU list (no numactl at all); a bind/interleave without
+        ``mem_nodes`` uses ``cpu_nodes`` for memory too (the planner binds both to the same nodes)."""
+        mode = getattr(numa, "mode", "none") or "none"
+        if mode == "none":
+            return cls.none()
+        cpus, cpu_nodes = tuple(getattr(numa, "cpus", ())), tuple(getattr(numa, "cpu_nodes", ()))
+        mem = tuple(getattr(numa, "mem_nodes", ())) or cpu_nodes
+        return cls(mode, cpus, cpu_nodes, mem)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "cpus": list(self.cpus), "cpu_nodes": list(self.cpu_nodes),
+                "mem_nodes": list(self.mem_nodes)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NumaPolicy":
+        return cls(d.get("mode", "none"), tuple(d.get("cpus", ())), tuple(d.get("cpu_nodes", ())),
+                   tuple(d.get("mem_nodes", ())))
+
+
+def numactl_argv(policy: NumaPolicy, numactl: str = "numactl") -> list[str]:
+    """The numactl prefix for ``policy`` (without the ``--`` that ends it): ``[]`` for mode ``none``.
+
+    CPUs go to ``--physcpubind`` when the policy lists them (exact threads, e.g. one per physical core), else
+    ``--cpunodebind``; never both (numactl applies them in turn and the last one would win).
+    """
+    if policy.mode == "none":
+        return []
+    argv = [numactl]
+    if policy.cpus:
+        argv.append(f"--physcpubind={format_cpulist(policy.cpus)}")
+    elif policy.cpu_nodes:
+        argv.append(f"--cpunodebind={format_cpulist(policy.cpu_nodes)}")
+    nodes = format_cpulist(policy.mem_nodes)
+    argv.append(f"--membind={nodes}" if policy.mode == "bind" else f"--interleave={nodes}")
+    return argv

@@ -1,0 +1,123 @@
+"""Resolve a topology against the world: machines (live or recorded), the model, the llama-server binary, then
+the plan and the exact LaunchSpecs. ``plan``, ``up`` and ``bench`` all go through here, so what ``plan``
+prints is exactly what ``up`` runs (one code path, no dry-run flags).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.backend.detect import BackendInfo, detect_backend, find_llama_server
+from orchestrator.config import Topology, load_topology
+from orchestrator.errors import BackendError, ConfigError, PlanError
+from orchestrator.hardware import Machine
+from orchestrator.launch.build import spec_for_worker
+from orchestrator.launch.spec import LaunchSpec
+from orchestrator.model import ModelInfo
+from orchestrator.plan import Plan
+from orchestrator.plan.from_topology import request_from_topology
+
+# What the pinned mainline llama-server offers, for planning a recorded machine where no binary is at hand.
+NOMINAL_FEATURES = {
+    "mainline": frozenset({"fit", "fit_target", "n_cpu_moe", "cpu_moe", "override_tensor", "load_mode", "numa",
+                           "flash_attn", "metrics", "no_host", "cpu_range", "threads_batch", "no_op_offload",
+                           "kv_unified", "sm_none", "sm_layer", "sm_row", "sm_tensor"}),
+    "ik_llama.cpp": frozenset({"fit", "fit_margin", "n_cpu_moe", "cpu_moe", "override_tensor", "no_mmap", "mlock",
+                               "numa", "flash_attn", "metrics", "threads_batch", "mla", "merge_qkv",
+                               "attn_max_batch", "graph_reuse", "split_mode_graph_scheduling", "cuda_params",
+                               "offload_policy", "sm_none", "sm_layer", "sm_graph"}),
+}
+SPLIT_MODES = {"mainline": ("none", "layer", "row", "tensor"), "ik_llama.cpp": ("none", "layer", "graph")}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    topology: Topology
+    machines: dict[str, Machine]
+    model: ModelInfo
+    backend: BackendInfo
+    plan: Plan
+    specs: tuple[LaunchSpec, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def load_machines(topo: Topology) -> tuple[dict[str, Machine], list[str]]:
+    from orchestrator.hardware import read_machine
+    from orchestrator.hardware.dump import load_machine
+
+    machines: dict[str, Machine] = {}
+    notes = []
+    live_local = None
+    for i, n in enumerate(topo.nodes):
+        if n.machine == "live":
+            if n.address not in (None, "127.0.0.1", "localhost") and len(topo.nodes) > 1:
+                raise topo.error(f"nodes.{i}.machine",
+                                 f"node {n.name!r} is another machine: record it there with `orchestrator inspect "
+                                 f"--save {n.name}.tar.gz` and give that file as machine:")
+            if live_local is None:
+                live_local = read_machine("/")
+            machines[n.name] = live_local
+        else:
+            machines[n.name] = load_machine(str(n.machine))
+            notes.append(f"node {n.name}: recorded machine {n.machine}")
+    return machines, notes
+
+
+def nominal_backend(flavor: str, cuda: bool) -> BackendInfo:
+    return BackendInfo(server="llama-server", flavor=flavor, version="(planned without a binary)", cuda=cuda,
+                       gpu_offload=True, features=NOMINAL_FEATURES[flavor], split_modes=SPLIT_MODES[flavor])
+
+
+def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendInfo, list[str]]:
+    notes = []
+    all_recorded = all(n.machine != "live" for n in topo.nodes)
+    try:
+        path, origin = find_llama_server(topo.backend.binary)
+        info = detect_backend(path)
+        notes.append(f"llama-server: {path} (from {origin}; {info.flavor}, {'CUDA' if info.cuda else 'CPU'})")
+    except BackendError:
+        if not all_recorded:
+            raise
+        flavor = topo.backend.flavor if topo.backend.flavor != "auto" else "mainline"
+        cuda = any(m.gpus for m in machines.values())
+        info = nominal_backend(flavor, cuda)
+        notes.append(f"no llama-server here: planned for {flavor} llama-server{' with CUDA' if cuda else ''} "
+                     f"(the recorded machines' own binary is detected at `up`)")
+        return info, notes
+    want = topo.backend.flavor
+    if want != "auto" and want != info.flavor:
+        raise ConfigError(f"{topo.where('backend.flavor')}: backend.flavor: {want} was asked for but {info.server} "
+                          f"is {info.flavor}: point backend.binary at a {want} llama-server or set flavor: auto")
+    if all_recorded and any(m.gpus for m in machines.values()) and not info.cuda:
+        notes.append(f"{info.server} has no CUDA; planning the recorded machine for a CUDA build of it")
+        from dataclasses import replace
+
+        info = replace(info, cuda=True)
+    return info, notes
+
+
+def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
+            backend: BackendInfo | None = None) -> Resolved:
+    """``backend``: use this llama-server description instead of finding and detecting the binary."""
+    from orchestrator.model import read_model
+    from orchestrator.plan import make_plan
+
+    topo = topology if isinstance(topology, Topology) else load_topology(topology)
+    if overrides:
+        topo = topo.override(overrides)
+    topo.check_files()
+    machines, notes = load_machines(topo)
+    model = read_model(str(topo.model.path))
+    if backend is None:
+        backend, bnotes = find_backend(topo, machines)
+        notes += bnotes
+    request = request_from_topology(
+        topo, ram_totals={name: m.memory_total_bytes for name, m in machines.items()})
+    try:
+        plan = make_plan(machines=machines, model=model, request=request, backend=backend)
+    except PlanError as err:
+        raise PlanError(f"{topo.where('model')}: {err}") from None
+    local = next((n.name for n in topo.nodes if n.address in (None, "127.0.0.1", "localhost")), None)
+    specs = tuple(spec_for_worker(w, backend.server, local_node=local) for w in plan.workers)
+    return Resolved(topo, machines, model, backend, plan, specs, tuple(notes))

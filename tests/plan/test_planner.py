@@ -1,0 +1,175 @@
+"""Planning decisions on real model shapes (full-size headers) and recorded / described machines."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import re
+
+import pytest
+from planfixtures import backend, machine, with_gpu_free
+
+from orchestrator.errors import PlanError
+from orchestrator.hardware.topology import Bandwidth
+from orchestrator.model import TensorClass
+from orchestrator.plan import NodeRequest, PlanRequest, make_plan
+from orchestrator.plan.costs import model_costs
+
+GiB = 1 << 30
+
+
+def plan1(m, model, *, limit=None, gpus=None, b=None, **kw):
+    req = PlanRequest(nodes=(NodeRequest(name="n", gpus=gpus, vram_limit=limit),), **kw)
+    return make_plan(machines={"n": m}, model=model, request=req, backend=b or backend())
+
+
+def arg(w, flag):
+    a = list(w.args)
+    return a[a.index(flag) + 1] if flag in a else None
+
+
+def test_small_enough_model_fits_one_gpu_whole(models):
+    q30 = models("qwen3-30b-a3b")
+    w = plan1(machine("1socket-1gpu-24g"), q30).workers[0]
+    assert "-ot" not in w.args
+    assert w.cpu_expert_layers == ()
+    assert arg(w, "-ngl") == "999"
+    gpu = next(d for d in w.memory if d.device == "CUDA0")
+    assert gpu.total <= gpu.budget
+    assert "GGML_OP_OFFLOAD_MIN_BATCH" not in w.env
+
+
+def test_vram_budget_sends_whole_expert_layers_to_host_memory(models):
+    q30 = models("qwen3-30b-a3b")
+    w = plan1(machine("1socket-1gpu-24g"), q30, limit=12 * GiB).workers[0]
+    cpu_layers = set(w.cpu_expert_layers)
+    assert cpu_layers, "12 GiB cannot hold 16 GiB of weights"
+    ot = arg(w, "-ot")
+    pattern, buft = ot.rsplit("=", 1)
+    assert buft == "CPU" and "," not in ot
+    # llama.cpp applies the pattern with regex_search: it must take exactly the routed experts of those layers
+    for t in q30.tensors:
+        hit = re.search(pattern, t.name) is not None
+        assert hit == (t.cls is TensorClass.ROUTED_EXPERT and t.layer in cpu_layers), t.name
+    gpu = next(d for d in w.memory if d.device == "CUDA0")
+    assert gpu.total <= 12 * GiB
+    assert w.load_mode == "pinned" and arg(w, "--load-mode") == "none"
+    assert int(w.env["GGML_OP_OFFLOAD_MIN_BATCH"]) == w.op_offload_min_batch >= 2
+    assert w.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert arg(w, "--fit") == "off"  # llama.cpp must not re-fit what the plan decided
+
+
+def test_smaller_budget_keeps_more_layers_on_the_cpu(models):
+    q30 = models("qwen3-30b-a3b")
+    m = machine("1socket-1gpu-24g")
+    n = [len(plan1(m, q30, limit=g * GiB).workers[0].cpu_expert_layers) for g in (16, 12, 8)]
+    assert n[0] < n[1] < n[2]
+
+
+def test_every_expert_layer_in_vram_is_charged_to_the_budget(models):
+    """Predicted GPU memory = the weights the plan put there + KV + compute + overhead, under the budget."""
+    q30 = models("qwen3-30b-a3b")
+    costs = model_costs(q30)
+    w = plan1(machine("1socket-1gpu-24g"), q30, limit=12 * GiB).workers[0]
+    gpu = next(d for d in w.memory if d.device == "CUDA0")
+    on_gpu = [i for i in costs.moe_layers if i not in w.cpu_expert_layers]
+    expect = sum(costs.layer_always) + costs.output_bytes + sum(costs.layer_experts[i] for i in on_gpu)
+    assert gpu.weights == expect
+    # one more expert layer would not have fitted
+    assert gpu.total + costs.layer_experts[w.cpu_expert_layers[-1]] > gpu.budget - 0
+
+
+def test_context_is_never_shrunk_silently(models):
+    q30 = models("qwen3-30b-a3b")
+    w = plan1(machine("1socket-1gpu-24g"), q30, context=32768).workers[0]
+    assert arg(w, "-c") == "32768"
+    with pytest.raises(PlanError, match=r"KV cache for 16777216 tokens .*need [0-9.]+ TiB but the GPUs \[0\] offer [0-9.]+ GiB"):
+        plan1(machine("1socket-1gpu-24g"), q30, context=16_777_216)
+
+
+def test_missing_gpu_index_is_an_error(models):
+    with pytest.raises(PlanError, match=r"GPU 3 does not exist .*has 0"):
+        plan1(machine("1socket-1gpu-24g"), models("qwen3-30b-a3b"), gpus=(3,))
+
+
+def _llama_cpp_layer_gpu(ts: list[int], n_layers: int) -> list[int]:
+    """llama.cpp's own mapping (src/llama-model.cpp load_tensors): cumulative -ts split points, upper_bound."""
+    total = sum(ts)
+    splits, acc = [], 0.0
+    for x in ts:
+        acc += x
+        splits.append(acc / total)
+    act = n_layers + 1
+    return [bisect.bisect_right(splits, il / act) for il in range(n_layers)]
+
+
+def test_layer_split_ts_reproduces_the_planned_ranges(models):
+    ds = models("deepseek-v3")
+    w = plan1(machine("2socket-8gpu"), ds).workers[0]
+    assert arg(w, "-sm") == "layer"  # mainline refuses -sm tensor for deepseek2
+    ts = [int(x) for x in arg(w, "-ts").split(",")]
+    mapping = _llama_cpp_layer_gpu(ts, ds.n_layers)
+    planned = {}
+    for r in w.placement:
+        for layer in range(r.first, r.last + 1):
+            planned[layer] = int(r.attn.removeprefix("CUDA"))
+    assert mapping == [planned[i] for i in range(ds.n_layers)]
+    for d in w.memory:
+        if d.device.startswith("CUDA"):
+            assert d.total <= d.budget, d
+
+
+def test_split_mode_follows_flavor_and_architecture(models):
+    m = machine("2socket-2gpu")
+    q235 = models("qwen3-235b-a22b")
+    assert arg(plan1(m, q235).workers[0], "-sm") == "tensor"                 # mainline, qwen3moe, f16 KV
+    assert arg(plan1(m, q235, type_k="q8_0", type_v="q8_0").workers[0], "-sm") == "layer"
+    assert arg(plan1(m, models("deepseek-v3")).workers[0], "-sm") == "layer"
+    ik = plan1(m, q235, b=backend("ik_llama.cpp")).workers[0]
+    assert arg(ik, "-sm") == "graph"
+    assert "GGML_OP_OFFLOAD_MIN_BATCH" not in ik.env
+    assert (arg(ik, "-cuda") or "").startswith("offload-batch-size=") == bool(ik.cpu_expert_layers)
+    assert "--load-mode" not in ik.args and ("--no-mmap" in ik.args) == (ik.load_mode == "pinned")
+
+
+def test_numa_bind_when_it_fits_the_nearest_node_else_interleave_over_the_socket(models):
+    m = machine("2socket-2gpu")
+    w = plan1(m, models("qwen3-235b-a22b")).workers[0]
+    assert w.numa.mode == "bind" and w.numa.mem_nodes == (0,)      # GPU 0 sits on node 0
+    assert set(w.numa.cpus) <= set(m.node(0).cpus)
+    w8 = plan1(machine("2socket-8gpu"), models("deepseek-v3")).workers[0]
+    assert w8.numa.mode == "interleave" and set(w8.numa.mem_nodes) == {0, 1}   # socket of GPU 0
+    assert arg(w8, "--numa") == "distribute"
+
+
+def test_cpu_only_multi_socket_machine_runs_one_replica_per_socket(models):
+    m = machine("2socket-2gpu")
+    p = plan1(m, models("qwen3-30b-a3b"), gpus=())
+    assert [w.port for w in p.workers] == [8081, 8082]
+    for w, pkg in zip(p.workers, m.packages):
+        assert set(w.numa.cpus) <= set(pkg.cpus)
+        assert arg(w, "-ngl") == "0"
+        # the issue's rule: bind to the socket's first node when the model fits it; threads = its physical cores
+        assert w.numa.mode == "bind" and len(w.numa.mem_nodes) == 1 and w.numa.mem_nodes[0] in pkg.nodes
+        assert int(arg(w, "-t")) == len({c.index for c in m.cores if c.node == w.numa.mem_nodes[0]})
+
+
+def test_threads_are_physical_cores_batch_threads_all_hardware_threads(models):
+    m = machine("1socket-1gpu-24g")          # 14 cores, 20 threads (6 P-cores with SMT)
+    w = plan1(m, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
+    assert (arg(w, "-t"), arg(w, "-tb")) == ("14", "20")
+
+
+def test_main_gpu_is_the_one_with_the_best_measured_host_bandwidth(models):
+    m = machine("2socket-2gpu")
+    bw = Bandwidth(gpu_h2d={(0, 0): 20e9, (1, 2): 26e9}, gpu_d2h={}, host={})
+    m = dataclasses.replace(m, bandwidth=bw)
+    w = plan1(m, models("qwen3-235b-a22b"), split_mode="layer").workers[0]
+    assert arg(w, "-mg") == "1"
+    assert w.numa.mem_nodes[0] in (2, 3)       # host memory near the main GPU
+
+
+def test_model_that_cannot_fit_anywhere_is_refused_with_numbers(models):
+    m = with_gpu_free(machine("1socket-1gpu-24g"), 2 * GiB)
+    with pytest.raises(PlanError, match=r"GiB"):
+        plan1(m, models("deepseek-v3"))
