@@ -1,9 +1,9 @@
 """The seam between the bench and the process manager: start a :class:`LaunchSpec`, wait for /health, stop it.
 
 The process manager is ``orchestrator.launch.process`` (own process group, log file, TERM→KILL, reason from the
-log on early exit). Until it is on this branch, ``_fallback_process`` implements the same small interface:
-``start(spec, log_path) -> proc`` with ``proc.wait_healthy(timeout) -> seconds``, ``proc.stop()``,
-``proc.running()``, ``proc.pid``, ``proc.failure_cause()``.
+log on early exit); the bench uses this much of it: ``start(spec, log_path) -> proc`` with
+``proc.wait_healthy(timeout) -> seconds``, ``proc.stop(grace)``, ``proc.running()``, ``proc.pid``,
+``proc.failure_cause()``. Tests pass their own launcher (wrapping the real one) through ``run_bench(launcher=)``.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ Launcher = Callable[[LaunchSpec, "os.PathLike[str] | str"], ServerProcess]
 
 
 def default_launcher() -> Launcher:
-    try:
-        from orchestrator.launch.process import start  # type: ignore[attr-defined]
-    except ImportError:
-        from orchestrator.bench._fallback_process import start
+    from orchestrator.launch.process import start
+
     return start
 
 
