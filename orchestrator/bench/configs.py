@@ -362,8 +362,12 @@ def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
     if devices:
         predicted["memory"] = {_device_key(k, gpus): int(v) for k, v in devices.items()}
     cel = w.get("cpu_expert_layers")
-    return plan_config(args, w.get("env") or {}, wrapper=wrapper,
-                       cpu_expert_layers=tuple(cel) if cel is not None else None, predicted=predicted)
+    c = plan_config(args, w.get("env") or {}, wrapper=wrapper,
+                    cpu_expert_layers=tuple(cel) if cel is not None else None, predicted=predicted)
+    n_layers = (data.get("model") or {}).get("n_layers")
+    if isinstance(n_layers, int) and n_layers > 0:
+        c = replace(c, params={**dict(c.params), "n_layers": n_layers})
+    return c
 
 
 def server_from_plan_json(data: Mapping, worker: int = 0) -> str | None:
@@ -450,6 +454,8 @@ def _unique_ints(values: Iterable[int]) -> list[int]:
 def default_ncmoe_values(plan: BenchConfig, n_layers: int | None = None, span: int = 1) -> list[int]:
     """``--n-cpu-moe`` points around the plan's number of CPU-resident expert layers (plan-span .. plan+span)."""
     k = plan.params.get("n_cpu_moe")
+    if n_layers is None and plan.params.get("n_layers") is not None:
+        n_layers = int(plan.params["n_layers"])
     if k is None:
         raise ConfigError("the --n-cpu-moe sweep needs the plan's number of CPU expert layers, which its flags do "
                           "not tell (no -ot/--n-cpu-moe): give the sweep's values (--ncmoe N,...)")

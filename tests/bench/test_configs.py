@@ -126,6 +126,10 @@ def test_cpu_expert_layers_read_from_the_flags():
 def test_ncmoe_defaults_and_bad_mode(plan):
     assert default_ncmoe_values(plan) == [19, 20, 21]
     assert default_ncmoe_values(plan_config(["-m", "x"], cpu_expert_layers=(0,))) == [0, 1, 2]
+    assert default_ncmoe_values(plan, n_layers=20) == [19, 20]                 # never past the last layer
+    from_json = config_from_plan_json({"model": {"n_layers": 6}, "workers": [
+        {"args": ["-m", "x", "-ngl", "0"], "cpu_expert_layers": list(range(6))}]})
+    assert from_json.params["n_layers"] == 6 and default_ncmoe_values(from_json) == [5, 6]
     with pytest.raises(ConfigError, match="--ncmoe N"):
         default_ncmoe_values(plan_config(["-m", "x"]))
     with pytest.raises(ConfigError, match="load mode"):
