@@ -12,12 +12,12 @@ HELP = "Benchmark the plan against llama.cpp's own placements (--fit, --cpu-moe,
 DESCRIPTION = """\
 Starts each configuration's llama-server in turn (R interleaved rounds), measures prompt processing, generation
 at several context depths, time to first token, memory, power and temperature through llama-server's HTTP API,
-and writes bench.json, bench.txt and PNG charts. The plan comes from --plan-json (the output of
-`orchestrator plan --json`) or --config plan='FLAGS'; the alternatives (fit, cpu-moe, ncmoe-sweep,
-offload-sweep) are derived from it. More configurations: --config NAME='FLAGS' (leading VAR=value words are
+and writes bench.json, bench.txt and PNG charts. The plan comes from topology.yaml (planned exactly as `up`
+would, under --vram-budget as vram_limit), --plan-json (the output of `orchestrator plan --json`) or
+--config plan='FLAGS'; the alternatives (fit, cpu-moe, ncmoe-sweep, offload-sweep) are derived from it. More configurations: --config NAME='FLAGS' (leading VAR=value words are
 environment). Example:
 
-  orchestrator bench --plan-json plan.json --vram-budget 12GiB --rounds 2 --out bench-12g
+  orchestrator bench topologies/h200.yaml --vram-budget 12GiB --rounds 2 --out bench-12g
 """
 
 
@@ -57,9 +57,11 @@ def _words(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("topology", nargs="?", help="topology.yaml to plan from (needs the planner wired in; "
-                                                "until then use --plan-json or --config plan=...)")
+    p.add_argument("topology", nargs="?", help="topology.yaml to plan from (the plan `up` would run; with "
+                                                "--vram-budget the plan gets the same budget as vram_limit)")
     src = p.add_argument_group("what to compare")
+    src.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a topology key, as in `orchestrator plan --set` (repeatable)")
     src.add_argument("--plan-json", metavar="FILE", help="the plan: output of `orchestrator plan --json`")
     src.add_argument("--worker", type=int, default=0, help="which worker of the plan (default 0)")
     src.add_argument("--config", action="append", default=[], metavar="NAME='FLAGS'",
@@ -114,10 +116,13 @@ def _configs(args: argparse.Namespace):
 
     extra = [parse_config_option(t) for t in args.config]
     plan = next((c for c in extra if c.name == "plan"), None)
+    if args.topology and (args.plan_json or plan is not None):
+        raise ConfigError("give the plan one way: a topology, --plan-json or --config plan=...")
+    if args.set and not args.topology:
+        raise ConfigError("--set changes a topology: give topology.yaml")
     if args.topology:
-        raise ConfigError(f"{args.topology}: planning inside `bench` is not wired yet; run `orchestrator plan "
-                          f"{args.topology} --json > plan.json` and pass --plan-json plan.json")
-    if args.plan_json:
+        plan = _plan_from_topology(args)
+    elif args.plan_json:
         if plan is not None:
             raise ConfigError("--plan-json and --config plan=... both give the plan: pass one")
         try:
@@ -145,6 +150,42 @@ def _configs(args: argparse.Namespace):
     if clash:
         raise ConfigError(f"--config {clash[0]}: that name is taken by a derived configuration")
     return dedupe(derived + others)
+
+
+def _plan_from_topology(args: argparse.Namespace):
+    """Plan exactly as `orchestrator plan`/`up` do (orchestrator.resolve), under the VRAM budget when one is
+    given (every node's vram_limit), and take the worker's LaunchSpec as the plan configuration."""
+    from dataclasses import replace
+
+    from orchestrator.bench.configs import config_from_launch_spec, split_server_argv
+    from orchestrator.errors import ConfigError
+
+    try:
+        from orchestrator.config import load_topology, parse_overrides
+        from orchestrator.resolve import resolve
+    except ImportError as e:        # the GPU machine's python3 has no pydantic/gguf unless carried
+        raise ConfigError(f"planning from {args.topology} needs the package {e.name or e}, missing here: carry "
+                          f"its wheel, or plan elsewhere (`orchestrator plan {args.topology} --json > plan.json`) "
+                          f"and pass --plan-json plan.json") from None
+
+    topo = load_topology(args.topology)
+    overrides = parse_overrides(args.set) if args.set else {}
+    if args.vram_budget:
+        for i in range(len(topo.nodes)):
+            overrides[f"nodes.{i}.vram_limit"] = args.vram_budget
+    res = resolve(topo, overrides=overrides or None)
+    if not 0 <= args.worker < len(res.specs):
+        raise ConfigError(f"{args.topology}: worker {args.worker} does not exist (the plan has {len(res.specs)})")
+    spec, worker = res.specs[args.worker], res.plan.workers[args.worker]
+    plan = config_from_launch_spec(spec, worker)
+    n_layers = res.plan.model.get("n_layers")
+    if isinstance(n_layers, int):
+        plan = replace(plan, params={**dict(plan.params), "n_layers": n_layers})
+    if not args.server:
+        args.server = split_server_argv(spec.argv)[1]
+    if args.gpus is None and worker.gpus:
+        args.gpus = tuple(worker.gpus)
+    return plan
 
 
 def run(args: argparse.Namespace) -> int:

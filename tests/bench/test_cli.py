@@ -56,7 +56,9 @@ def test_dry_run_lists_configs_from_plan_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     ([], "nothing to benchmark"),
-    (["topo.yaml"], "planning inside `bench` is not wired yet"),
+    (["/nonexistent/topo.yaml"], "/nonexistent/topo.yaml"),
+    (["topo.yaml", "--config", "plan=-m x"], "give the plan one way"),
+    (["--set", "workers.threads=2", "--config", "a=-m x"], "--set changes a topology"),
     (["--config", "noflags"], "expected NAME='llama-server flags'"),
     (["--config", "plan=-m x", "--configs", "plan,bogus"], "unknown bench configuration group 'bogus'"),
     (["--configs", "fit", "--config", "a=-m x"], "--configs derives from the plan"),
@@ -90,7 +92,11 @@ def test_bench_imports_without_rich_gguf_pydantic_ray():
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import orchestrator.bench as b, orchestrator.bench.runner, orchestrator.bench.report as r\n"
-        "import orchestrator.commands.bench\n"
+        "import orchestrator.commands.bench as cb, argparse\n"
+        "try:\n"
+        "    cb._plan_from_topology(argparse.Namespace(topology='t.yaml'))\n"
+        "except Exception as e:\n"
+        "    assert type(e).__name__ == 'ConfigError' and 'missing here' in str(e), e\n"
         "from orchestrator.bench.progress import make_progress\n"
         "assert type(make_progress('auto')).__name__ == 'PlainProgress'\n"
         "import io; f = io.StringIO(); f.isatty = lambda: True\n"
@@ -158,3 +164,25 @@ def test_vram_budget_without_gpu_exits_2_and_leaves_nothing(tmp_path, tiny_moe, 
 def test_server_verbosity_option(capsys, tmp_path):
     rc, out, err = _run(["--config", "a=-m x", "--server-verbosity", "loud"], capsys)
     assert rc == 2 and "--server-verbosity: expected a number or 'none'" in err
+
+
+@pytest.mark.integration
+def test_topology_is_planned_like_up_and_measured(tmp_path, tiny_moe, llama_server_path, capsys):
+    """The real planner (orchestrator.resolve, as `plan` and `up` use it) on this machine, then the bench."""
+    topo = tmp_path / "t.yaml"
+    topo.write_text(f"model: {{path: {tiny_moe}, context: 1024, parallel: 1}}\n"
+                    f"backend: {{binary: {llama_server_path}}}\n"
+                    "nodes: [{name: local}]\nworkers: {layout: machine}\n")
+    rc, out, err = _run([str(topo), "--set", "workers.threads=1", "--configs", "plan,fit,control", "--rounds", "1",
+                         "--pp", "8,64", "--pp-reps", "1", "--tg-depths", "0", "--tg-tokens", "4", "--concurrency",
+                         "none", "--out", str(tmp_path / "o"), "--json", "--progress", "none", "--no-charts"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert set(d["summary"]) == {"plan", "fit", "plan-control"}
+    assert all(s["loaded"] == 1 for s in d["summary"].values())
+    data = json.loads((tmp_path / "o" / "bench.json").read_text())
+    plan = next(c for c in data["configs"] if c["name"] == "plan")
+    assert "-t" in plan["args"] and plan["args"][plan["args"].index("-t") + 1] == "1"      # --set reached the plan
+    assert plan["predicted"].get("tg", 0) > 0 and plan["params"]["n_layers"] == 4
+    assert data["server_binary"] == llama_server_path
+    assert any(r["kind"] == "predicted/measured" for r in d["ratios"])
