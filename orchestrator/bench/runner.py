@@ -272,9 +272,11 @@ class _Bench:
             cause = proc.failure_cause() if dead else ""
             run["error"] = f"measuring failed: {e}" + (f"; llama-server died: {cause}" if cause else "")
         finally:
-            sampler.phase("stop")
-            if proc is not None:
-                _stop_server(proc, o.stop_grace)
+            try:
+                sampler.phase("stop")
+            finally:                                  # the server is stopped even if Ctrl-C lands just here
+                if proc is not None:
+                    _stop_server(proc, o.stop_grace)
             sampler.stop()
             run["resources"] = sampler.summary()
             llama = parse_server_log(log)
