@@ -73,7 +73,7 @@ def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendI
     notes = []
     all_recorded = all(n.machine != "live" for n in topo.nodes)
     try:
-        path, origin = find_llama_server(topo.backend.binary)
+        path, origin = find_llama_server(topo.backend.binary, flavor=topo.backend.flavor)
         info = detect_backend(path)
         notes.append(f"llama-server: {path} (from {origin}; {info.flavor}, {'CUDA' if info.cuda else 'CPU'})")
     except BackendError:

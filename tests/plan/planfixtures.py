@@ -40,6 +40,12 @@ def backend(flavor: str = "mainline", cuda: bool = True) -> BackendInfo:
     text = (FIX / "backend" / ("mainline-llama-server-help.txt" if flavor == "mainline"
                                else "ik-llama-server-help.txt")).read_text()
     fl, feats, modes, gpu = parse_help(text)
+    if flavor == "ik_llama.cpp":
+        # The recorded help is of a CPU build: ik_llama.cpp prints -ngl/-sm/-ts/-mg only when the build can offload
+        # (common.cpp: `if (llama_supports_gpu_offload())`), and never lists -ot although its parser takes it.
+        # A CUDA build of the same source offers -sm none|graph|layer.
+        feats = feats | {"sm_none", "sm_graph", "sm_layer", "override_tensor"}
+        modes, gpu = ("none", "graph", "layer"), True
     return BackendInfo(server="/opt/llama/bin/llama-server", flavor=fl, version="test", cuda=cuda,
                        gpu_offload=gpu, features=feats, split_modes=modes)
 
