@@ -24,3 +24,11 @@ def state_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "orchestrator"
+
+
+def native_dir() -> Path:
+    """Sources of the native helpers: ``native/`` of the checkout, else the copy shipped in the package."""
+    repo = REPO_ROOT / "native"
+    if repo.is_dir():
+        return repo
+    return Path(__file__).resolve().parent / "_data" / "native"

@@ -5,7 +5,7 @@ prints is exactly what ``up`` runs (one code path, no dry-run flags).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orchestrator.backend.detect import BackendInfo, detect_backend, find_llama_server
@@ -73,7 +73,7 @@ def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendI
     notes = []
     all_recorded = all(n.machine != "live" for n in topo.nodes)
     try:
-        path, origin = find_llama_server(topo.backend.binary)
+        path, origin = find_llama_server(topo.backend.binary, flavor=topo.backend.flavor)
         info = detect_backend(path)
         notes.append(f"llama-server: {path} (from {origin}; {info.flavor}, {'CUDA' if info.cuda else 'CPU'})")
     except BackendError:
@@ -119,5 +119,14 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
     except PlanError as err:
         raise PlanError(f"{topo.where('model')}: {err}") from None
     local = next((n.name for n in topo.nodes if n.address in (None, "127.0.0.1", "localhost")), None)
-    specs = tuple(spec_for_worker(w, backend.server, local_node=local) for w in plan.workers)
+    by_name = {n.name: n for n in topo.nodes}
+    specs = []
+    for w in plan.workers:
+        n = by_name[w.node]
+        resources = {n.ray_resource: 0.001} if n.ray_resource else None
+        spec = spec_for_worker(w, backend.server, local_node=local, resources=resources)
+        if spec.node is not None and n.address and not n.ray_resource:
+            spec = replace(spec, node=n.address)  # Ray finds a node by its name, address or host name
+        specs.append(spec)
+    specs = tuple(specs)
     return Resolved(topo, machines, model, backend, plan, specs, tuple(notes))

@@ -6,7 +6,6 @@ builds it before the suite runs), numactl, Ray. A test that needs a GPU is marke
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 

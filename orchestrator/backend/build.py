@@ -269,6 +269,8 @@ def build(
                 src_root = sources.find_llama_root(source)
             else:
                 src_root = sources.extract(source, work / "src")
+            if source is None:
+                _patch_source(src_root, opts.flavor, say)
             bdir = work / "build"
             log = work / "build.log"
             env = dict(os.environ)
@@ -316,6 +318,24 @@ def build(
         finally:
             if not ok:
                 shutil.rmtree(work, ignore_errors=True)
+
+
+_IK_BUILD_INFO_SCRIPT = """\
+# Written by orchestrator: the ik-llama-cpp-python sdist leaves out common/cmake/, which ik_llama.cpp's
+# common/CMakeLists.txt runs to write build-info.cpp.
+include(${CMAKE_CURRENT_LIST_DIR}/../../cmake/build-info.cmake)
+configure_file(${CMAKE_CURRENT_LIST_DIR}/../build-info.cpp.in ${CMAKE_CURRENT_LIST_DIR}/../build-info.cpp)
+"""
+
+
+def _patch_source(src_root: Path, flavor: str, say: Callable[[str], None]) -> None:
+    """Repair known packaging gaps of the pinned sdists (only files that are missing are written)."""
+    if flavor == "ik_llama.cpp":
+        script = src_root / "common" / "cmake" / "build-info-gen-cpp.cmake"
+        if not script.exists() and (src_root / "common" / "build-info.cpp.in").exists():
+            script.parent.mkdir(parents=True, exist_ok=True)
+            script.write_text(_IK_BUILD_INFO_SCRIPT)
+            say(f"added the missing {script.relative_to(src_root)} (absent from the sdist)")
 
 
 def _install_dev(src_root: Path, bdir: Path, work: Path) -> dict:

@@ -85,6 +85,8 @@ def parse_help(help_text: str) -> tuple[str, frozenset[str], tuple[str, ...], bo
     gpu_offload = bool(re.search(r"--gpu-layers\b|--n-gpu-layers\b", help_text))
     ik_markers = {"mla", "merge_qkv", "attn_max_batch", "graph_reuse", "cuda_params", "split_mode_graph_scheduling"}
     flavor = "ik_llama.cpp" if (feats & ik_markers or "graph" in modes) else "mainline"
+    if flavor == "ik_llama.cpp":
+        feats.add("override_tensor")  # ik_llama.cpp's parser takes -ot/--override-tensor; its --help omits it
     for mode in modes:
         feats.add(f"sm_{mode}")
     return flavor, frozenset(feats), tuple(modes), gpu_offload
@@ -155,7 +157,8 @@ def detect_backend(server: str | os.PathLike) -> BackendInfo:
     )
 
 
-def find_llama_server(explicit: str | os.PathLike | None = None, *, cache: Path | None = None) -> tuple[str, str]:
+def find_llama_server(explicit: str | os.PathLike | None = None, *, cache: Path | None = None,
+                      flavor: str | None = None) -> tuple[str, str]:
     """Locate llama-server. Returns (path, where it came from).
 
     Order: ``explicit`` (topology ``backend.binary`` / ``--binary``), ``$LLAMA_SERVER``, ``PATH``, then the newest
@@ -178,9 +181,10 @@ def find_llama_server(explicit: str | os.PathLike | None = None, *, cache: Path 
 
     builds = cached_builds(cache)
     if builds:
-        # prefer a CUDA build when this machine has nvidia GPUs, else a CPU one
+        # the wanted flavor (mainline unless asked), then a CUDA build when this machine has NVIDIA GPUs, then newest
         has_gpu = os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia")
-        builds.sort(key=lambda b: (bool(b[1].get("cuda")) != has_gpu,))
+        want = flavor if flavor and flavor != "auto" else "mainline"
+        builds.sort(key=lambda b: (b[1].get("flavor", "mainline") != want, bool(b[1].get("cuda")) != has_gpu))
         return str(builds[0][0] / "bin" / "llama-server"), f"orchestrator cache ({builds[0][0].name})"
     raise BackendError(
         "llama-server not found: set backend.binary in the topology, $LLAMA_SERVER, put it on PATH, "

@@ -1,17 +1,250 @@
-"""orchestrator bench (not built yet)."""
+"""orchestrator bench: the plan and llama.cpp's own choices, measured side by side on this machine."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import signal
+import sys
+import time
 
-from orchestrator.commands._unbuilt import not_built
+HELP = "Benchmark the plan against llama.cpp's own placements (--fit, --cpu-moe, sweeps) on this machine"
+DESCRIPTION = """\
+Starts each configuration's llama-server in turn (R interleaved rounds), measures prompt processing, generation
+at several context depths, time to first token, memory, power and temperature through llama-server's HTTP API,
+and writes bench.json, bench.txt and PNG charts. The plan comes from topology.yaml (planned exactly as `up`
+would, under --vram-budget as vram_limit), --plan-json (the output of `orchestrator plan --json`) or
+--config plan='FLAGS'; the alternatives (fit, cpu-moe, ncmoe-sweep, offload-sweep) are derived from it. More configurations: --config NAME='FLAGS' (leading VAR=value words are
+environment). Example:
 
-HELP = "Benchmark the plan against llama.cpp's own placements (not built yet)"
+  orchestrator bench topologies/h200.yaml --vram-budget 12GiB --rounds 2 --out bench-12g
+"""
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    if text.strip() == "none":
+        return ()
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one integer (or 'none')")
+    return vals
+
+
+def _offload_values(text: str) -> tuple[int, ...]:
+    from orchestrator.bench.configs import OFFLOAD_NEVER
+
+    out = []
+    for x in text.split(","):
+        x = x.strip()
+        if not x:
+            continue
+        if x in ("never", "inf"):
+            out.append(OFFLOAD_NEVER)
+        else:
+            try:
+                out.append(int(x))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected integers or 'never', got {x!r}") from None
+    return tuple(out)
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("topology", nargs="?", help="topology.yaml to plan from (the plan `up` would run; with "
+                                                "--vram-budget the plan gets the same budget as vram_limit)")
+    src = p.add_argument_group("what to compare")
+    src.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a topology key, as in `orchestrator plan --set` (repeatable)")
+    src.add_argument("--plan-json", metavar="FILE", help="the plan: output of `orchestrator plan --json`")
+    src.add_argument("--worker", type=int, default=0, help="which worker of the plan (default 0)")
+    src.add_argument("--config", action="append", default=[], metavar="NAME='FLAGS'",
+                     help="a configuration given as llama-server flags (repeatable; the name 'plan' is the plan)")
+    src.add_argument("--configs", type=_words, default=None, metavar="LIST",
+                     help="derived groups: plan,fit,cpu-moe,ncmoe-sweep,offload-sweep (default: all of them "
+                          "when there is a plan); control = the plan again, an A/A noise check")
+    src.add_argument("--ncmoe", type=_ints, metavar="N,...", help="--n-cpu-moe values (default: plan ±1)")
+    src.add_argument("--ub", type=_ints, metavar="N,...", help="-ub values of the sweep (default: 512 and the plan's)")
+    src.add_argument("--load-modes", type=_words, default=("mmap", "pinned"), metavar="LIST",
+                     help="load modes of the sweep (mmap, pinned, mlock; default mmap,pinned)")
+    src.add_argument("--offload", type=_offload_values, metavar="N,...",
+                     help="GGML_OP_OFFLOAD_MIN_BATCH values ('never' = no offload; default: around the plan's)")
+    src.add_argument("--server", metavar="PATH", help="llama-server (default: the plan's, else $LLAMA_SERVER, PATH, "
+                                                      "the build cache)")
+    how = p.add_argument_group("how to measure")
+    how.add_argument("--vram-budget", metavar="SIZE", help="leave only SIZE free on each GPU (ballast), e.g. 12GiB")
+    how.add_argument("--gpus", type=_ints, metavar="I,...", help="GPUs to sample and hold to the budget (default all)")
+    how.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    how.add_argument("--order", default="serpentine", choices=("serpentine", "rotate", "fixed"),
+                     help="configuration order per round (default serpentine: forward, backward, ...)")
+    how.add_argument("--pp", type=_ints, default=(8, 32, 64, 128, 512, 4096), metavar="N,...",
+                     help="prompt lengths (default 8,32,64,128,512,4096)")
+    how.add_argument("--pp-reps", type=int, default=3, help="requests per prompt length per run, up to 1024 tokens; fewer for longer prompts (default 3)")
+    how.add_argument("--tg-depths", type=_ints, default=(0, 4096), metavar="N,...",
+                     help="context depths for generation (default 0,4096; none = skip)")
+    how.add_argument("--tg-tokens", type=int, default=128, help="tokens generated per depth (default 128)")
+    how.add_argument("--concurrency", type=_ints, default=(1, 4), metavar="N,...",
+                     help="concurrent streamed requests for time to first token (default 1,4; none = skip)")
+    how.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of those requests (default 128)")
+    how.add_argument("--ttft-requests", type=int, default=8, help="requests per concurrency level (default 8)")
+    how.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
+    how.add_argument("--no-prime", action="store_true", help="do not read the model file into the page cache first")
+    how.add_argument("--load-timeout", type=float, default=900.0, help="seconds for a server to load (default 900)")
+    how.add_argument("--max-minutes", type=float, help="start no configuration that would end after this")
+    how.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    how.add_argument("--server-verbosity", default="4", metavar="N|none",
+                     help="-lv added to every server so its log has llama.cpp's buffer sizes and --fit decisions "
+                          "(default 4; none = add nothing)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", metavar="DIR", help="output directory (default bench-YYYYmmdd-HHMMSS)")
+    out.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    out.add_argument("--progress", default="auto", choices=("auto", "plain", "none"), help="progress display")
+    out.add_argument("--json", action="store_true", help="print the summary and ratios as JSON on stdout")
+    out.add_argument("--dry-run", action="store_true", help="print the configurations and exit")
+
+
+def _configs(args: argparse.Namespace):
+    from orchestrator.bench.configs import (GROUPS, build_configs, config_from_plan_json, dedupe, parse_config_option,
+                                            server_from_plan_json)
+    from orchestrator.errors import ConfigError
+
+    extra = [parse_config_option(t) for t in args.config]
+    plan = next((c for c in extra if c.name == "plan"), None)
+    if args.topology and (args.plan_json or plan is not None):
+        raise ConfigError("give the plan one way: a topology, --plan-json or --config plan=...")
+    if args.set and not args.topology:
+        raise ConfigError("--set changes a topology: give topology.yaml")
+    if args.topology:
+        plan = _plan_from_topology(args)
+    elif args.plan_json:
+        if plan is not None:
+            raise ConfigError("--plan-json and --config plan=... both give the plan: pass one")
+        try:
+            with open(args.plan_json) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"--plan-json {args.plan_json}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--plan-json {args.plan_json}: not JSON (line {e.lineno}: {e.msg})") from None
+        plan = config_from_plan_json(data, args.worker)
+        if not args.server:
+            args.server = server_from_plan_json(data, args.worker)
+    others = [c for c in extra if c.name != "plan"]
+    if plan is None:
+        if args.configs:
+            raise ConfigError("--configs derives from the plan: give --plan-json or --config plan='FLAGS'")
+        if not others:
+            raise ConfigError("nothing to benchmark: give --plan-json FILE or --config NAME='llama-server flags'")
+        return others
+    which = args.configs or GROUPS
+    derived = build_configs(plan, which, ncmoe_values=args.ncmoe, ubatches=args.ub, load_modes=args.load_modes,
+                            offload_values=args.offload)
+    names = {c.name for c in derived}
+    clash = [c.name for c in others if c.name in names]
+    if clash:
+        raise ConfigError(f"--config {clash[0]}: that name is taken by a derived configuration")
+    return dedupe(derived + others)
+
+
+def _plan_from_topology(args: argparse.Namespace):
+    """Plan exactly as `orchestrator plan`/`up` do (orchestrator.resolve), under the VRAM budget when one is
+    given (every node's vram_limit), and take the worker's LaunchSpec as the plan configuration."""
+    from dataclasses import replace
+
+    from orchestrator.bench.configs import config_from_launch_spec, split_server_argv
+    from orchestrator.errors import ConfigError
+
+    try:
+        from orchestrator.config import load_topology, parse_overrides
+        from orchestrator.resolve import resolve
+    except ImportError as e:        # the GPU machine's python3 has no pydantic/gguf unless carried
+        raise ConfigError(f"planning from {args.topology} needs the package {e.name or e}, missing here: carry "
+                          f"its wheel, or plan elsewhere (`orchestrator plan {args.topology} --json > plan.json`) "
+                          f"and pass --plan-json plan.json") from None
+
+    topo = load_topology(args.topology)
+    overrides = parse_overrides(args.set) if args.set else {}
+    if args.vram_budget:
+        for i in range(len(topo.nodes)):
+            overrides[f"nodes.{i}.vram_limit"] = args.vram_budget
+    res = resolve(topo, overrides=overrides or None)
+    if not 0 <= args.worker < len(res.specs):
+        raise ConfigError(f"{args.topology}: worker {args.worker} does not exist (the plan has {len(res.specs)})")
+    spec, worker = res.specs[args.worker], res.plan.workers[args.worker]
+    plan = config_from_launch_spec(spec, worker)
+    n_layers = res.plan.model.get("n_layers")
+    if isinstance(n_layers, int):
+        plan = replace(plan, params={**dict(plan.params), "n_layers": n_layers})
+    if not args.server:
+        args.server = split_server_argv(spec.argv)[1]
+    if args.gpus is None and worker.gpus:
+        args.gpus = tuple(worker.gpus)
+    return plan
 
 
 def run(args: argparse.Namespace) -> int:
-    return not_built("bench", 7)
+    from orchestrator.bench.measure import Workload
+    from orchestrator.bench.progress import make_progress
+    from orchestrator.bench.report import print_tables
+    from orchestrator.bench.runner import BenchOptions, describe, run_bench
+    from orchestrator.errors import ConfigError
+    from orchestrator.units import parse_size
+
+    budget = None
+    if args.vram_budget:
+        try:
+            budget = parse_size(args.vram_budget)
+        except ValueError as e:
+            raise ConfigError(f"--vram-budget: {e}") from None
+    for flag, v in (("--pp-reps", args.pp_reps), ("--tg-tokens", args.tg_tokens), ("--ttft-prompt", args.ttft_prompt),
+                    ("--ttft-requests", args.ttft_requests)):
+        if v < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {v}")
+    workload = Workload(pp=args.pp, pp_reps=args.pp_reps, tg_depths=args.tg_depths, tg_tokens=args.tg_tokens,
+                        concurrency=args.concurrency, ttft_prompt=args.ttft_prompt,
+                        ttft_requests=args.ttft_requests, warmup=not args.no_warmup)
+    if args.server_verbosity == "none":
+        verbosity = None
+    elif args.server_verbosity.isdigit():
+        verbosity = int(args.server_verbosity)
+    else:
+        raise ConfigError(f"--server-verbosity: expected a number or 'none', got {args.server_verbosity!r}")
+    options = BenchOptions(log_verbosity=verbosity, rounds=args.rounds, workload=workload, order=args.order, load_timeout=args.load_timeout,
+                           prime_page_cache=not args.no_prime, seed=args.seed, vram_budget=budget,
+                           max_seconds=args.max_minutes * 60 if args.max_minutes else None, gpus=args.gpus)
+    configs = _configs(args)          # may take the server binary from the plan JSON
+    if args.server:
+        server = args.server
+    else:
+        from orchestrator.backend.detect import find_llama_server
+
+        server, _origin = find_llama_server(None)
+    if args.dry_run:
+        print(describe(configs, server, options))
+        return 0
+    out = args.out or time.strftime("bench-%Y%m%d-%H%M%S")
+
+    def terminated(signum, frame):               # SIGTERM (a timeout, `kill`): stop the server, keep the results
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        data = run_bench(configs, server, out, options, progress=make_progress(args.progress),
+                         charts=not args.no_charts)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        json.dump({"out": str(out), "files": data.get("files"), "summary": data["summary"],
+                   "ratios": data["ratios"], "stopped_early": data.get("stopped_early")}, sys.stdout, indent=1)
+        print()
+    else:
+        print_tables(data)
+        print(f"\nwritten: {out}/bench.json, {out}/bench.txt"
+              + "".join(f", {out}/{c}" for c in (data.get("files") or {}).get("charts", [])))
+    return 0

@@ -1,17 +1,64 @@
-"""orchestrator up (not built yet)."""
+"""orchestrator up: run the plan under Ray behind one OpenAI-compatible gateway."""
 
 from __future__ import annotations
 
 import argparse
 
-from orchestrator.commands._unbuilt import not_built
-
-HELP = "Start the planned llama-server workers under Ray behind one gateway (not built yet)"
+HELP = "Start the planned llama-server workers under Ray behind one OpenAI-compatible gateway"
+DESCRIPTION = """\
+Plan the topology (exactly what `orchestrator plan` prints), then start a Ray head on this machine (or join the
+topology's Ray cluster), a controller actor, one worker actor per planned llama-server (pinned with numactl,
+under the NUMA-balancing wrapper, restarted on failure) and the gateway. In the foreground (the default) it
+prints the gateway and dashboard addresses and stays until Ctrl-C, which stops everything it started (like
+`orchestrator down`). With --detach it returns once every worker is healthy."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.add_argument("topology", help="topology.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a topology key, e.g. --set nodes.0.vram_limit=12GiB (repeatable)")
+    p.add_argument("--detach", "-d", action="store_true",
+                   help="return once every worker is healthy; stop later with `orchestrator down`")
+    p.add_argument("--ready-timeout", type=float, default=None, metavar="SECONDS",
+                   help="give up (and stop everything) when not ready after this long "
+                        "(default: the topology's restart.startup_timeout)")
+
+
+def deployment_from(res):
+    """The Deployment for a resolved topology (the plan's LaunchSpecs + gateway, Ray and restart settings)."""
+    from orchestrator.cluster import Deployment, RestartPolicy
+    from orchestrator.commands.plan import plan_document
+
+    t = res.topology
+    r = t.restart
+    restart = RestartPolicy(
+        max_restarts=r.max_restarts, backoff_initial_s=max(r.backoff_initial, 0.01),
+        backoff_max_s=max(r.backoff_max, r.backoff_initial, 0.01),
+        health_timeout_s=r.health_timeout * r.health_failures, load_timeout_s=r.startup_timeout,
+        stable_s=r.reset_after, health_interval_s=r.health_interval, probe_timeout_s=r.health_timeout,
+        stop_timeout_s=r.stop_timeout,
+    )
+    metrics_port = t.ray.metrics_export_port
+    return Deployment(
+        specs=res.specs, gateway_host=t.gateway.host, gateway_port=t.gateway.port, api_key_env=t.gateway.api_key_env,
+        ray_address=t.ray.address, dashboard_host=t.ray.dashboard_host, dashboard_port=t.ray.dashboard_port,
+        namespace=t.ray.namespace, restart=restart, plan_json=plan_document(res),
+        metrics_export_port=None if metrics_port in (None, "auto") else int(metrics_port),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    return not_built("up", 6)
+    import sys
+
+    from orchestrator.cluster import up
+    from orchestrator.config import parse_overrides
+    from orchestrator.resolve import resolve
+
+    res = resolve(args.topology, overrides=parse_overrides(args.set) if args.set else None)
+    dep = deployment_from(res)
+    for w, spec in zip(res.plan.workers, res.specs):
+        print(f"worker {w.name}: GPUs {','.join(map(str, w.gpus)) or 'none'}; predicted tg {w.predicted.tg:.1f} t/s",
+              file=sys.stderr)
+        print(f"  {spec.shell_line()}", file=sys.stderr)
+    up(dep, foreground=not args.detach, ready_timeout=args.ready_timeout)
+    return 0

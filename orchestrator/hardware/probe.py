@@ -31,11 +31,11 @@ from typing import Callable
 
 from orchestrator.errors import HardwareError
 from orchestrator.hardware.topology import Bandwidth, FrozenMap, Machine
-from orchestrator.paths import REPO_ROOT, cache_dir
+from orchestrator.paths import REPO_ROOT, cache_dir, native_dir
 from orchestrator.units import format_cpulist
 
 PROBE_VERSION = 1
-NATIVE_DIR = REPO_ROOT / "native"
+NATIVE_DIR = native_dir()
 CACHE_SCHEMA = "orchestrator.probe/1"
 GPU_BYTES = 256 << 20
 GPU_REPS = 8

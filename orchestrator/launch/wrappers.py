@@ -29,7 +29,7 @@ def _candidates() -> list[Path]:
 
     dirs = [REPO_ROOT / "scripts" / "numa"]
     try:
-        data = resources.files("orchestrator") / "data" / "numa"
+        data = resources.files("orchestrator") / "_data" / "numa"
         dirs.append(Path(str(data)))
     except (ModuleNotFoundError, TypeError):  # pragma: no cover - orchestrator is always importable here
         pass

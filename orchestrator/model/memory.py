@@ -52,7 +52,7 @@ machine by ``python -m orchestrator.model.calibrate gpu`` (nvidia-smi after one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Literal
 
 from orchestrator.model.classes import TensorClass

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.errors import BackendError, ModelError
-from orchestrator.paths import REPO_ROOT, cache_dir
+from orchestrator.paths import cache_dir, native_dir
 
-SOURCE = REPO_ROOT / "native" / "expert_usage.cpp"
+SOURCE = native_dir() / "expert_usage.cpp"
 TOOL = "expert_usage"
 
 
@@ -130,10 +130,14 @@ def _wanted(name: str) -> bool:
 
 
 def dev_tree_from_cache(cache: Path | None = None) -> DevTree | None:
-    """The newest cached ``orchestrator build`` that kept its libraries and headers."""
+    """The newest cached mainline ``orchestrator build`` that kept its libraries and headers (the tool uses
+    mainline llama.cpp's API; ik_llama.cpp's differs)."""
     from orchestrator.backend.build import cached_builds
 
-    for prefix, info in cached_builds(cache):
+    builds = sorted(cached_builds(cache), key=lambda b: b[1].get("flavor", "mainline") != "mainline")
+    for prefix, info in builds:
+        if info.get("flavor", "mainline") != "mainline":
+            continue
         dev = info.get("dev") or {}
         names = dev.get("libs") or []
         libdir = prefix / dev.get("lib", "lib")

@@ -4,7 +4,6 @@ the rest in host memory. Pure arithmetic on byte counts; the regexes llama.cpp r
 
 from __future__ import annotations
 
-import bisect
 
 import numpy as np
 from dataclasses import dataclass

@@ -62,3 +62,23 @@ def test_find_order(tmp_path, monkeypatch):
     assert find_llama_server("auto") == (str(exe), "PATH")
     with pytest.raises(BackendError, match="not found"):
         find_llama_server(str(tmp_path / "missing"))
+
+
+def test_parse_ik_llama_cpp_help():
+    """Recorded from ik_llama.cpp built by `orchestrator build --flavor ik_llama.cpp` (CPU)."""
+    flavor, feats, modes, gpu = parse_help((FIX / "ik-llama-server-help.txt").read_text())
+    assert flavor == "ik_llama.cpp"
+    for f in ("mla", "merge_qkv", "attn_max_batch", "cuda_params", "no_mmap", "fit", "n_cpu_moe"):
+        assert f in feats, f
+    assert "load_mode" not in feats and "fit_target" not in feats
+    assert modes == () and not gpu  # a CPU build lists no -ngl/-sm
+
+
+def test_parse_ik_split_modes_block():
+    text = ("-sm,   --split-mode SPLIT_MODE    how to split the model across multiple GPUs, one of:\n"
+            "                                  - none: use one GPU only\n"
+            "                                  - graph: split model tensors and computation graph across GPUs\n"
+            "                                  - layer (default): split layers and KV across GPUs\n"
+            "-ngl,  --gpu-layers N             number of layers to store in VRAM\n")
+    flavor, feats, modes, gpu = parse_help(text)
+    assert modes == ("none", "graph", "layer") and "sm_graph" in feats and flavor == "ik_llama.cpp" and gpu

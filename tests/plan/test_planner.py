@@ -7,7 +7,7 @@ import dataclasses
 import re
 
 import pytest
-from conftest import backend, machine, with_gpu_free
+from planfixtures import backend, machine, with_gpu_free
 
 from orchestrator.errors import PlanError
 from orchestrator.hardware.topology import Bandwidth

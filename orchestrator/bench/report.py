@@ -1,0 +1,292 @@
+"""Outputs: the JSON file (raw samples + summary + ratios), a table (rich when installed, plain text otherwise)
+and PNG charts (matplotlib). Files are written under a temporary name and renamed, never left half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from orchestrator.bench.summary import _metric_order
+from orchestrator.units import fmt_bytes
+
+_PP = re.compile(r"^pp(\d+)$")
+_TG = re.compile(r"^tg(\d+)@(\d+)$")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    write_atomic(path, (json.dumps(data, indent=1, default=_default) + "\n").encode())
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+# --- table ---------------------------------------------------------------------------------------------------
+
+def _columns(summary: Mapping[str, Any], part: str) -> list[str]:
+    """``speed``: load time, prompt and generation rates; ``latency``: time to first token, memory, power."""
+    keys: set[str] = set()
+    for s in summary.values():
+        keys.update(s.get("metrics", {}))
+    if part == "speed":
+        speed = sorted((k for k in keys if _PP.match(k) or _TG.match(k)), key=_metric_order)
+        return ["load_s"] * ("load_s" in keys) + speed
+    ttft = sorted((k for k in keys if k.startswith("ttft_")),
+                  key=lambda k: (int(k.rsplit("_c", 1)[1]), k))
+    mem = sorted(k for k in keys if k.startswith("vram_peak_gpu")) + (["rss_peak"] if "rss_peak" in keys else [])
+    gpu = sorted(k for k in keys if k.startswith(("power_mean_w_gpu", "temp_max_c_gpu")))
+    return ttft + mem + gpu
+
+
+def _header(k: str) -> str:
+    if k.startswith("ttft_p"):
+        q, c = k[len("ttft_p"):].split("_c")
+        return f"ttft p{q} c{c} s"
+    return {"load_s": "load s", "rss_peak": "RSS peak"}.get(k, k.replace("vram_peak_", "VRAM ")
+                                                             .replace("power_mean_w_", "W ")
+                                                             .replace("temp_max_c_", "°C "))
+
+
+def _cell(k: str, m: Mapping[str, Any] | None) -> str:
+    if m is None:
+        return "-"
+    v = m["median"]
+    if k.startswith(("vram_peak", "rss_peak")):
+        return fmt_bytes(v)
+    if k.startswith("ttft_"):
+        s = f"{v:.3f}"
+    elif k == "load_s" or k.startswith(("power", "temp")):
+        s = f"{v:.1f}"
+    else:
+        s = f"{v:.1f}" if v < 100 else f"{v:.0f}"
+    if m.get("n", 1) > 1 and v and m["max"] != m["min"] and (k.startswith(("pp", "tg", "ttft"))):
+        spread = (m["max"] - m["min"]) / 2 / abs(v) * 100
+        s += f" ±{spread:.0f}%"
+    return s
+
+
+def _buffers_cell(b: Mapping[str, int] | None) -> str:
+    if not b:
+        return "-"
+    return ", ".join(f"{dev} {fmt_bytes(v)}" for dev, v in sorted(b.items(), key=lambda x: -x[1]))
+
+
+def table_rows(summary: Mapping[str, Any], part: str = "speed") -> tuple[list[str], list[list[str]]]:
+    cols = _columns(summary, part)
+    buffers = part == "latency" and any(s.get("llama_buffers") for s in summary.values())
+    header = ["config"] + (["loaded"] if part == "speed" else []) + [_header(k) for k in cols]
+    header += ["llama.cpp buffers"] if buffers else []
+    rows = []
+    for name, s in summary.items():
+        row = [name]
+        if part == "speed":
+            row.append(f"{s['loaded']}/{s['runs']}" + (f" ({s['crashed']} crashed)" if s.get("crashed") else ""))
+        row += [_cell(k, s["metrics"].get(k)) for k in cols]
+        if buffers:
+            row.append(_buffers_cell(s.get("llama_buffers")))
+        rows.append(row)
+    return header, rows
+
+
+TITLES = {"speed": "tokens/s (median ±half the range over all samples)",
+          "latency": "time to first token, peak memory, power and temperature; llama.cpp's own buffers"}
+
+
+def ratio_rows(rs: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    header = ["ratio", "metric", "value", "target", "against", "met"]
+    rows = []
+    for r in rs:
+        t = r.get("target")
+        ts = "-" if t is None else (f"{t[0]:.2f}–{t[1]:.2f}" if isinstance(t, (list, tuple)) else f"≥ {t:.2f}")
+        ok = {True: "yes", False: "NO", None: ""}[r.get("ok")]
+        val = "-" if r.get("value") is None else f"{r['value']:.2f}"
+        rows.append([r["kind"], r["metric"], val, ts, r.get("other_config", ""), ok])
+    return header, rows
+
+
+def plain_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def render_text(data: Mapping[str, Any]) -> str:
+    """The results as plain text: the table of configurations, then the ratios and their targets."""
+    parts = []
+    for part in ("speed", "latency"):
+        h, rows = table_rows(data["summary"], part)
+        if len(h) > 1:
+            parts += [TITLES[part], plain_table(h, rows), ""]
+    parts = parts[:-1]
+    if data.get("ratios"):
+        rh, rr = ratio_rows(data["ratios"])
+        parts += ["", plain_table(rh, rr)]
+    errs = _problems(data)
+    if errs:
+        parts += ["", "problems:"] + [f"  {n}: {e}" for n, e in errs]
+    return "\n".join(parts)
+
+
+def _problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
+    out = [(n, e) for n, s in data["summary"].items() for e in s.get("errors", [])]
+    out += [(n, f"warning: {w}") for n, s in data["summary"].items() for w in s.get("warnings", [])]
+    for note in (data.get("stopped_early"), data.get("interrupted")):
+        if note:
+            out.append(("bench", note))
+    return out
+
+
+def print_tables(data: Mapping[str, Any], file=None) -> None:
+    """Print with rich when it is installed, else the plain text."""
+    import sys
+
+    file = file or sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None
+    if Console is None or not file.isatty():
+        print(render_text(data), file=file)
+        return
+    console = Console(file=file)
+    for part in ("speed", "latency"):
+        h, rows = table_rows(data["summary"], part)
+        if len(h) <= 1:
+            continue
+        t = Table(title=TITLES[part])
+        for i, c in enumerate(h):
+            t.add_column(c, justify="left" if i == 0 else "right", no_wrap=True)
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+    if data.get("ratios"):
+        rh, rr = ratio_rows(data["ratios"])
+        t2 = Table(title="ratios (issue 7 targets)")
+        for c in rh:
+            t2.add_column(c)
+        for r in rr:
+            style = "red" if r[-1] == "NO" else None
+            t2.add_row(*r, style=style)
+        console.print(t2)
+    for n, e in _problems(data):
+        console.print(f"[yellow]{n}[/yellow]: {e}", highlight=False, markup=True)
+
+
+# --- charts --------------------------------------------------------------------------------------------------
+
+def _chart_metrics(summary: Mapping[str, Any]) -> list[str]:
+    keys: set[str] = set()
+    for s in summary.values():
+        keys.update(s.get("metrics", {}))
+    pp = sorted((int(_PP.match(k).group(1)) for k in keys if _PP.match(k)))
+    want = [f"pp{n}" for n in (512, 4096) if f"pp{n}" in keys]
+    if not want and pp:
+        want = [f"pp{pp[-1]}"]
+    tg = sorted((k for k in keys if _TG.match(k)), key=_metric_order)
+    return want + tg
+
+
+def write_charts(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    """``speed.png`` (t/s per configuration for pp512, pp4096 and each tg depth, error bars = min/max) and,
+    when there is a threshold sweep, ``offload.png`` (prompt t/s vs prompt length per threshold)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = data["summary"]
+    paths: list[Path] = []
+    metrics = _chart_metrics(summary)
+    names = [n for n, s in summary.items() if s["metrics"]]
+    if metrics and names:
+        fig, axes = plt.subplots(len(metrics), 1, figsize=(max(6.0, 0.55 * len(names) + 2), 2.6 * len(metrics)),
+                                 squeeze=False)
+        for ax, m in zip(axes[:, 0], metrics):
+            vals = [summary[n]["metrics"].get(m) for n in names]
+            med = [v["median"] if v else 0.0 for v in vals]
+            err = [[(v["median"] - v["min"]) if v else 0.0 for v in vals],
+                   [(v["max"] - v["median"]) if v else 0.0 for v in vals]]
+            colors = ["tab:red" if n == "plan" else ("tab:gray" if summary[n]["group"] in ("fit", "cpu-moe")
+                                                     else "tab:blue") for n in names]
+            ax.bar(range(len(names)), med, yerr=err, color=colors, capsize=3)
+            ax.set_ylabel("tokens/s")
+            ax.set_title(m)
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+            ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "speed.png"))
+        plt.close(fig)
+
+    sweep = [n for n, s in summary.items() if s["group"] in ("offload-sweep", "plan") and s["metrics"]]
+    if any(summary[n]["group"] == "offload-sweep" for n in sweep):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+
+        def threshold(n: str) -> int:
+            return int(summary[n]["params"].get("op_offload_min_batch") or 32)
+
+        palette = [c for c in plt.get_cmap("tab10").colors if c != plt.get_cmap("tab10").colors[3]]  # no red
+        lengths: set[int] = set()
+        others = 0
+        for n in sorted(sweep, key=threshold):
+            pts = sorted((int(_PP.match(k).group(1)), v["median"]) for k, v in summary[n]["metrics"].items()
+                         if _PP.match(k))
+            if not pts:
+                continue
+            lengths.update(p[0] for p in pts)
+            t = threshold(n)
+            label = f"{n} (threshold {'never' if t >= 10**9 else t})"
+            if n == "plan":
+                color = "tab:red"
+            else:
+                color = palette[others % len(palette)]
+                others += 1
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                    linewidth=2.5 if n == "plan" else 1.2, color=color)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(lengths))
+        ax.set_xticklabels([str(x) for x in sorted(lengths)])
+        ax.minorticks_off()
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("prompt tokens/s")
+        ax.set_title("GGML_OP_OFFLOAD_MIN_BATCH sweep")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "offload.png"))
+        plt.close(fig)
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    return path

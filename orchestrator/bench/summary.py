@@ -1,0 +1,211 @@
+"""From raw runs to medians, spread and the ratios issue 7 asks for. Pure functions on the JSON-shaped data.
+
+Metric names: ``pp<L>`` (prompt tokens/s at prompt length L), ``tg<N>@<D>`` (generated tokens/s, N tokens after
+a context of D), ``ttft_p50_c<C>`` / ``ttft_p95_c<C>`` (seconds to the first token with C concurrent requests),
+``load_s``, ``vram_peak_gpu<I>`` (bytes the configuration added on GPU I at its peak), ``rss_peak`` (host bytes of
+the server's processes), ``power_mean_w_gpu<I>``, ``power_max_w_gpu<I>``, ``temp_max_c_gpu<I>``.
+
+Spread: every metric has the median with min/max and the interquartile range over all samples of every
+round. Time-to-first-token quantiles are taken over the requests of all rounds pooled; their min/max are the
+per-round quantiles.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+from orchestrator.bench.logparse import device_totals
+from orchestrator.bench.measure import quantile
+
+# plan ÷ --fit targets (issue 7)
+FIT_TARGETS = {"tg128@0": 1.05, "pp512": 3.0, "pp4096": 2.5, "pp32": 2.0, "pp64": 2.0, "pp128": 2.0}
+SWEEP_TARGET = 0.97
+THRESHOLD_TARGET = 0.97
+PREDICTION_BAND = (0.85, 1.15)
+
+_PP = re.compile(r"^pp(\d+)$")
+_TG = re.compile(r"^tg(\d+)@(\d+)$")
+
+
+def stat(values: Sequence[float]) -> dict:
+    v = [float(x) for x in values]
+    return {"median": quantile(v, 0.5), "min": min(v), "max": max(v), "q1": quantile(v, 0.25),
+            "q3": quantile(v, 0.75), "n": len(v)}
+
+
+def run_metrics(run: Mapping[str, Any]) -> dict[str, list[float]]:
+    """The samples one run contributes, by metric name."""
+    out: dict[str, list[float]] = {}
+    if not run.get("loaded"):
+        return out
+    if run.get("load_s") is not None:
+        out["load_s"] = [run["load_s"]]
+    s = run.get("samples") or {}
+    for p in s.get("pp", ()):
+        out.setdefault(f"pp{p['n']}", []).append(p["tps"])
+    for t in s.get("tg", ()):
+        out.setdefault(f"tg{t['n']}@{t['depth']}", []).append(t["tps"])
+    res = run.get("resources") or {}
+    for g, d in (res.get("gpus") or {}).items():
+        out[f"vram_peak_gpu{g}"] = [d.get("peak_process") or d.get("peak_delta", 0)]
+        for k in ("power_mean_w", "power_max_w", "temp_max_c"):
+            if d.get(k) is not None:
+                out[f"{k}_gpu{g}"] = [d[k]]
+    if res.get("rss_peak"):
+        out["rss_peak"] = [res["rss_peak"]]
+    return out
+
+
+def summarize(configs: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]]) -> dict:
+    """Per configuration: runs, how many loaded, errors, and a stat per metric."""
+    out: dict[str, Any] = {}
+    for c in configs:
+        name = c["name"]
+        mine = [r for r in runs if r["config"] == name]
+        samples: dict[str, list[float]] = {}
+        ttft_pool: dict[str, list[float]] = {}
+        ttft_round: dict[str, list[float]] = {}
+        for r in mine:
+            for k, v in run_metrics(r).items():
+                samples.setdefault(k, []).extend(v)
+            for conc, vals in ((r.get("samples") or {}).get("ttft") or {}).items():
+                if not vals:
+                    continue
+                ttft_pool.setdefault(conc, []).extend(vals)
+                for q in (50, 95):
+                    ttft_round.setdefault(f"{q}_c{conc}", []).append(quantile(vals, q / 100))
+        metrics = {k: stat(v) for k, v in samples.items() if v}
+        for conc, vals in ttft_pool.items():
+            for q in (50, 95):
+                per_round = ttft_round[f"{q}_c{conc}"]
+                metrics[f"ttft_p{q}_c{conc}"] = {"median": quantile(vals, q / 100), "min": min(per_round),
+                                                 "max": max(per_round), "n": len(vals)}
+        errors: list[str] = []
+        for r in mine:
+            for e in ([r["error"]] if r.get("error") else []) + list(r.get("errors") or []):
+                if e not in errors:
+                    errors.append(e)
+        warnings: list[str] = []
+        for r in mine:
+            for w in list(r.get("warnings") or []) + list((r.get("samples") or {}).get("skipped") or []):
+                if w not in warnings:
+                    warnings.append(w)
+        out[name] = {"group": c.get("group", "extra"), "params": dict(c.get("params") or {}),
+                     "runs": len(mine), "loaded": sum(1 for r in mine if r.get("loaded")),
+                     "crashed": sum(1 for r in mine if r.get("crashed")),
+                     "errors": errors, "warnings": warnings, "metrics": metrics}
+        buffers = next(((r.get("llama") or {}).get("buffers") for r in mine
+                        if r.get("loaded") and (r.get("llama") or {}).get("buffers")), None)
+        if buffers:
+            out[name]["llama_buffers"] = device_totals(buffers)     # weights + KV + compute per buffer type
+    return out
+
+
+def _med(summary: Mapping[str, Any], config: str, metric: str) -> float | None:
+    m = (summary.get(config) or {}).get("metrics", {}).get(metric)
+    return None if m is None else m["median"]
+
+
+def _speed_metrics(summary: Mapping[str, Any], config: str) -> list[str]:
+    ms = (summary.get(config) or {}).get("metrics", {})
+    return sorted((k for k in ms if _PP.match(k) or _TG.match(k)), key=_metric_order)
+
+
+def _metric_order(k: str) -> tuple:
+    m = _PP.match(k)
+    if m:
+        return (0, int(m.group(1)), 0)
+    m = _TG.match(k)
+    if m:
+        return (1, int(m.group(2)), int(m.group(1)))
+    return (2, 0, 0)
+
+
+def _entry(kind: str, metric: str, plan: float, other: float, other_config: str, target: float | None,
+           higher_is_better: bool = True) -> dict:
+    value = plan / other if other else None
+    ok = None
+    if target is not None and value is not None:
+        ok = value >= target if higher_is_better else value <= target
+    return {"kind": kind, "metric": metric, "value": value, "plan": plan, "other": other,
+            "other_config": other_config, "target": target, "ok": ok}
+
+
+def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], plan: str = "plan",
+           fit: str = "fit") -> list[dict]:
+    """The ratios of issue 7, each with its target and whether it is met:
+
+    - ``plan/fit``: every pp and tg metric the two share (targets: tg128@0 ≥ 1.05, pp512 ≥ 3, pp4096 ≥ 2.5,
+      pp32/64/128 ≥ 2);
+    - ``plan/best-sweep``: against the best point of the ``--n-cpu-moe`` × ``-ub`` × load-mode sweep, per metric
+      (≥ 0.97);
+    - ``threshold/best``: at every prompt length, the plan's op-offload threshold (the plan itself) against the
+      best of the plan and the threshold sweep (≥ 0.97);
+    - ``predicted/measured``: the plan's predicted pp, tg and memory against the measurement (tg within ±15%);
+    - ``plan/control``: the plan against itself run again (A/A): the noise floor, within 0.97–1.03 to read the
+      0.97 targets meaningfully.
+    """
+    out: list[dict] = []
+    if plan not in summary:
+        return out
+    groups = {c["name"]: c.get("group", "extra") for c in configs}
+    plan_metrics = _speed_metrics(summary, plan)
+
+    if fit in summary:
+        for m in plan_metrics:
+            a, b = _med(summary, plan, m), _med(summary, fit, m)
+            if b:
+                out.append(_entry("plan/fit", m, a, b, fit, FIT_TARGETS.get(m)))
+
+    for ctl in (n for n, g in groups.items() if g == "control" and n in summary):
+        for m in plan_metrics:
+            b = _med(summary, ctl, m)
+            if b:
+                e = _entry("plan/control", m, _med(summary, plan, m), b, ctl, None)
+                e["target"] = [SWEEP_TARGET, 1 / SWEEP_TARGET]
+                e["ok"] = SWEEP_TARGET <= e["value"] <= 1 / SWEEP_TARGET
+                out.append(e)
+
+    sweep = [n for n, g in groups.items() if g == "ncmoe-sweep" and n in summary]
+    for m in plan_metrics:
+        cands = [(n, _med(summary, n, m)) for n in sweep]
+        cands = [(n, v) for n, v in cands if v]
+        if cands:
+            best, v = max(cands, key=lambda x: x[1])
+            out.append(_entry("plan/best-sweep", m, _med(summary, plan, m), v, best, SWEEP_TARGET))
+
+    thresholds = [n for n, g in groups.items() if g == "offload-sweep" and n in summary]
+    if thresholds:
+        for m in plan_metrics:
+            if not _PP.match(m):
+                continue
+            cands = [(n, _med(summary, n, m)) for n in [plan] + thresholds]
+            cands = [(n, v) for n, v in cands if v]
+            best, v = max(cands, key=lambda x: x[1])
+            out.append(_entry("threshold/best", m, _med(summary, plan, m), v, best, THRESHOLD_TARGET))
+
+    pred = next((c.get("predicted") or {} for c in configs if c["name"] == plan), {})
+    lo, hi = PREDICTION_BAND
+    if pred.get("tg"):
+        tg0 = next((m for m in plan_metrics if _TG.match(m) and _TG.match(m).group(2) == "0"), None)
+        meas = _med(summary, plan, tg0) if tg0 else None
+        if meas:
+            e = _entry("predicted/measured", tg0, float(pred["tg"]), meas, plan, None)
+            e["ok"] = lo <= e["value"] <= hi
+            e["target"] = [lo, hi]
+            out.append(e)
+    for length, v in sorted((int(k), float(v)) for k, v in (pred.get("pp") or {}).items()):
+        meas = _med(summary, plan, f"pp{length}")
+        if meas:
+            out.append(_entry("predicted/measured", f"pp{length}", v, meas, plan, None))
+    for dev, v in sorted((pred.get("memory") or {}).items()):
+        metric = "rss_peak" if dev == "CPU" else f"vram_peak_{dev}"
+        meas = _med(summary, plan, metric)
+        if meas:
+            out.append(_entry("predicted/measured", metric, float(v), meas, plan, None))
+    return out
+
+
+def failed_targets(rs: Iterable[Mapping[str, Any]]) -> list[dict]:
+    return [r for r in rs if r.get("ok") is False]

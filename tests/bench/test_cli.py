@@ -1,0 +1,188 @@
+"""`orchestrator bench` on the command line: a real run, dry run, plan JSON, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(argv, capsys):
+    rc = main(["bench", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.integration
+def test_cli_runs_plan_and_fit_and_prints_json(tmp_path, tiny_moe, llama_server_path, capsys):
+    rc, out, err = _run(["--server", llama_server_path, "--config", f"plan=-m {tiny_moe} -c 512 -np 1 -t 1",
+                         "--configs", "plan,fit", "--rounds", "1", "--pp", "16,64", "--pp-reps", "1",
+                         "--tg-depths", "0", "--tg-tokens", "4", "--concurrency", "none",
+                         "--out", str(tmp_path / "o"), "--json", "--progress", "plain", "--no-charts"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert set(d["summary"]) == {"plan", "fit"} and d["summary"]["fit"]["loaded"] == 1
+    assert d["summary"]["plan"]["metrics"]["pp64"]["median"] > 0
+    assert not [k for k in d["summary"]["plan"]["metrics"] if k.startswith("ttft")]      # --concurrency none
+    assert any(r["kind"] == "plan/fit" and r["metric"] == "pp64" for r in d["ratios"])
+    assert "1/2 round 1/1 plan: starting" in err and "2/2 round 1/1 fit: loaded in" in err
+    assert (tmp_path / "o" / "bench.json").is_file() and (tmp_path / "o" / "bench.txt").is_file()
+
+
+def test_dry_run_lists_configs_from_plan_json(tmp_path, capsys):
+    plan = {"workers": [{"args": ["-m", "/m/q30.gguf", "-c", "8192", "-np", "1", "-ngl", "999", "-ot",
+                                  r"blk\.(0|1)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU", "--fit", "off",
+                                  "-ub", "2048", "-b", "2048", "--load-mode", "none"],
+                         "env": {"GGML_OP_OFFLOAD_MIN_BATCH": "48"}, "cpu_expert_layers": [0, 1]}]}
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(plan))
+    rc, out, err = _run(["--plan-json", str(p), "--server", "/bin/true", "--dry-run", "--ub", "512,2048",
+                         "--rounds", "3"], capsys)
+    assert rc == 0, err
+    names = [ln.split()[0] for ln in out.splitlines()[1:]]
+    assert names[:3] == ["plan", "fit", "cpu-moe"]
+    assert "ncmoe1-ub512-mmap" in names and "ncmoe3-ub2048-pinned" in names and "offload-never" in names
+    assert len(names) == 3 + 3 * 2 * 2 + 6                           # offload 12, 24, 32, 96, 192, never
+    assert out.splitlines()[0].startswith(f"{len(names)} configurations × 3 rounds = {len(names) * 3} server starts")
+    assert "GGML_OP_OFFLOAD_MIN_BATCH=12 /bin/true" in out            # offload12 = 48 / 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "nothing to benchmark"),
+    (["/nonexistent/topo.yaml"], "/nonexistent/topo.yaml"),
+    (["topo.yaml", "--config", "plan=-m x"], "give the plan one way"),
+    (["--set", "workers.threads=2", "--config", "a=-m x"], "--set changes a topology"),
+    (["--config", "noflags"], "expected NAME='llama-server flags'"),
+    (["--config", "plan=-m x", "--configs", "plan,bogus"], "unknown bench configuration group 'bogus'"),
+    (["--configs", "fit", "--config", "a=-m x"], "--configs derives from the plan"),
+    (["--config", "a=-m x", "--rounds", "0"], "--rounds must be at least 1"),
+    (["--config", "a=-m x", "--vram-budget", "12 potatoes"], "--vram-budget: unknown size unit"),
+    (["--plan-json", "/nonexistent/plan.json"], "--plan-json /nonexistent/plan.json: No such file"),
+    (["--config", "plan=-m x -ngl 9", "--config", "fit=-m y"], "--config fit: that name is taken"),
+    (["--config", "plan=-m x"], "give the sweep's values (--ncmoe N,...)"),
+    (["--config", "a=-m x", "--server", "/nonexistent/llama-server"], "does not exist or is not executable"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    rc, out, err = _run([*argv, "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("orchestrator bench: error: ") and message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_list_values_are_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--pp", "8,x"])
+    assert e.value.code == 2 and "expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_bench_imports_without_rich_gguf_pydantic_ray():
+    """The GPU machine's python3 has numpy, psutil, nvidia-ml-py, pyyaml, aiohttp, matplotlib only."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('rich', 'gguf', 'pydantic', 'ray'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import orchestrator.bench as b, orchestrator.bench.runner, orchestrator.bench.report as r\n"
+        "import orchestrator.commands.bench as cb, argparse\n"
+        "try:\n"
+        "    cb._plan_from_topology(argparse.Namespace(topology='t.yaml'))\n"
+        "except Exception as e:\n"
+        "    assert type(e).__name__ == 'ConfigError' and 'missing here' in str(e), e\n"
+        "from orchestrator.bench.progress import make_progress\n"
+        "assert type(make_progress('auto')).__name__ == 'PlainProgress'\n"
+        "import io; f = io.StringIO(); f.isatty = lambda: True\n"
+        "r.print_tables({'summary': {}, 'ratios': []}, file=f)\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+@pytest.mark.integration
+def test_sigterm_stops_the_server_and_keeps_the_results(tmp_path, tiny_moe, llama_server_path):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "orchestrator", "bench", "--server", llama_server_path,
+           "--config", f"a=-m {tiny_moe} -c 512 -np 1 -t 1", "--config", f"b=-m {tiny_moe} -c 512 -np 1 -t 1",
+           "--rounds", "50", "--pp", "16", "--pp-reps", "1", "--tg-depths", "none", "--concurrency", "none",
+           "--out", str(out), "--progress", "plain", "--no-charts", "--no-prime"]
+    p = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            runs = []
+            try:
+                runs = json.loads((out / "bench.json").read_text()).get("runs", [])
+            except (OSError, ValueError):
+                pass
+            if len(runs) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(runs) >= 2
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130 and "orchestrator bench: interrupted" in err, (p.returncode, err[-2000:])
+    data = json.loads((out / "bench.json").read_text())
+    assert data["interrupted"] == "KeyboardInterrupt" and len(data["runs"]) >= 2 and "summary" in data
+    left = []
+    for q in psutil.process_iter(["cmdline", "status"]):
+        if str(tiny_moe) in " ".join(q.info["cmdline"] or []) and q.info["status"] != psutil.STATUS_ZOMBIE:
+            left.append((q.pid, q.info["status"], q.info["cmdline"]))
+    assert left == [], left
+
+
+def test_vram_budget_without_gpu_exits_2_and_leaves_nothing(tmp_path, tiny_moe, llama_server_path, capsys):
+    from orchestrator.bench.sampler import Nvml
+
+    if Nvml.open() is not None:
+        pytest.skip("this machine has a GPU: test_gpu_run_holds_the_budget... covers it")
+    rc, out, err = _run(["--server", llama_server_path, "--config", f"a=-m {tiny_moe}", "--vram-budget", "1GiB",
+                         "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "needs an NVIDIA GPU" in err and not (tmp_path / "o").exists()
+
+
+def test_server_verbosity_option(capsys, tmp_path):
+    rc, out, err = _run(["--config", "a=-m x", "--server-verbosity", "loud"], capsys)
+    assert rc == 2 and "--server-verbosity: expected a number or 'none'" in err
+
+
+@pytest.mark.integration
+def test_topology_is_planned_like_up_and_measured(tmp_path, tiny_moe, llama_server_path, capsys):
+    """The real planner (orchestrator.resolve, as `plan` and `up` use it) on this machine, then the bench."""
+    topo = tmp_path / "t.yaml"
+    topo.write_text(f"model: {{path: {tiny_moe}, context: 1024, parallel: 1}}\n"
+                    f"backend: {{binary: {llama_server_path}}}\n"
+                    "nodes: [{name: local}]\nworkers: {layout: machine}\n")
+    rc, out, err = _run([str(topo), "--set", "workers.threads=1", "--configs", "plan,fit,control", "--rounds", "1",
+                         "--pp", "8,64", "--pp-reps", "1", "--tg-depths", "0", "--tg-tokens", "4", "--concurrency",
+                         "none", "--out", str(tmp_path / "o"), "--json", "--progress", "none", "--no-charts"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert set(d["summary"]) == {"plan", "fit", "plan-control"}
+    assert all(s["loaded"] == 1 for s in d["summary"].values())
+    data = json.loads((tmp_path / "o" / "bench.json").read_text())
+    plan = next(c for c in data["configs"] if c["name"] == "plan")
+    assert "-t" in plan["args"] and plan["args"][plan["args"].index("-t") + 1] == "1"      # --set reached the plan
+    assert plan["predicted"].get("tg", 0) > 0 and plan["params"]["n_layers"] == 4
+    assert data["server_binary"] == llama_server_path
+    assert any(r["kind"] == "predicted/measured" for r in d["ratios"])

@@ -1,0 +1,241 @@
+"""Configurations derived from the plan: what each generator drops, keeps and adds (pure)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from orchestrator.bench.configs import (
+    OFFLOAD_ENV,
+    OFFLOAD_NEVER,
+    BenchConfig,
+    build_configs,
+    config_from_plan_json,
+    config_from_worker,
+    cpu_moe_config,
+    default_ncmoe_values,
+    default_offload_values,
+    fit_config,
+    get_arg,
+    has_flag,
+    ncmoe_sweep,
+    offload_sweep,
+    parse_args,
+    parse_config_option,
+    plan_config,
+    server_from_plan_json,
+    with_args,
+    without,
+)
+from orchestrator.errors import ConfigError
+
+OT = r"blk\.(0|1|2|3|4|5|6|7|8|9|1[0-9])\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"
+PLAN_ARGS = ("-m", "/models/q30.gguf", "--alias", "model", "--host", "0.0.0.0", "--port", "8081", "-c", "16384",
+             "-np", "2", "-ngl", "999", "-ot", OT, "--fit", "off", "-t", "16", "-tb", "32", "-b", "4096", "-ub",
+             "4096", "-ctk", "q8_0", "--load-mode", "none", "--numa", "distribute", "--metrics")
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+PLAN_ENV = {OFFLOAD_ENV: "64", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+@pytest.fixture()
+def plan() -> BenchConfig:
+    return plan_config(PLAN_ARGS, PLAN_ENV, wrapper=("numactl", "--cpunodebind=0", "--membind=0", "--"),
+                       cpu_expert_layers=tuple(range(20)))
+
+
+def test_parse_args_pairs_switches_negative_numbers_and_equals():
+    a = parse_args(["-ngl", "999", "--cpu-moe", "--seed", "-1", "--fit=off", "-ot", OT, "--metrics"])
+    assert [(x.flag, x.value) for x in a] == [("-ngl", "999"), ("--cpu-moe", None), ("--seed", "-1"),
+                                              ("--fit", "off"), ("-ot", OT), ("--metrics", None)]
+    assert get_arg(["-c", "1", "--ctx-size", "2"], "-c") == "2"          # aliases, last one wins
+    assert get_arg(["--cpu-moe"], "-cmoe") == "" and get_arg([], "-c") is None
+    assert without(["-ngl", "5", "--n-gpu-layers", "6", "-t", "4"], ["--gpu-layers"]) == ("-t", "4")
+    assert with_args(["-ub", "512", "-t", "4"], ("--ubatch-size", "2048")) == ("-t", "4", "--ubatch-size", "2048")
+
+
+def test_plan_params_come_from_its_flags(plan):
+    assert plan.group == "plan"
+    assert plan.params == {"ubatch": 4096, "batch": 4096, "load_mode": "pinned", "op_offload_min_batch": 64,
+                           "n_cpu_moe": 20}
+    assert plan.ctx == 16384 and plan.parallel == 2 and plan.model_path == "/models/q30.gguf"
+
+
+def test_argv_puts_wrapper_binary_flags_and_our_endpoint(plan):
+    argv = plan.argv("/bin/llama-server", "127.0.0.1", 9999)
+    assert argv[:4] == ("numactl", "--cpunodebind=0", "--membind=0", "--")
+    assert argv[4] == "/bin/llama-server"
+    assert argv[-4:] == ("--host", "127.0.0.1", "--port", "9999")
+    assert "0.0.0.0" not in argv and "8081" not in argv
+
+
+def test_fit_keeps_context_threads_and_drops_every_placement_decision(plan):
+    fit = fit_config(plan)
+    a = fit.args
+    for flag in ("-ngl", "-ot", "-ub", "-b", "--load-mode"):
+        assert not has_flag(a, flag), flag
+    assert get_arg(a, "--fit") == "on" and get_arg(a, "--fit-ctx") == "16384"
+    for flag, v in (("-c", "16384"), ("-np", "2"), ("-t", "16"), ("-tb", "32"), ("-ctk", "q8_0"),
+                    ("--numa", "distribute"), ("-m", "/models/q30.gguf")):
+        assert get_arg(a, flag) == v, flag
+    assert OFFLOAD_ENV not in fit.env and fit.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert fit.wrapper == plan.wrapper
+
+
+def test_fit_without_fit_flag_in_plan_adds_none():
+    p = plan_config(["-m", "m.gguf", "-c", "4096", "-ngl", "99"])        # a binary without --fit (ik_llama.cpp)
+    assert fit_config(p).args == ("-m", "m.gguf", "-c", "4096")
+
+
+def test_cpu_moe_recipe(plan):
+    c = cpu_moe_config(plan)
+    assert get_arg(c.args, "-ngl") == "999" and has_flag(c.args, "--cpu-moe")
+    assert not has_flag(c.args, "-ot") and not has_flag(c.args, "-ub") and not has_flag(c.args, "--fit")
+    assert OFFLOAD_ENV not in c.env
+
+
+def test_ncmoe_sweep_grid(plan):
+    cs = ncmoe_sweep(plan, [19, 20, 21], [512, 4096], ("mmap", "pinned"))
+    assert len(cs) == 12 and len({c.name for c in cs}) == 12
+    c = next(c for c in cs if c.name == "ncmoe19-ub512-pinned")
+    assert get_arg(c.args, "--n-cpu-moe") == "19" and get_arg(c.args, "-ub") == "512"
+    assert get_arg(c.args, "-b") == "4096"                             # max(ub, plan's -b)
+    assert get_arg(c.args, "--load-mode") == "none" and get_arg(c.args, "--fit") == "off"
+    assert not has_flag(c.args, "-ot") and get_arg(c.args, "-c") == "16384"
+    assert c.env[OFFLOAD_ENV] == "64"                                  # the plan's threshold is kept
+    m = next(c for c in cs if c.name == "ncmoe21-ub4096-mmap")
+    assert get_arg(m.args, "--load-mode") == "mmap"
+    assert m.params == {"n_cpu_moe": 21, "ubatch": 4096, "load_mode": "mmap", "op_offload_min_batch": 64}
+
+
+def test_cpu_expert_layers_read_from_the_flags():
+    from orchestrator.bench.configs import cpu_expert_layers_of
+
+    assert cpu_expert_layers_of(PLAN_ARGS) == tuple(range(20))
+    # first match wins: layer 3's experts are sent to CUDA0 before the CPU pattern sees them
+    ot = r"blk\.3\.ffn_.*_exps=CUDA0,blk\.[0-5]\.ffn_(up|down|gate)_exps=CPU"
+    assert cpu_expert_layers_of(["-ngl", "99", "-ot", ot]) == (0, 1, 2, 4, 5)
+    assert cpu_expert_layers_of(["-ngl", "99", "-ncmoe", "3"]) == (0, 1, 2)
+    assert cpu_expert_layers_of(["-ngl", "99"]) == ()
+    assert cpu_expert_layers_of(["-ngl", "99", "--cpu-moe"]) is None
+    assert cpu_expert_layers_of(["-m", "x.gguf"]) is None
+    assert plan_config(["-m", "x", "-ngl", "99", "-ncmoe", "7"]).params["n_cpu_moe"] == 7
+
+
+def test_ncmoe_defaults_and_bad_mode(plan):
+    assert default_ncmoe_values(plan) == [19, 20, 21]
+    assert default_ncmoe_values(plan_config(["-m", "x"], cpu_expert_layers=(0,))) == [0, 1, 2]
+    assert default_ncmoe_values(plan, n_layers=20) == [19, 20]                 # never past the last layer
+    from_json = config_from_plan_json({"model": {"n_layers": 6}, "workers": [
+        {"args": ["-m", "x", "-ngl", "0"], "cpu_expert_layers": list(range(6))}]})
+    assert from_json.params["n_layers"] == 6 and default_ncmoe_values(from_json) == [5, 6]
+    with pytest.raises(ConfigError, match="--ncmoe N"):
+        default_ncmoe_values(plan_config(["-m", "x"]))
+    with pytest.raises(ConfigError, match="load mode"):
+        ncmoe_sweep(plan, [1], [512], ("paged",))
+
+
+def test_offload_sweep_replaces_threshold_and_skips_the_plans_own(plan):
+    vals = default_offload_values(plan)
+    assert vals == [16, 32, 128, 256, OFFLOAD_NEVER]
+    cs = offload_sweep(plan, [32, 64, 128, OFFLOAD_NEVER])
+    assert [c.name for c in cs] == ["offload32", "offload128", "offload-never"]
+    assert [c.env[OFFLOAD_ENV] for c in cs] == ["32", "128", str(OFFLOAD_NEVER)]
+    assert all(c.args == plan.args for c in cs)
+    with pytest.raises(ConfigError):
+        offload_sweep(plan, [0])
+
+
+def test_offload_sweep_ik_llama_uses_its_own_knob():
+    p = plan_config(["-m", "x.gguf", "-cuda", "offload-batch-size=48"])
+    assert p.params["op_offload_min_batch"] == 48
+    (c,) = offload_sweep(p, [96])
+    assert get_arg(c.args, "-cuda") == "offload-batch-size=96" and OFFLOAD_ENV not in c.env
+
+
+def test_control_is_the_plan_again_by_request_only(plan):
+    cs = build_configs(plan, ["plan", "control"])
+    assert [c.name for c in cs] == ["plan", "plan-control"]
+    assert cs[1].args == plan.args and cs[1].env == plan.env and cs[1].group == "control"
+    assert "plan-control" not in [c.name for c in build_configs(plan, ncmoe_values=[1], offload_values=[32])]
+
+
+def test_build_configs_order_unique_and_unknown_group(plan):
+    cs = build_configs(plan, ncmoe_values=[20], ubatches=[4096], load_modes=("pinned",), offload_values=[32])
+    assert [c.name for c in cs] == ["plan", "fit", "cpu-moe", "ncmoe20-ub4096-pinned", "offload32"]
+    with pytest.raises(ConfigError, match="unknown bench configuration group 'fitt'"):
+        build_configs(plan, ["fitt"])
+
+
+def test_every_flag_we_emit_is_in_mainline_help(plan):
+    """The generated flags exist in the real llama-server (help text recorded from the mainline build)."""
+    help_text = (FIXTURES / "backend" / "mainline-llama-server-help.txt").read_text()
+    known = set(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", help_text))
+    for c in build_configs(plan, ncmoe_values=[20], offload_values=[32]):
+        for a in parse_args(c.args):
+            assert a.flag in known, f"{c.name}: {a.flag} is not a llama-server flag"
+
+
+def test_parse_config_option():
+    c = parse_config_option("off64=GGML_OP_OFFLOAD_MIN_BATCH=64 -m 'my model.gguf' -ngl 99")
+    assert c.name == "off64" and c.env == {OFFLOAD_ENV: "64"} and c.args == ("-m", "my model.gguf", "-ngl", "99")
+    assert c.params["op_offload_min_batch"] == 64
+    assert parse_config_option("plan=-m x.gguf").group == "plan"
+    for bad, msg in (("noequals", "expected NAME="), ("x=", "no llama-server flags"), ("a b=-m x", "name"),
+                     ("x=-m 'unclosed", "cannot split")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_config_option(bad)
+
+
+def test_config_from_plan_json_args_and_argv_forms():
+    w = {"args": list(PLAN_ARGS), "argv": ["numactl", "--membind=0", "--", "/b/llama-server", *PLAN_ARGS],
+         "env": PLAN_ENV, "gpus": [3], "cpu_expert_layers": [0, 1, 2],
+         "predicted": {"pp": {"512": 900.0}, "tg": 40.0}, "devices": {"CUDA0": 11 << 30, "CPU": 6 << 30}}
+    c = config_from_plan_json({"workers": [w]})
+    assert c.wrapper == ("numactl", "--membind=0", "--") and c.args == PLAN_ARGS
+    assert c.predicted == {"pp": {512: 900.0}, "tg": 40.0, "memory": {"gpu3": 11 << 30, "CPU": 6 << 30}}
+    assert c.params["n_cpu_moe"] == 3
+    d2 = {"workers": [{"argv": ["/opt/bin/llama-server", "-m", "x.gguf"], "env": {}}]}
+    c2 = config_from_plan_json(d2)
+    assert c2.args == ("-m", "x.gguf") and c2.wrapper == ()
+    assert server_from_plan_json(d2) == "/opt/bin/llama-server" and server_from_plan_json({"workers": []}) is None
+    assert server_from_plan_json({"workers": [w]}) == "/b/llama-server"
+    with pytest.raises(ConfigError, match="workers"):
+        config_from_plan_json({})
+    with pytest.raises(ConfigError, match="worker 2 does not exist"):
+        config_from_plan_json({"workers": [w]}, worker=2)
+    with pytest.raises(ConfigError, match="no llama-server"):
+        config_from_plan_json({"workers": [{"argv": ["numactl", "--", "server"]}]})
+
+
+def test_config_from_worker_plan():
+    from orchestrator.plan.types import DeviceMemory, NumaPlan, Prediction, WorkerPlan
+
+    w = WorkerPlan(name="w0", node="local", host="127.0.0.1", port=8081, gpus=(1,), args=PLAN_ARGS, env=PLAN_ENV,
+                   numa=NumaPlan(), disable_numa_balancing=False, placement=(),
+                   memory=(DeviceMemory("CUDA0", weights=10), DeviceMemory("CPU", weights=5, kv=1)),
+                   predicted=Prediction(pp={512: 800.0}, tg=35.0), decisions=(),
+                   cpu_expert_layers=(0, 1), op_offload_min_batch=64, n_ubatch=4096, load_mode="pinned")
+    c = config_from_worker(w)
+    assert c.name == "plan" and c.params["n_cpu_moe"] == 2 and c.params["op_offload_min_batch"] == 64
+    assert c.predicted == {"pp": {512: 800.0}, "tg": 35.0, "memory": {"gpu1": 10, "CPU": 6}}
+    assert BenchConfig.from_dict(c.to_dict()) == BenchConfig.from_dict(c.to_dict())
+    assert BenchConfig.from_dict(c.to_dict()).args == c.args
+
+
+def test_config_from_launch_spec_splits_wrappers_binary_and_flags():
+    from orchestrator.bench.configs import config_from_launch_spec, split_server_argv
+    from orchestrator.launch.spec import LaunchSpec
+
+    argv = ("/repo/scripts/numa/disable-numa-balancing.sh", "numactl", "--cpunodebind=0", "--membind=0", "--",
+            "/cache/bin/llama-server", *PLAN_ARGS)
+    spec = LaunchSpec(name="w0", argv=argv, env=PLAN_ENV, port=8081)
+    c = config_from_launch_spec(spec)
+    assert c.wrapper == argv[:5] and c.args == PLAN_ARGS and c.env == PLAN_ENV and c.group == "plan"
+    assert c.params["n_cpu_moe"] == 20 and c.params["op_offload_min_batch"] == 64
+    assert c.argv("/cache/bin/llama-server", "127.0.0.1", 1)[:6] == argv[:6]
+    assert split_server_argv(["/x/llama-server", "-m", "m"]) == ((), "/x/llama-server", ("-m", "m"))
+    assert split_server_argv(["./server", "-m", "m"]) == ((), "./server", ("-m", "m"))
+    with pytest.raises(ConfigError):
+        split_server_argv(["numactl", "--"])

@@ -1,0 +1,118 @@
+"""Measurements through a real llama-server (tiny model, CPU): prompt processing, generation at depth, time to
+first token, and that llama-server's prompt cache never serves a measured request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from orchestrator.bench.measure import Client, MeasureError, Workload, fit_length, run_measure
+from orchestrator.bench.server import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_fit_length():
+    assert fit_length(100, 1, 512) == 100
+    assert fit_length(512, 1, 512) == 510                 # prompt + 1 generated < 512, shortened < 5%
+    assert fit_length(4096, 128, 4096) == 3967            # sweep-bench depth 4096 in a 4096 slot: 3.1% shorter
+    assert fit_length(600, 1, 512) is None                # 15% short: skipped, not faked
+    assert fit_length(511, 0, 512) == 511
+
+
+def test_pp_reps_shrink_for_long_prompts():
+    from orchestrator.bench.measure import pp_reps
+
+    assert [pp_reps(3, n) for n in (8, 512, 1024, 2048, 4096, 16384)] == [3, 3, 3, 2, 1, 1]
+    assert pp_reps(1, 8) == 1
+
+
+def test_workload_on_a_real_server(tiny_server):
+    w = Workload(pp=(8, 64, 512, 700), pp_reps=2, tg_depths=(0, 300), tg_tokens=16, concurrency=(1, 3),
+                 ttft_prompt=32, ttft_tokens=2, ttft_requests=3)
+    steps = []
+    out = run_measure(tiny_server, w, timeout=60, seed=1, on_step=steps.append)
+    assert out["errors"] == [] and out["crashed"] is False
+    assert out["slot_ctx"] == 512 and out["n_vocab"] == 512
+    by_n = {}
+    for s in out["pp"]:
+        by_n.setdefault(s["n"], []).append(s)
+        assert s["tps"] > 0 and s["prompt_ms"] > 0
+    assert sorted(by_n) == [8, 64, 512] and all(len(v) == 2 for v in by_n.values())
+    assert {s["prompt_n"] for s in by_n[8]} == {8} and {s["prompt_n"] for s in by_n[64]} == {64}
+    assert {s["prompt_n"] for s in by_n[512]} == {510}    # shortened to fit, and recorded as such
+    assert out["skipped"] == ["pp700: does not fit the slot context of 512 tokens"]
+    assert [(t["depth"], t["predicted_n"], t["prompt_n"]) for t in out["tg"]] == [(0, 16, 1), (300, 16, 300)]
+    assert all(t["tps"] > 0 for t in out["tg"])
+    assert {k: len(v) for k, v in out["ttft"].items()} == {"1": 3, "3": 3}
+    assert all(0 < x < 30 for v in out["ttft"].values() for x in v)
+    assert steps == ["warm-up", "pp8", "pp64", "pp512", "tg16@0", "tg16@300", "ttft c1", "ttft c3"]
+
+
+def test_same_prompt_twice_is_processed_twice(tiny_server):
+    """cache_prompt false: even an identical prompt on the same slot is computed again."""
+    async def main():
+        async with Client(tiny_server, timeout=30, rng=random.Random(0)) as c:
+            await c.server_info()
+            fixed = c.tokens(200)
+            c.tokens = lambda n: list(fixed[:n])
+            a = await c.completion(200, 1)
+            b = await c.completion(200, 1)
+            return a, b
+
+    a, b = asyncio.run(main())
+    assert a["prompt_n"] == b["prompt_n"] == 200 and b["cache_n"] == 0
+
+
+def test_errors_are_measure_errors(tiny_server):
+    async def too_long():
+        async with Client(tiny_server, timeout=30, rng=random.Random(0)) as c:
+            await c.server_info()
+            await c.completion(600, 1)
+
+    with pytest.raises(MeasureError, match="HTTP 400.*context"):
+        asyncio.run(too_long())
+    with pytest.raises(MeasureError, match="GET /v1/models"):
+        run_measure(f"http://127.0.0.1:{free_port()}", Workload(), timeout=5, seed=0)
+
+
+class FlakyClient:
+    """A client whose requests fail as scripted (seam for the retry logic; the real path is tested above)."""
+
+    def __init__(self, fail_every: int | None = None, always_fail: str | None = None):
+        from orchestrator.bench.measure import ServerInfo
+
+        self.info = ServerInfo(n_vocab=100, slot_ctx=4096)
+        self.calls = 0
+        self.fail_every, self.always_fail = fail_every, always_fail
+
+    async def _maybe_fail(self, kind):
+        self.calls += 1
+        if kind == self.always_fail or (self.fail_every and self.calls % self.fail_every == 1):
+            raise MeasureError("ServerDisconnectedError")
+
+    async def completion(self, n, n_predict):
+        await self._maybe_fail("pp" if n_predict == 1 else "other")
+        return {"prompt_n": n, "prompt_ms": 1.0, "predicted_n": n_predict, "predicted_ms": 2.0}
+
+    async def first_token(self, n, n_predict):
+        await self._maybe_fail("ttft")
+        return 0.01, 0.02, None
+
+
+def test_a_dropped_request_is_retried_once_and_a_persistent_failure_recorded():
+    from orchestrator.bench.measure import measure
+
+    w = Workload(pp=(8, 32), pp_reps=2, tg_depths=(0,), tg_tokens=4, concurrency=(1,), ttft_requests=2)
+    out = asyncio.run(measure(FlakyClient(fail_every=2), w))
+    assert out["errors"] == [] and out["retried"] > 0
+    assert len(out["pp"]) == 4 and len(out["tg"]) == 1 and len(out["ttft"]["1"]) == 2
+
+    out = asyncio.run(measure(FlakyClient(always_fail="pp"), w))
+    assert out["pp"] == [] and len(out["errors"]) == 4 and out["crashed"] is False
+    assert len(out["tg"]) == 1                           # the rest is still measured
+
+    out = asyncio.run(measure(FlakyClient(always_fail="pp"), w, alive=lambda: False))
+    assert out["crashed"] is True and len(out["errors"]) == 1 and out["tg"] == []

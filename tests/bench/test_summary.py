@@ -1,0 +1,133 @@
+"""Medians, spread and the issue-7 ratios, on hand-made runs (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.bench.measure import quantile
+from orchestrator.bench.report import render_text
+from orchestrator.bench.summary import FIT_TARGETS, failed_targets, ratios, stat, summarize
+
+
+def _run(config, rnd, pp=None, tg=None, ttft=None, loaded=True, error=None, gpu_peak=None, rss=None):
+    samples = {"pp": [{"n": n, "prompt_n": n, "prompt_ms": 1.0, "tps": v} for n, vs in (pp or {}).items() for v in vs],
+               "tg": [{"depth": d, "n": 128, "predicted_n": 128, "predicted_ms": 1.0, "tps": v}
+                      for d, vs in (tg or {}).items() for v in vs],
+               "ttft": ttft or {}}
+    res = {"gpus": {"0": {"baseline_used": 0, "peak_used": gpu_peak, "peak_delta": gpu_peak}} if gpu_peak else {},
+           "rss_peak": rss or 0}
+    return {"config": config, "round": rnd, "loaded": loaded, "load_s": 2.0 if loaded else None, "error": error,
+            "samples": samples if loaded else None, "resources": res}
+
+
+def _cfg(name, group, **params):
+    return {"name": name, "group": group, "params": params, "predicted": {}}
+
+
+def test_quantile_and_stat():
+    assert quantile([3, 1, 2], 0.5) == 2
+    assert quantile([1, 2, 3, 4], 0.5) == 2.5
+    assert quantile([1, 2, 3, 4, 5], 0.95) == pytest.approx(4.8)
+    s = stat([10, 12, 11, 100])
+    assert s["median"] == 11.5 and s["min"] == 10 and s["max"] == 100 and s["n"] == 4
+    assert s["q1"] == pytest.approx(10.75) and s["q3"] == pytest.approx(34)
+
+
+def test_summarize_pools_rounds_counts_loads_and_errors():
+    configs = [_cfg("plan", "plan"), _cfg("bad", "extra")]
+    runs = [_run("plan", 1, pp={512: [100, 110]}, tg={0: [20]}, ttft={"1": [0.1, 0.2, 0.3]}, gpu_peak=5 << 30,
+                 rss=2 << 30),
+            _run("plan", 2, pp={512: [90, 105]}, tg={0: [22]}, ttft={"1": [0.2, 0.4, 0.6]}, gpu_peak=6 << 30),
+            _run("bad", 1, loaded=False, error="cudaMalloc failed: out of memory"),
+            _run("bad", 2, loaded=False, error="cudaMalloc failed: out of memory")]
+    s = summarize(configs, runs)
+    m = s["plan"]["metrics"]
+    assert m["pp512"]["median"] == pytest.approx(102.5) and m["pp512"]["n"] == 4
+    assert m["pp512"]["min"] == 90 and m["pp512"]["max"] == 110
+    assert m["tg128@0"]["median"] == 21
+    assert m["ttft_p50_c1"]["median"] == pytest.approx(0.25)              # pooled over both rounds
+    assert m["ttft_p50_c1"]["min"] == pytest.approx(0.2) and m["ttft_p50_c1"]["max"] == pytest.approx(0.4)
+    assert m["vram_peak_gpu0"]["max"] == 6 << 30 and m["rss_peak"]["n"] == 1
+    assert m["load_s"]["median"] == 2.0
+    assert s["plan"]["loaded"] == 2 and s["plan"]["runs"] == 2
+    assert s["bad"]["loaded"] == 0 and s["bad"]["metrics"] == {}
+    assert s["bad"]["errors"] == ["cudaMalloc failed: out of memory"]   # once, not per round
+
+
+def _bench():
+    configs = [_cfg("plan", "plan", op_offload_min_batch=64), _cfg("fit", "fit"),
+               _cfg("ncmoe3-ub512-mmap", "ncmoe-sweep"), _cfg("ncmoe2-ub512-pinned", "ncmoe-sweep"),
+               _cfg("offload32", "offload-sweep", op_offload_min_batch=32),
+               _cfg("offload128", "offload-sweep", op_offload_min_batch=128)]
+    configs[0]["predicted"] = {"tg": 44.0, "pp": {512: 1000.0}, "memory": {"gpu0": 10 << 30}}
+    runs = [
+        _run("plan", 1, pp={32: [300], 512: [1200], 4096: [1000]}, tg={0: [40]}, gpu_peak=11 << 30),
+        _run("fit", 1, pp={32: [100], 512: [300], 4096: [500]}, tg={0: [36]}),
+        _run("ncmoe3-ub512-mmap", 1, pp={32: [305], 512: [800], 4096: [600]}, tg={0: [39]}),
+        _run("ncmoe2-ub512-pinned", 1, pp={32: [250], 512: [1250], 4096: [900]}, tg={0: [41]}),
+        _run("offload32", 1, pp={32: [200], 512: [1200], 4096: [1000]}, tg={0: [40]}),
+        _run("offload128", 1, pp={32: [330], 512: [1100], 4096: [990]}, tg={0: [40]}),
+    ]
+    return configs, runs
+
+
+def test_ratios_against_fit_best_sweep_best_threshold_and_prediction():
+    configs, runs = _bench()
+    s = summarize(configs, runs)
+    rs = ratios(s, configs)
+    by = {(r["kind"], r["metric"]): r for r in rs}
+
+    r = by[("plan/fit", "pp512")]
+    assert r["value"] == pytest.approx(4.0) and r["target"] == FIT_TARGETS["pp512"] and r["ok"] is True
+    r = by[("plan/fit", "pp4096")]
+    assert r["value"] == pytest.approx(2.0) and r["ok"] is False                  # target 2.5
+    assert by[("plan/fit", "tg128@0")]["value"] == pytest.approx(40 / 36)
+    assert by[("plan/fit", "pp32")]["ok"] is True                                  # 3.0 >= 2.0
+
+    r = by[("plan/best-sweep", "pp512")]
+    assert r["other_config"] == "ncmoe2-ub512-pinned" and r["value"] == pytest.approx(1200 / 1250)
+    assert r["ok"] is False                                                        # 0.96 < 0.97
+    assert by[("plan/best-sweep", "pp4096")]["ok"] is True
+    assert by[("plan/best-sweep", "pp32")]["other_config"] == "ncmoe3-ub512-mmap"
+
+    r = by[("threshold/best", "pp32")]
+    assert r["other_config"] == "offload128" and r["value"] == pytest.approx(300 / 330) and r["ok"] is False
+    r = by[("threshold/best", "pp512")]
+    assert r["other_config"] == "plan" and r["value"] == 1.0 and r["ok"] is True   # the plan is a sweep point
+    assert ("threshold/best", "tg128@0") not in by                                 # prompt lengths only
+
+    r = by[("predicted/measured", "tg128@0")]
+    assert r["value"] == pytest.approx(44 / 40) and r["ok"] is True and r["target"] == [0.85, 1.15]
+    assert by[("predicted/measured", "pp512")]["value"] == pytest.approx(1000 / 1200)
+    assert by[("predicted/measured", "vram_peak_gpu0")]["value"] == pytest.approx(10 / 11)
+
+    failed = {(r["kind"], r["metric"]) for r in failed_targets(rs)}
+    assert failed == {("plan/fit", "pp4096"), ("plan/best-sweep", "pp512"), ("threshold/best", "pp32")}
+
+
+def test_ratios_without_plan_or_with_failed_plan():
+    configs, runs = _bench()
+    assert ratios(summarize(configs[1:], runs[1:]), configs[1:]) == []
+    runs[0] = _run("plan", 1, loaded=False, error="boom")
+    rs = ratios(summarize(configs, runs), configs)
+    assert rs == []                                                        # nothing measured for the plan
+
+
+def test_render_text_shows_table_ratios_and_problems():
+    configs, runs = _bench()
+    runs.append(_run("fit", 2, loaded=False, error="failed to load model"))
+    runs[0]["warnings"] = ["context shrank: 2 slot(s) of 2048 tokens for -c 8192"]
+    s = summarize(configs, runs)
+    text = render_text({"summary": s, "ratios": ratios(s, configs), "stopped_early": "time budget of 60 s"})
+    assert "pp512" in text and "plan/fit" in text and "NO" in text
+    assert "fit: failed to load model" in text
+    assert "plan: warning: context shrank" in text and "bench: time budget of 60 s" in text
+    assert "1/2" in text                                                    # fit loaded once of twice
+
+
+def test_plan_against_its_control_is_the_noise_floor():
+    configs = [_cfg("plan", "plan"), _cfg("plan-control", "control")]
+    runs = [_run("plan", 1, pp={512: [1000]}, tg={0: [50]}), _run("plan-control", 1, pp={512: [1020]}, tg={0: [45]})]
+    by = {(r["kind"], r["metric"]): r for r in ratios(summarize(configs, runs), configs)}
+    assert by[("plan/control", "pp512")]["ok"] is True and by[("plan/control", "tg128@0")]["ok"] is False
+    assert by[("plan/control", "tg128@0")]["value"] == pytest.approx(50 / 45)

@@ -1,0 +1,49 @@
+"""Golden files of the exact commands `orchestrator plan` prints (and `up` runs) for each example topology x
+model shape. Regenerate after an intended change with ORCHESTRATOR_UPDATE_GOLDEN=1 and review the diff."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from planfixtures import shape_model
+
+from orchestrator.paths import REPO_ROOT
+from orchestrator.resolve import nominal_backend, resolve
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+CASES = [
+    ("1socket-1gpu-24g", "qwen3-30b-a3b", "q8_0", "mainline"),
+    ("1socket-1gpu-24g", "qwen3-30b-a3b", "q4_0", "mainline"),
+    ("2socket-2gpu", "qwen3-235b-a22b", "q4_0", "mainline"),
+    ("2socket-2gpu", "gpt-oss-120b", "q8_0", "mainline"),
+    ("2socket-8gpu", "deepseek-v3", "q4_0", "mainline"),
+    ("2socket-8gpu", "qwen3-235b-a22b", "q4_0", "mainline"),
+    ("2socket-8gpu", "deepseek-v3", "q4_0", "ik_llama.cpp"),
+]
+
+
+def render(res, model_path: Path) -> str:
+    out = []
+    for w, spec in zip(res.plan.workers, res.specs):
+        out.append(f"# worker {w.name} ({w.node}) gpus={','.join(map(str, w.gpus)) or '-'}")
+        for k, v in sorted(spec.env.items()):
+            out.append(f"env {k}={v}")
+        for a in spec.argv:
+            out.append(a.replace(str(model_path), "<MODEL>").replace(str(REPO_ROOT), "<REPO>"))
+        out.append("")
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("topology,like,quant,flavor", CASES, ids=lambda x: str(x))
+def test_golden_commands(topology, like, quant, flavor, model_dir):
+    model = shape_model(model_dir, like, quant)
+    res = resolve(REPO_ROOT / "topologies" / f"{topology}.yaml", overrides={"model.path": model.paths[0]},
+                  backend=nominal_backend(flavor, cuda=True))
+    text = render(res, Path(model.paths[0]))
+    golden = GOLDEN / f"{topology}__{like}-{quant}__{flavor}.txt"
+    if os.environ.get("ORCHESTRATOR_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert golden.exists(), f"missing golden file {golden} (ORCHESTRATOR_UPDATE_GOLDEN=1 writes it)"
+    assert text == golden.read_text(), f"commands differ from {golden.name} (ORCHESTRATOR_UPDATE_GOLDEN=1 to accept)"
