@@ -27,6 +27,7 @@ from orchestrator.errors import LaunchError
 from orchestrator.launch.spec import LaunchSpec
 
 IDLE, STARTING, READY, BACKOFF, FAILED, STOPPED = "idle", "starting", "ready", "backoff", "failed", "stopped"
+_KILLED_FROM_OUTSIDE = (1, 2, 9, 15)     # SIGHUP, SIGINT, SIGKILL, SIGTERM (SIGSEGV, SIGABRT ... are its own)
 STATES = (IDLE, STARTING, READY, BACKOFF, FAILED, STOPPED)
 
 
@@ -212,7 +213,9 @@ class Supervisor:
             else:
                 self.proc.stop(self.policy.stop_timeout_s)   # reap, and clear what its group left
                 self.last_exit = exit_code
-            cause = self.proc.cause()
+            # killed from outside (kill -9, OOM killer, TERM): its log only says what it was doing then
+            if exit_code is None or exit_code >= 0 or -exit_code not in _KILLED_FROM_OUTSIDE:
+                cause = self.proc.cause()
         self.last_error = what if spawn_error or not cause else f"{what}: {cause}"
         self.failures += 1
         if not self.ever_ready and self.policy.fail_fast:

@@ -103,6 +103,7 @@ def test_start_waits_for_health_then_ready():
 
 def test_crash_restarts_with_exponential_backoff_then_gives_up():
     sup, clock, launcher, probe = make(max_restarts=3)
+    launcher.next_log = "slot print_timing: id 1 | task 1 | total time = 58.18 ms"
     sup.start()
     run_until_ready(sup, clock, probe)
     delays = []
@@ -113,7 +114,7 @@ def test_crash_restarts_with_exponential_backoff_then_gives_up():
         if i == 3:
             break
         assert sup.state == BACKOFF, sup.last_error
-        assert "killed by SIGKILL" in sup.last_error
+        assert sup.last_error == "killed by SIGKILL"       # no log lines: it was killed, not failing
         t0 = clock.t
         while sup.state == BACKOFF:
             clock.advance(0.25)
@@ -286,3 +287,13 @@ def test_a_listener_on_the_port_fails_the_first_start():
     sup.start()
     assert sup.state == FAILED and launcher.procs == []          # nothing started: that server would answer
     assert sup.reason == "failed to start: 127.0.0.1:9001 is already in use by pid 77 (llama-server)"
+
+
+def test_a_crash_keeps_the_cause_from_the_log():
+    sup, clock, launcher, probe = make()
+    launcher.next_log = "ggml_abort: CUDA error: out of memory"
+    sup.start()
+    run_until_ready(sup, clock, probe)
+    launcher.procs[-1].code = -6                   # SIGABRT: its own doing, the log says why
+    sup.update()
+    assert sup.last_error == "killed by SIGABRT: ggml_abort: CUDA error: out of memory"
