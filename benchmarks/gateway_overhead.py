@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in reversed(procs):
             p.terminate()
             p.wait(30)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     s = summarize(raw, a, extra)
     print(report(s))
     if a.json:
