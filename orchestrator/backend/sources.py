@@ -159,7 +159,8 @@ def export_source(root: Path, out: Path) -> int:
             # keep the backend's CMakeLists so an `add_subdirectory` guarded by an option still configures
             return len(parts) == 4 and parts[3] == "CMakeLists.txt"
         if parts[0] == "tools" and len(parts) >= 2 and parts[1] == "ui" and len(parts) >= 3:
-            return parts[2] == "CMakeLists.txt" or parts[2].endswith(".cmake")
+            # the server embeds the web UI through templates; the UI's own sources are not needed
+            return len(parts) == 3 and (parts[2] == "CMakeLists.txt" or parts[2].endswith((".cmake", ".in")))
         return ".git" not in parts
 
     tmp = out.with_name(out.name + ".part")
