@@ -107,7 +107,7 @@ def _speed_inputs(machine: Machine, gpus: list, load_mode: str, host_nodes: tupl
             pinned, src = measured, "measured by orchestrator probe"
         else:
             pinned, src = R.pcie_pinned_bandwidth(g.pcie_gen, g.pcie_width)
-        eff = pinned if load_mode == "pinned" else pinned * R.PAGEABLE_FRACTION
+        eff = pinned * (R.PINNED_COPY_EFFICIENCY if load_mode == "pinned" else R.PAGEABLE_FRACTION)
         h2d = eff if h2d is None else min(h2d, eff)
         notes.append(f"GPU{g.index} host->device {pinned / 1e9:.1f} GB/s pinned ({src})")
     host_bw = 0.0
@@ -180,7 +180,8 @@ def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mo
     if req.op_offload_min_batch is not None:
         threshold, why = req.op_offload_min_batch, "set by the topology"
     else:
-        threshold, why = op_offload_threshold(costs, placement, speed, max_batch=max(ub, 4096))
+        threshold, why = op_offload_threshold(costs, placement, speed, max_batch=max(ub, 4096),
+                                              min_batch=req.parallel + 1)
     tg, tg_bytes = predict_tg(costs, placement, speed, 0.0)
     pp = predict_pp(costs, placement, speed, ub, threshold)
     return _Candidate(ub, placement, threshold, why, tg, tg_bytes, pp, compute, overhead, speed)

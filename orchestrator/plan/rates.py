@@ -69,9 +69,16 @@ def cpu_flops_per_core(cpu_model: str | None) -> tuple[float, str]:
     return 25e9, f"assumed AVX2-class core ({m or 'unknown CPU'})"
 
 
-# Efficiency of streaming reads during token generation: llama.cpp reaches this fraction of the roofline.
+# Calibrated on the H200 machine (2026-11-29; docs/benchmarks.md, "Prediction"): Qwen3-30B-A3B q4_0 with 0, 18-20,
+# 22 and 48 layers of experts in host memory and a Qwen3-235B-A22B shape with 8 of 24, measured with
+# `orchestrator bench` and llama-bench. Generation: per token, bytes read on the GPU at GPU_TG_EFFICIENCY of the
+# data-sheet bandwidth plus GPU_LAYER_OVERHEAD_S per layer (334 t/s all on the GPU); a layer whose experts are in
+# host memory adds its expert bytes at CPU_TG_EFFICIENCY of the measured host bandwidth (53% of 98.7 GB/s) and
+# CROSS_DEVICE_LAYER_OVERHEAD_S for the hop GPU -> CPU -> GPU (two unknowns, fitted on two layer sizes).
 GPU_TG_EFFICIENCY = 0.6
-CPU_TG_EFFICIENCY = 0.55
-# Fixed time per generated token per layer for synchronisation and kernel launches (seconds).
-GPU_LAYER_OVERHEAD_S = 25e-6
-CROSS_DEVICE_LAYER_OVERHEAD_S = 40e-6   # a layer whose experts are on the CPU: activations go GPU->CPU->GPU
+CPU_TG_EFFICIENCY = 0.53
+GPU_LAYER_OVERHEAD_S = 49e-6
+CROSS_DEVICE_LAYER_OVERHEAD_S = 96e-6
+# Op offload of host-resident experts during prompt processing reached 66% of the probe's pinned bandwidth
+# (36.6 of 55.4 GB/s: per-layer synchronisation, expert-id reads); from mmap'd pages it ran at PAGEABLE_FRACTION.
+PINNED_COPY_EFFICIENCY = 0.66

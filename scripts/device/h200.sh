@@ -48,7 +48,7 @@ a)
   log "llama-bench, whole model on the GPU"
   timeout 60 "$BIN/llama-bench" -m "$Q30" -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o jsonl > "$O/llama-bench.jsonl" 2>"$O/llama-bench.err"
   log "probe"
-  timeout 60 orch probe --refresh --json > "$O/probe.json" 2>"$O/probe.err"; orch probe > "$O/probe.txt" 2>&1
+  timeout 60 python3 -m orchestrator probe --refresh --json > "$O/probe.json" 2>"$O/probe.err"; orch probe > "$O/probe.txt" 2>&1
   orch inspect --json --save "$O/h200.tar.gz" > "$O/inspect.json" 2>"$O/inspect.err"; orch inspect > "$O/inspect.txt" 2>&1
   for b in 8 12 16; do
     orch plan "$H200" --set "model.path=$Q30" --set "nodes.0.vram_limit=${b}GiB" --json > "$O/plan-q30-${b}g.json" 2>&1
@@ -64,17 +64,17 @@ a)
 b)
   DEADLINE=$(( t0 + 440 ))
   log "W1 12 GiB: plan / fit / cpu-moe"
-  timeout 170 orch bench "$H200" --set "model.path=$Q30" --progress plain --vram-budget 12GiB \
+  timeout 170 python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain --vram-budget 12GiB \
     --configs plan,fit,cpu-moe --rounds 1 --pp 8,32,64,128,512,4096 --pp-reps 2 --tg-depths 0,4096 \
     --concurrency 1,4 --ttft-requests 4 --max-minutes 2.6 --out "$O/w1-12g" > "$O/w1-12g.log" 2>&1
   log "W1 12 GiB sweeps: --n-cpu-moe x -ub (pinned), op-offload threshold ($(left) s left)"
-  timeout 200 orch bench "$H200" --set "model.path=$Q30" --progress plain --vram-budget 12GiB \
+  timeout 200 python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain --vram-budget 12GiB \
     --configs plan,ncmoe-sweep,offload-sweep --load-modes pinned --offload never,256 --rounds 1 \
     --pp 8,32,64,128,512,4096 --pp-reps 1 --tg-depths 0 --concurrency none --max-minutes 3.1 \
     --out "$O/w1-12g-sweep" > "$O/w1-12g-sweep.log" 2>&1
   log "W2: Qwen3-235B-A22B shape (24 layers) under 24 GiB ($(left) s left)"
   mins=$(python3 -c "print(max(0.3, ($(left) - 15) / 60))")
-  timeout $(( $(left) - 3 )) orch bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 24GiB \
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 24GiB \
     --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --concurrency none \
     --max-minutes "$mins" --out "$O/w2-24g" > "$O/w2-24g.log" 2>&1
   log "done"

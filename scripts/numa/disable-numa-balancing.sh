@@ -320,6 +320,9 @@ run() {
     CHILD=$!
     while :; do
         if IFS= read -r -t 0.2 -u "$sync" _; then break; fi
+        # a signal trapped during `read` can swallow the line: the registration (written before it) also says
+        # the command's process has reset its traps and may be signalled
+        grep -q "^$CHILD " "$HOLDER_FILE" 2>/dev/null && break
         kill -0 "$CHILD" 2>/dev/null || break   # died before it was ready
     done
     exec {sync}>&-
