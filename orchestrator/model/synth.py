@@ -347,7 +347,7 @@ def write_data(fd: int, specs: list[S.TensorSpec], *, seed: int = 0, pool_bytes:
                rng: _Rng | None = None) -> int:
     """Write the tensor data of ``specs`` (each padded to the alignment) to ``fd``; returns the bytes written.
 
-    Also used on its own by scripts/bench_synth_write.py to time the generator against /dev/null.
+    Also used on its own by scripts/bench/synth_write.py to time the generator against /dev/null.
     """
     wstyle = STYLES[style]
     rng = rng or _Rng(seed)

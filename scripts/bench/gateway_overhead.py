@@ -16,7 +16,7 @@ Modes:
 
 The gateway process's CPU time per streamed chunk is printed too (psutil), in every mode.
 
-  python benchmarks/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
+  python scripts/bench/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
 
 Without --model a small random llama GGUF (tests/cluster/cluster_tiny_model.py, --embd/--layers) is written to a
 temporary directory; its tokens come fast, which makes the gateway's share of each request as large as it gets.
@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
