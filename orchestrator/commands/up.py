@@ -56,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
 
     res = resolve(args.topology, overrides=parse_overrides(args.set) if args.set else None)
     dep = deployment_from(res)
+    if res.topology.workers.warmup:
+        from orchestrator.launch.warmup import drop_caches, warm
+
+        print(f"warm-up: {drop_caches()}", file=sys.stderr)
+        for spec in res.specs:
+            if spec.node is None:   # this machine; a remote node warms up through its own `up`
+                secs = warm(res.model.paths, spec.argv)
+                print(f"warm-up: read the model under {spec.name}'s NUMA policy in {secs:.1f}s", file=sys.stderr)
     for w, spec in zip(res.plan.workers, res.specs):
         print(f"worker {w.name}: GPUs {','.join(map(str, w.gpus)) or 'none'}; predicted tg {w.predicted.tg:.1f} t/s",
               file=sys.stderr)

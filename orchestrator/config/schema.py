@@ -84,18 +84,18 @@ class ModelConfig(Section):
 
     context: AutoInt(256, 16_777_216) = AUTO
     """Context size in tokens of each worker, shared by its parallel slots (llama-server `-c`). The plan never
-    shrinks a number you give: if it cannot fit, `plan` refuses with the numbers. auto: the plan chooses."""
+    shrinks a number you give: if it cannot fit, `plan` refuses with the numbers. auto: 8192."""
 
     parallel: AutoInt(1, 256) = AUTO
     """Parallel request slots per worker (llama-server `-np`); each slot gets context / parallel tokens
-    (unless the KV cache is unified). auto: the plan chooses."""
+    (unless the KV cache is unified). auto: 1."""
 
     cache_type_k: Choice(AUTO, *KV_TYPES_MAINLINE, *KV_TYPES_IK_ONLY) = AUTO
-    """KV cache type for K (`-ctk`). q6_0 and q8_KV exist only in ik_llama.cpp. auto: the plan chooses
-    (f16 unless memory is short)."""
+    """KV cache type for K (`-ctk`). q6_0 and q8_KV exist only in ik_llama.cpp. auto: f16, or q8_0 (with
+    flash attention) when an f16 cache would not fit the GPUs."""
 
     cache_type_v: Choice(AUTO, *KV_TYPES_MAINLINE, *KV_TYPES_IK_ONLY) = AUTO
-    """KV cache type for V (`-ctv`). A quantized V cache needs flash attention. auto: the plan chooses."""
+    """KV cache type for V (`-ctv`). A quantized V cache needs flash attention. auto: the same as K."""
 
     flash_attn: Choice(AUTO, "on", "off", bools=("on", "off")) = AUTO
     """Flash attention (`-fa on|off|auto`). auto leaves it to llama.cpp, which enables it where supported."""
@@ -167,11 +167,12 @@ class NodeConfig(Section):
     in the order of `gpus`. auto: each GPU's free memory less `vram_reserve`."""
 
     vram_reserve: AutoSize(0, 1 * TiB) = AUTO
-    """Memory left free on each GPU (for the CUDA context, other processes, fragmentation). auto: the plan
-    chooses a margin from the memory model."""
+    """Memory left free on each GPU beyond what the memory model predicts (CUDA context and kernels are
+    predicted; this is for other processes and fragmentation). auto: 512MiB."""
 
     ram_reserve: AutoSize(0, 64 * TiB) = AUTO
-    """Host memory left free on the node for the OS and other processes. auto: the plan chooses."""
+    """Host memory left free on the node for the OS and other processes. auto: 10% of the machine's RAM, at
+    least 1GiB and at most 8GiB."""
 
     @model_validator(mode="after")
     def _check(self) -> "NodeConfig":
@@ -199,11 +200,11 @@ class WorkersConfig(Section):
     chooses from the machine and the model's size."""
 
     gpu_group_size: AutoInt(1, 64) = AUTO
-    """GPUs per worker with layout gpu-group. auto: the plan chooses."""
+    """GPUs per worker with layout gpu-group. auto: the GPUs of one socket (by NUMA affinity) per worker."""
 
     replicas: AutoInt(1, 256) = AUTO
-    """How many copies of the layout to run (data parallel; the gateway balances between them). auto: the
-    plan chooses (1 unless the hardware holds more copies)."""
+    """How many copies of the layout to run (data parallel; the gateway balances between them). Replicas on
+    one machine share no CPU cores (each gets its own slice) and cannot share GPUs. auto: 1."""
 
     numa: Choice(AUTO, "bind", "interleave", "none") = AUTO
     """NUMA memory and CPU policy of each worker: bind (numactl --cpunodebind + --membind to the node nearest
@@ -231,10 +232,12 @@ class WorkersConfig(Section):
     bandwidth costs less than computing on the CPU."""
 
     batch: AutoInt(1, 1 << 17) = AUTO
-    """Logical batch size (`-b`). auto: sized so compute buffers fit (up to 4096)."""
+    """Logical batch size (`-b`). auto: 2048, or the micro-batch when that is larger."""
 
     ubatch: AutoInt(1, 1 << 17) = AUTO
-    """Physical micro-batch size (`-ub`), at most `batch`. auto: the plan chooses with `batch`."""
+    """Physical micro-batch size (`-ub`), at most `batch`. auto: the one of 512, 1024, 2048, 4096 with the
+    fastest predicted prompt processing among those within 3% of the best predicted generation speed (a bigger
+    micro-batch costs compute-buffer VRAM that could hold experts)."""
 
     split_mode: Choice(AUTO, "none", "layer", "row", "tensor", "graph") = AUTO
     """How a worker with several GPUs splits the model (`-sm`): none, layer, row and tensor (mainline),
@@ -245,8 +248,9 @@ class WorkersConfig(Section):
     fastest GPU copies), mlock (mmap locked in RAM). auto: pinned when RAM allows, else mmap."""
 
     warmup: Bool = False
-    """Drop the page cache and read the model once before starting (needs root for drop_caches). Off by
-    default: dropping caches affects every process on the machine."""
+    """Before `up` starts the workers: drop the page cache (needs root; otherwise it is kept, with a note) and
+    read the model once under each local worker's own NUMA policy, so memory-mapped weights land on the nodes
+    that will read them. Off by default: dropping caches affects every process on the machine."""
 
     host: Host("an IP address or host name", nullable=True) = None
     """Address each llama-server listens on. null: 127.0.0.1 when the worker runs where the gateway runs,

@@ -25,7 +25,9 @@ def render_args(*, backend: BackendInfo, model_path: str, n_ctx: int, parallel: 
                 a += ["-mg", str(main_gpu)]
         if override:
             a += ["-ot", override]
-        if ik and op_offload_min_batch is not None and backend.has("cuda_params"):
+        if op_offload_min_batch is not None and op_offload_min_batch >= (1 << 30) and backend.has("no_op_offload"):
+            a.append("--no-op-offload")
+        elif ik and op_offload_min_batch is not None and backend.has("cuda_params"):
             a += ["-cuda", f"offload-batch-size={op_offload_min_batch}"]
     else:
         a += ["-ngl", "0"]

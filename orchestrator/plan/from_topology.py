@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.config import Topology
-from orchestrator.plan.request import NodeRequest, PlanRequest
+from orchestrator.plan.request import OFFLOAD_NEVER, NodeRequest, PlanRequest
 from orchestrator.units import GiB, MiB
 
 AUTO = "auto"
@@ -53,11 +53,12 @@ def request_from_topology(topo: Topology, *, ram_totals: dict[str, int | None] |
     ctv = _auto(m.cache_type_v, ctk)
     alias = m.alias or Path(str(m.path)).name.removesuffix(".gguf")
     op = w.op_offload_min_batch
-    op_val = None if op in (AUTO, None) else (1 << 30 if op == "off" else int(op))
+    op_val = None if op in (AUTO, None) else (OFFLOAD_NEVER if op == "off" else int(op))
     dnb = w.disable_numa_balancing
     return PlanRequest(
         context=int(_auto(m.context, DEFAULT_CONTEXT)), parallel=int(_auto(m.parallel, 1)),
-        type_k=ctk, type_v=ctv, flash_attn=_auto(m.flash_attn, "auto"), alias=alias,
+        type_k=ctk, type_v=ctv, kv_auto=m.cache_type_k in (AUTO, None) and m.cache_type_v in (AUTO, None),
+        gpu_group_size=_auto(w.gpu_group_size), flash_attn=_auto(m.flash_attn, "auto"), alias=alias,
         flavor=_auto(topo.backend.flavor), nodes=tuple(nodes), layout=w.layout, replicas=_auto(w.replicas),
         numa=w.numa, smt=w.smt, threads=_auto(w.threads), threads_batch=_auto(w.threads_batch),
         disable_numa_balancing=True if dnb in (AUTO, None) else bool(dnb),

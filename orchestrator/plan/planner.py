@@ -19,7 +19,7 @@ from orchestrator.plan.placement import (
     place_single,
 )
 from orchestrator.plan.predict import SpeedInputs, op_offload_threshold, predict_pp, predict_tg
-from orchestrator.plan.request import NodeRequest, PlanRequest
+from orchestrator.plan.request import OFFLOAD_NEVER, NodeRequest, PlanRequest
 from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, Plan, Prediction, WorkerPlan
 from orchestrator.units import GiB, MiB, fmt_bytes
 
@@ -50,7 +50,7 @@ class _Candidate:
 def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on", flavor: str = "mainline"
                ) -> list[int]:
     return M.kv_by_layer(model, n_ctx=req.context, n_parallel=req.parallel, type_k=req.type_k, type_v=req.type_v,
-                         n_ubatch=ub, n_batch=max(ub, 2048), flash_attn=fa != "off", flavor=flavor)
+                         n_ubatch=ub, n_batch=_n_batch(req, ub), flash_attn=fa != "off", flavor=flavor)
 
 
 def _flash_attn(req: PlanRequest, has_gpu: bool) -> str:
@@ -153,7 +153,7 @@ def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mo
     overhead = M.cuda_overhead(model, ub)
 
     def budgets_for(staging: int) -> tuple[list[GpuBudget], int]:
-        compute = M.gpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+        compute = M.gpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
                                       n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
                                       type_v=req.type_v, has_output=True, staging=staging, flavor=flavor)
         out = []
@@ -185,6 +185,10 @@ def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mo
     tg, tg_bytes = predict_tg(costs, placement, speed, 0.0)
     pp = predict_pp(costs, placement, speed, ub, threshold)
     return _Candidate(ub, placement, threshold, why, tg, tg_bytes, pp, compute, overhead, speed)
+
+
+def _n_batch(req: PlanRequest, ub: int) -> int:
+    return max(req.batch or 2048, ub)
 
 
 def _choose(cands: list[_Candidate]) -> _Candidate:
@@ -297,7 +301,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
             f"{fmt_bytes(sum(kv_layer))} on the GPU first; routed experts by whole layers in the rest; "
             f"{n_cpu_exp} layers of experts ({fmt_bytes(sum(costs.layer_experts[i] for i in placement.cpu_expert_layers))}) "
             f"in host memory" + (" (forced)" if req.expert_layers_on_cpu is not None else "")))
-        decisions.append(Decision("ubatch", f"-b {max(best.ubatch, 2048)} -ub {best.ubatch}",
+        decisions.append(Decision("ubatch", f"-b {_n_batch(req, best.ubatch)} -ub {best.ubatch}",
                                   "candidates " + ", ".join(f"ub {c.ubatch}: tg {c.tg:.1f} t/s, pp4096 "
                                                             f"{c.pp.get(4096, 0):.0f} t/s" for c in cands)
                                   + " -> fastest prompt within 3% of the best generation"))
@@ -312,7 +316,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
             memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
                                        compute=best.compute_gpu, overhead=best.overhead_gpu,
                                        budget=free - node_req.vram_reserve))
-        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
                                           n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
                                           type_v=req.type_v, has_layers=placement.n_gpu_layers <= model.n_layers,
                                           has_output=placement.n_gpu_layers <= model.n_layers, flavor=flavor)
@@ -334,13 +338,13 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                   "bound to one node: read the weights into memory allocated under the binding (mmap'd pages "
                   "stay wherever the page cache put them)" if bind else "memory-mapped (the default)")
         decisions.append(Decision("gpus", "none", "no GPU selected or present: everything in host memory"))
-        decisions.append(Decision("ubatch", f"-b {max(ub, 2048)} -ub {ub}", "CPU prompt speed barely depends on it"))
+        decisions.append(Decision("ubatch", f"-b {_n_batch(req, ub)} -ub {ub}", "CPU prompt speed barely depends on it"))
         decisions.append(Decision("load mode", "read" if load_mode == "pinned" else load_mode, lm_why))
         speed, _ = _speed_inputs(machine, [], load_mode, cpu.host_nodes, cpu.threads)
         tg, tg_bytes = predict_tg(costs, placement, speed)
         pp = predict_pp(costs, placement, speed, ub, None)
         pred = Prediction(pp=pp, tg=tg, tg_bytes_per_token=tg_bytes)
-        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=max(ub, 2048), n_ctx=n_ctx,
+        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
                                           n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
                                           type_v=req.type_v, has_layers=True, has_output=True, flavor=flavor)
         memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
@@ -366,14 +370,15 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         decisions.append(Decision("warning", "weights exceed RAM",
                                   f"{fmt_bytes(host.total)} in host memory vs {fmt_bytes(avail_host)} available: "
                                   f"weights will be re-read from disk (slow)"))
-    if threshold is not None and backend.flavor == "mainline":
+    if threshold is not None and backend.flavor == "mainline" and not (
+            threshold >= OFFLOAD_NEVER and backend.has("no_op_offload")):
         env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
     ot = cpu_expert_override(
         [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ""
     args = render_args(
         backend=backend, model_path=model.paths[0], n_ctx=n_ctx, parallel=req.parallel, placement=placement,
         n_gpus=len(gpus), override=ot, main_gpu=(gpus.index(main) if gpus and len(gpus) > 1 else None),
-        threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=max(ub, 2048), n_ubatch=ub, flash_attn=fa,
+        threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=_n_batch(req, ub), n_ubatch=ub, flash_attn=fa,
         type_k=req.type_k, type_v=req.type_v, load_mode=load_mode, numa_flag=cpu.numa.numa_flag,
         op_offload_min_batch=threshold, host=req.host, port=port, alias=req.alias, extra=req.extra_args,
     )
@@ -383,7 +388,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         placement=_ranges(placement, model.n_layers, gpu_names), memory=tuple(memory), predicted=pred,
         decisions=tuple(decisions), model_alias=req.alias,
         cpu_expert_layers=tuple(i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0),
-        op_offload_min_batch=threshold, n_ubatch=ub, n_batch=max(ub, 2048), load_mode=load_mode,
+        op_offload_min_batch=threshold, n_ubatch=ub, n_batch=_n_batch(req, ub), load_mode=load_mode,
     )
 
 
@@ -439,6 +444,20 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
             pg = tuple(g.index for g in machine.gpus if g.index in gpus and machine.nearest_cpu_node(g) in node_ids)
             out.append((pg, p.id, None))
         return out, Decision("layout", f"socket x{len(out)}", why)
+    if layout == "gpu-group" and req.gpu_group_size:
+        size = req.gpu_group_size
+        if not gpus:
+            raise PlanError("workers.layout: 'gpu-group' needs GPUs, and none are selected")
+        if len(gpus) % size:
+            raise PlanError(f"workers.gpu_group_size: {size} does not divide the {len(gpus)} selected GPUs "
+                            f"{list(gpus)}: choose a divisor, or leave it out for one group per socket")
+        out = []
+        for k in range(0, len(gpus), size):
+            grp = tuple(gpus[k:k + size])
+            node = machine.nearest_cpu_node(next(g for g in machine.gpus if g.index == grp[0]))
+            pkg = next((p.id for p in packages if node in p.nodes), None)
+            out.append((grp, pkg, None))
+        return out, Decision("layout", f"gpu-group x{len(out)}", why + f" ({size} GPUs per worker)")
     if layout == "gpu-group":
         groups: dict[int | None, list[int]] = {}
         for g in machine.gpus:
@@ -456,7 +475,27 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
 
 def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: PlanRequest,
               backend: BackendInfo) -> Plan:
-    """The whole deployment: workers on every node of the topology."""
+    """The whole deployment: workers on every node of the topology. When the topology left the KV cache type
+    to the plan and an f16 cache does not fit, the plan uses q8_0 (with flash attention) and says so."""
+    try:
+        return _make_plan(machines=machines, model=model, request=request, backend=backend)
+    except PlanError as first:
+        if not (request.kv_auto and request.type_k == "f16" and request.type_v == "f16"):
+            raise
+        q8 = request.copy(type_k="q8_0", type_v="q8_0", kv_auto=False,
+                          flash_attn="on" if request.flash_attn == "auto" else request.flash_attn)
+        try:
+            plan = _make_plan(machines=machines, model=model, request=q8, backend=backend)
+        except PlanError:
+            raise first from None
+        why = Decision("KV cache", "q8_0", f"an f16 cache does not fit ({first}); q8_0 halves it")
+        from dataclasses import replace
+
+        return replace(plan, decisions=(why, *plan.decisions))
+
+
+def _make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: PlanRequest,
+               backend: BackendInfo) -> Plan:
     costs = model_costs(model)
     if costs.n_expert and costs.n_expert_used > costs.n_expert:
         raise PlanError(f"{model.paths[0]}: expert_used_count {costs.n_expert_used} > expert_count {costs.n_expert}")

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 
+OFFLOAD_NEVER = 1 << 30
+
+
 @dataclass(frozen=True)
 class NodeRequest:
     """One machine of the topology."""
@@ -36,6 +39,7 @@ class PlanRequest:
     parallel: int = 1                        # concurrent slots per worker (llama-server -np)
     type_k: str = "f16"
     type_v: str = "f16"
+    kv_auto: bool = False                    # the topology left the cache type to the plan: q8_0 if f16 won't fit
     flash_attn: str = "auto"                 # "auto" | "on" | "off"
     alias: str = "model"
     # backend
@@ -44,13 +48,14 @@ class PlanRequest:
     nodes: tuple[NodeRequest, ...] = (NodeRequest(),)
     # workers
     layout: str = "auto"                     # "auto" | "machine" | "socket" | "gpu-group"
+    gpu_group_size: int | None = None        # GPUs per worker with layout gpu-group (None = one socket's GPUs)
     replicas: int | None = None              # per machine, for layout "machine" (None = 1)
     numa: str = "auto"                       # "auto" | "bind" | "interleave" | "none"
     smt: str = "auto"                        # "auto" | "on" | "off"
     threads: int | None = None
     threads_batch: int | None = None
     disable_numa_balancing: bool = True
-    op_offload_min_batch: int | None = None  # None = computed
+    op_offload_min_batch: int | None = None  # None = computed; OFFLOAD_NEVER = never (--no-op-offload)
     batch: int | None = None                 # -b
     ubatch: int | None = None                # -ub
     split_mode: str = "auto"                 # "auto" | "none" | "layer" | "row" | "tensor" | "graph"

@@ -173,3 +173,27 @@ def test_model_that_cannot_fit_anywhere_is_refused_with_numbers(models):
     m = with_gpu_free(machine("1socket-1gpu-24g"), 2 * GiB)
     with pytest.raises(PlanError, match=r"GiB"):
         plan1(m, models("deepseek-v3"))
+
+
+def test_auto_kv_cache_falls_back_to_q8_0_when_f16_does_not_fit(models):
+    q30 = models("qwen3-30b-a3b")
+    m = machine("1socket-1gpu-24g")
+    # 48 layers x 4 KV heads x 128 x 2 (K,V) x 2 bytes = 96 KiB per token: 512k tokens of f16 KV = 48 GiB
+    with pytest.raises(PlanError):
+        plan1(m, q30, context=524288)
+    p = plan1(m, q30, context=524288, kv_auto=True)
+    w = p.workers[0]
+    assert (arg(w, "-ctk"), arg(w, "-ctv"), arg(w, "-fa")) == ("q8_0", "q8_0", "on")
+    assert p.decisions[0].what == "KV cache"
+
+
+def test_batch_and_gpu_groups_and_never_offload_follow_the_topology(models):
+    m = machine("2socket-8gpu")
+    q235 = models("qwen3-235b-a22b")
+    p = plan1(m, q235, layout="gpu-group", gpu_group_size=2, batch=8192, op_offload_min_batch=1 << 30)
+    assert [w.gpus for w in p.workers] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    for w in p.workers:
+        assert arg(w, "-b") == "8192"
+        assert "--no-op-offload" in w.args and "GGML_OP_OFFLOAD_MIN_BATCH" not in w.env
+    with pytest.raises(PlanError, match="gpu_group_size: 3 does not divide"):
+        plan1(m, q235, layout="gpu-group", gpu_group_size=3)
