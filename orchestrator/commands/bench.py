@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument("--tg-depths", type=_ints, default=(0, 4096), metavar="N,...",
                      help="context depths for generation (default 0,4096; none = skip)")
     how.add_argument("--tg-tokens", type=int, default=128, help="tokens generated per depth (default 128)")
+    how.add_argument("--tg-reps", type=int, default=2,
+                     help="generation runs per depth per start (default 2; one 128-token run varied by +-10%% "
+                          "between identical starts on the H200)")
     how.add_argument("--concurrency", type=_ints, default=(1, 4), metavar="N,...",
                      help="concurrent streamed requests for time to first token (default 1,4; none = skip)")
     how.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of those requests (default 128)")
@@ -202,12 +205,13 @@ def run(args: argparse.Namespace) -> int:
             budget = parse_size(args.vram_budget)
         except ValueError as e:
             raise ConfigError(f"--vram-budget: {e}") from None
-    for flag, v in (("--pp-reps", args.pp_reps), ("--tg-tokens", args.tg_tokens), ("--ttft-prompt", args.ttft_prompt),
+    for flag, v in (("--pp-reps", args.pp_reps), ("--tg-tokens", args.tg_tokens), ("--tg-reps", args.tg_reps),
+                    ("--ttft-prompt", args.ttft_prompt),
                     ("--ttft-requests", args.ttft_requests)):
         if v < 1:
             raise ConfigError(f"{flag} must be at least 1, got {v}")
     workload = Workload(pp=args.pp, pp_reps=args.pp_reps, tg_depths=args.tg_depths, tg_tokens=args.tg_tokens,
-                        concurrency=args.concurrency, ttft_prompt=args.ttft_prompt,
+                        tg_reps=args.tg_reps, concurrency=args.concurrency, ttft_prompt=args.ttft_prompt,
                         ttft_requests=args.ttft_requests, warmup=not args.no_warmup)
     if args.server_verbosity == "none":
         verbosity = None
