@@ -13,14 +13,16 @@ from orchestrator.paths import REPO_ROOT
 from orchestrator.resolve import nominal_backend, resolve
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-CASES = [
-    ("1socket-1gpu-24g", "qwen3-30b-a3b", "q8_0", "mainline"),
-    ("1socket-1gpu-24g", "qwen3-30b-a3b", "q4_0", "mainline"),
-    ("2socket-2gpu", "qwen3-235b-a22b", "q4_0", "mainline"),
-    ("2socket-2gpu", "gpt-oss-120b", "q8_0", "mainline"),
-    ("2socket-8gpu", "deepseek-v3", "q4_0", "mainline"),
-    ("2socket-8gpu", "qwen3-235b-a22b", "q4_0", "mainline"),
-    ("2socket-8gpu", "deepseek-v3", "q4_0", "ik_llama.cpp"),
+CASES = [  # (topology, model shape, quant, flavor, overrides): 1, 2, 4 and 8 GPUs
+    ("1socket-1gpu-24g", "qwen3-30b-a3b", "q8_0", "mainline", {}),
+    ("1socket-1gpu-24g", "qwen3-30b-a3b", "q4_0", "mainline", {}),
+    ("2socket-2gpu", "qwen3-235b-a22b", "q4_0", "mainline", {}),
+    ("2socket-2gpu", "gpt-oss-120b", "q8_0", "mainline", {}),
+    ("2socket-8gpu", "deepseek-v3", "q4_0", "mainline", {}),
+    ("2socket-8gpu", "qwen3-235b-a22b", "q4_0", "mainline", {}),
+    ("2socket-8gpu", "deepseek-v3", "q4_0", "ik_llama.cpp", {}),
+    ("2socket-8gpu", "qwen3-235b-a22b", "q4_0", "mainline", {"nodes.0.gpus": [0, 1, 2, 3]}),
+    ("2socket-8gpu", "deepseek-v3", "q4_0", "mainline", {"workers.layout": "gpu-group"}),
 ]
 
 
@@ -36,13 +38,21 @@ def render(res, model_path: Path) -> str:
     return "\n".join(out)
 
 
-@pytest.mark.parametrize("topology,like,quant,flavor", CASES, ids=lambda x: str(x))
-def test_golden_commands(topology, like, quant, flavor, model_dir):
+def _case_id(case) -> str:
+    topology, like, quant, flavor, over = case
+    extra = "".join(f"__{k.split('.')[-1]}={'-'.join(map(str, v)) if isinstance(v, list) else v}"
+                    for k, v in over.items())
+    return f"{topology}__{like}-{quant}__{flavor}{extra}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_golden_commands(case, model_dir):
+    topology, like, quant, flavor, over = case
     model = shape_model(model_dir, like, quant)
-    res = resolve(REPO_ROOT / "topologies" / f"{topology}.yaml", overrides={"model.path": model.paths[0]},
+    res = resolve(REPO_ROOT / "topologies" / f"{topology}.yaml", overrides={"model.path": model.paths[0], **over},
                   backend=nominal_backend(flavor, cuda=True))
     text = render(res, Path(model.paths[0]))
-    golden = GOLDEN / f"{topology}__{like}-{quant}__{flavor}.txt"
+    golden = GOLDEN / f"{_case_id(case)}.txt"
     if os.environ.get("ORCHESTRATOR_UPDATE_GOLDEN") == "1":
         golden.write_text(text)
     assert golden.exists(), f"missing golden file {golden} (ORCHESTRATOR_UPDATE_GOLDEN=1 writes it)"
