@@ -62,13 +62,21 @@ class Balancing:
                               timeout=timeout, **kw)
 
     def start_child(self, name: str, linger: float = 0.0) -> "Child":
+        # preexec: a signal ignored when bash starts cannot be trapped (bash manual), and a run under `nohup`
+        # (as CI may be) hands SIGHUP down ignored: give the wrapper default dispositions as a shell would
         d = self.tmp / name
         d.mkdir()
         p = subprocess.Popen([str(SCRIPT), "bash", "-c", CHILD, "child", str(d)],
                              env={**self.env, "LINGER": str(linger)}, start_new_session=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=default_signals)
         self.children.append(Child(p, d))
         return self.children[-1]
+
+
+def default_signals() -> None:
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 class Child:
