@@ -57,25 +57,17 @@ def fmt_bytes(n: int | float | None, *, precision: int = 1) -> str:
 def parse_cpulist(text: str) -> tuple[int, ...]:
     """Parse a Linux list string (``"0-3,8,10-11"``; also ``"0-15:4"`` strides) into sorted unique ints."""
     out: set[int] = set()
-    text = text.strip()
-    if not text:
-        return ()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
+    for item in text.replace(" ", "").replace("\n", "").split(","):
+        if not item:
             continue
-        stride = 1
-        if ":" in part:
-            part, s = part.split(":", 1)
-            stride = int(s)
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            a, b = int(lo), int(hi)
-            if b < a:
-                raise ValueError(f"bad range {part!r} in list {text!r}")
-            out.update(range(a, b + 1, stride))
-        else:
-            out.add(int(part))
+        rng, _, stride = item.partition(":")
+        lo, sep, hi = rng.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (stride and not stride.isdigit()):
+            raise ValueError(f"bad CPU/node list {text!r}: expected items like 3 or 0-7 separated by commas")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"bad CPU/node list {text!r}: range {item} goes backwards")
+        out.update(range(a, b + 1, int(stride) if stride else 1))
     return tuple(sorted(out))
 
 

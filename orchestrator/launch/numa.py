@@ -9,38 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
+from orchestrator.units import format_cpulist, parse_cpulist  # noqa: F401  (re-exported: the kernel's list format)
+
 NumaMode = Literal["bind", "interleave", "none"]
 MODES: tuple[str, ...] = ("bind", "interleave", "none")
-
-
-def parse_cpulist(text: str) -> tuple[int, ...]:
-    """``"0-3,8,10-11"`` -> ``(0, 1, 2, 3, 8, 10, 11)`` (the kernel's list format; sorted, unique)."""
-    out: set[int] = set()
-    for item in text.replace(" ", "").replace("\n", "").split(","):
-        if not item:
-            continue
-        lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad CPU/node list {text!r}: expected items like 3 or 0-7 separated by commas")
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a:
-            raise ValueError(f"bad CPU/node list {text!r}: range {item} goes backwards")
-        out.update(range(a, b + 1))
-    return tuple(sorted(out))
-
-
-def format_cpulist(values: Iterable[int]) -> str:
-    """``(0, 1, 2, 3, 8, 10, 11)`` -> ``"0-3,8,10-11"`` (what numactl and sysfs write)."""
-    nums = sorted(set(int(v) for v in values))
-    parts: list[str] = []
-    i = 0
-    while i < len(nums):
-        j = i
-        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
-            j += 1
-        parts.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def _ints(name: str, values: Iterable[int]) -> tuple[int, ...]:
