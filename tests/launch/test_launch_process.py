@@ -53,7 +53,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def completion(url: str, prompt: str = "hello") -> dict:
-    req = urllib.request.Request(f"{url}/completion", data=json.dumps({"prompt": prompt, "n_predict": 4}).encode(),
+    req = urllib.request.Request(f"{url}/completion", data=json.dumps({"prompt": prompt, "n_predict": 4, "ignore_eos": True}).encode(),
                                  headers={"Content-Type": "application/json"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=60) as r:
