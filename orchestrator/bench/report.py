@@ -6,33 +6,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from orchestrator.bench.summary import _metric_order
+from orchestrator.fsutil import write_atomic
 from orchestrator.units import fmt_bytes
 
 _PP = re.compile(r"^pp(\d+)$")
 _TG = re.compile(r"^tg(\d+)@(\d+)$")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:

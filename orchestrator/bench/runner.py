@@ -31,7 +31,8 @@ from orchestrator.bench.configs import BenchConfig, has_flag
 from orchestrator.bench.logparse import parse_server_log
 from orchestrator.bench.measure import MeasureError, Workload, pp_reps, run_measure
 from orchestrator.bench.progress import Progress, make_progress
-from orchestrator.bench.report import render_text, write_atomic, write_charts, write_json
+from orchestrator.bench.report import render_text, write_charts, write_json
+from orchestrator.fsutil import write_atomic
 from orchestrator.bench.sampler import Nvml, ResourceSampler, gpu_free
 from orchestrator.bench.server import Launcher, default_launcher, free_port
 from orchestrator.bench.summary import ratios, summarize

@@ -7,12 +7,11 @@ renamed, so a reader never sees half a file.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from orchestrator.fsutil import write_atomic
 from orchestrator.paths import state_dir
 
 
@@ -51,18 +50,7 @@ def state_path(namespace: str) -> Path:
 def write(st: ClusterState) -> Path:
     path = state_path(st.namespace)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(st.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    return write_atomic(path, st.to_json(), mode=0o600)
 
 
 def read(namespace: str) -> ClusterState | None:
