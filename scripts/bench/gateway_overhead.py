@@ -18,7 +18,7 @@ The gateway process's CPU time per streamed chunk is printed too (psutil), in ev
 
   python scripts/bench/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
 
-Without --model a small random llama GGUF (tests/cluster/cluster_tiny_model.py, --embd/--layers) is written to a
+Without --model a small random llama GGUF (tests/tiny_llama.py, --embd/--layers) is written to a
 temporary directory; its tokens come fast, which makes the gateway's share of each request as large as it gets.
 """
 
@@ -49,7 +49,7 @@ def free_port() -> int:
 
 
 def tiny_model(path: Path, embd: int, layers: int) -> Path:
-    spec = importlib.util.spec_from_file_location("cluster_tiny_model", REPO / "tests/cluster/cluster_tiny_model.py")
+    spec = importlib.util.spec_from_file_location("tiny_llama", REPO / "tests/tiny_llama.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.write_tiny_llama(path, n_embd=embd, n_layer=layers, n_head=max(1, embd // 64), n_ff=embd * 2)

@@ -14,10 +14,10 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))        # tests/: the shared tiny model writer
 
-from cluster_tiny_model import write_tiny_llama  # noqa: E402
+from tiny_llama import write_tiny_llama  # noqa: E402
 
 __all__ = ["write_tiny_llama", "free_port", "llama_spec", "http_json", "post_json", "stream_completion",
            "llama_servers", "ray_processes_of", "wait_for"]

@@ -3,58 +3,13 @@
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-
-def write_tiny_llama(path: Path, *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4, n_ff: int = 128) -> Path:
-    """A complete, loadable llama-architecture GGUF of about 0.5 MB (f32, random weights, byte-fallback SPM vocab)."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("orchestrator-test-tiny-llama")
-    w.add_context_length(256)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + ["\u2581a", "\u2581b", "\u2581hello"]
-    types = [2, 3, 3] + [6] * 256 + [1, 1, 1]          # unknown, control, control, bytes, normal
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    rng = np.random.default_rng(0)
-    vocab = len(tokens)
-
-    def rand(name: str, *shape: int) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
-
-    rand("token_embd.weight", vocab, n_embd)
-    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
-    rand("output.weight", vocab, n_embd)
-    for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
-        for part in ("q", "k", "v", "output"):
-            rand(f"blk.{i}.attn_{part}.weight", n_embd, n_embd)
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
-        rand(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
-        rand(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
-        rand(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: the shared tiny model writer
+from tiny_llama import write_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
