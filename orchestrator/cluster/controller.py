@@ -26,6 +26,7 @@ from orchestrator.cluster.view import describe_binding, describe_devices
 from orchestrator.launch.spec import LaunchSpec
 
 TICK_S = 0.5
+STARTING_TICK_S = 0.1    # until the deployment is ready: each tick only polls, and readiness shows sooner
 STALE_S = 5.0            # a replica whose last status is older than this is not routed to
 SCHEDULE_TIMEOUT_S = 60  # a worker actor not running after this long cannot be placed
 PUSH_EVERY_S = 5.0       # the routing table is re-sent this often even when unchanged (a restarted gateway)
@@ -452,12 +453,13 @@ class ControllerActor:
 
     def _loop(self) -> None:
         while not self._quit.is_set():
+            phase = STARTING
             try:
                 with self._lock:
-                    self.ctrl.update()
+                    phase = self.ctrl.update()
             except Exception:
                 self.loop_error = traceback.format_exc(limit=3).strip().splitlines()[-1]
-            self._quit.wait(TICK_S)
+            self._quit.wait(STARTING_TICK_S if phase == STARTING else TICK_S)
 
     def status(self) -> dict:
         with self._lock:

@@ -33,7 +33,7 @@ from orchestrator.errors import ClusterError, ConfigError, LaunchError
 
 CONTROLLER = "controller"
 CONTROLLER_RESTARTS = 3     # Ray restarts a crashed controller; it starts the deployment again
-POLL_S = 0.5
+POLL_S = 0.2
 
 
 @dataclass

@@ -18,11 +18,12 @@ from typing import Callable
 from orchestrator.cluster.deployment import RestartPolicy
 from orchestrator.cluster.metrics import MetricsSink, WorkerSampler
 from orchestrator.cluster.procs import RAY_INJECTED_ENV, Launcher, LocalLauncher
-from orchestrator.cluster.supervisor import FAILED, STOPPED, Supervisor, port_busy
+from orchestrator.cluster.supervisor import FAILED, STARTING, STOPPED, Supervisor, port_busy
 from orchestrator.cluster.view import describe_binding, describe_devices
 from orchestrator.launch.spec import LaunchSpec
 
 TICK_S = 0.25
+STARTING_TICK_S = 0.1   # while llama-server loads: /health is probed this often, so ready shows sooner
 SAMPLE_S = 2.0
 
 
@@ -101,7 +102,7 @@ class WorkerActor:
                 self.step()
             except Exception:  # never let one failed step end supervision
                 self._loop_error = traceback.format_exc(limit=3).strip().splitlines()[-1]
-            self._quit.wait(TICK_S)
+            self._quit.wait(STARTING_TICK_S if self.sup.state == STARTING else TICK_S)
 
     def step(self) -> None:
         with self._lock:
