@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--server", required=True, help="llama-server binary")
         p.add_argument("--out", required=True, type=Path)
         p.add_argument("--models", type=Path, default=None, help="where to write the generated models (sparse)")
-        p.add_argument("--only", default=None, help="run only cases whose name contains this")
+        p.add_argument("--only", default=None, help="run only cases whose name contains one of these (comma-separated)")
         p.add_argument("--timeout", type=float, default=300.0)
     p = sub.add_parser("grid")
     p.add_argument("--server", required=True, help="llama-server binary")
@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("cpu", "gpu"):
         cases = CPU_CASES if args.cmd == "cpu" else GPU_CASES
         if args.only:
-            cases = [c for c in cases if args.only in c.name]
+            terms = [t for t in args.only.split(",") if t]
+            cases = [c for c in cases if any(t in c.name for t in terms)]
         res = run_cases(cases, args.server, args.out, model_dir=models, timeout=args.timeout)
         return 0 if all(r["loaded"] for r in res) else 1
     rows, ok = report(args.dirs, model_dir=models)

@@ -6,10 +6,18 @@
 #                                   # W1 (Qwen3-30B-A3B q4_0 under 12 GiB): plan vs --fit vs --cpu-moe, round 1
 #   bash scripts/device/h200.sh b   # W1 round 2 and the sweeps, `up` on the GPU, W2 (235B shape, 24 GiB)
 #
+# The second session (same day), three commands back to back:
+#   bash scripts/device/h200.sh c   # build + W1 model, bytecode compiled as pip would, the GPU-marked tests,
+#                                   # the memory model's mixed CPU/GPU calibration cases
+#   bash scripts/device/h200.sh d   # W1 12 GiB: plan / --fit / plan again (A/A) / --n-cpu-moe 18, two rounds,
+#                                   # three tg samples per start; W1 at 8 and 16 GiB: plan / --fit
+#   bash scripts/device/h200.sh e   # `up` proof again (ready time), gateway overhead on the GPU, the
+#                                   # --n-cpu-moe x -ub sweep around the plan with repeated tg samples
+#
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b}
+PHASE=${1:?phase: a | b | c | d | e}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -77,6 +85,74 @@ b)
   timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 24GiB \
     --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --concurrency none \
     --max-minutes "$mins" --out "$O/w2-24g" > "$O/w2-24g.log" 2>&1
+  log "done"
+  ;;
+c)
+  DEADLINE=$(( t0 + 545 ))
+  { nvidia-smi; numactl -H; nproc; free -g; df -h /root; } > "$O/machine.txt" 2>&1
+  log "build (background), bytecode (background, as pip install does), W1 model, GPU-marked tests without llama-server"
+  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
+  BUILD=$!
+  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
+  ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) > "$O/synth.log" 2>&1
+  timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/hardware/test_probe.py \
+    tests/hardware/test_live.py tests/cluster/test_cluster_metrics.py tests/bench/test_ballast.py \
+    tests/bench/test_sampler.py > "$O/pytest-gpu.txt" 2>&1
+  log "pytest rc=$?"; tail -2 "$O/pytest-gpu.txt"
+  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
+  [ $rc -eq 0 ] || exit 1
+  wait
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
+  log "server $SERVER"
+  log "GPU-marked bench test with the CUDA llama-server"
+  LLAMA_SERVER=$SERVER timeout 60 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/bench/test_runner.py \
+    > "$O/pytest-gpu-runner.txt" 2>&1
+  log "pytest rc=$?"; tail -2 "$O/pytest-gpu-runner.txt"
+  log "memory model: mixed CPU/GPU calibration cases ($(left) s left)"
+  timeout $(( $(left) - 12 )) python3 -m orchestrator.model.calibrate gpu --server "$SERVER" --out "$O/calib-gpu" \
+    --models "$W/calib-models" --only cpu-moe-c --timeout 120 > "$O/calib-gpu.log" 2>&1
+  log "calibration rc=$?"
+  timeout 8 python3 -m orchestrator.model.calibrate report "$O/calib-gpu" --models "$W/calib-models" \
+    > "$O/calib-gpu-report.txt" 2>&1
+  tail -4 "$O/calib-gpu-report.txt"
+  log "done"
+  ;;
+d)
+  DEADLINE=$(( t0 + 500 ))
+  SERVER=$(ls "$ORCHESTRATOR_CACHE"/llama.cpp/mainline-cuda-*/bin/llama-server 2>/dev/null | head -1)
+  [ -n "$SERVER" ] || { echo "no CUDA build on this machine (run phase c first)"; exit 1; }
+  [ -f "$Q30" ] || { echo "no W1 model on this machine"; exit 1; }
+  log "W1 12 GiB: plan / fit / plan again / --n-cpu-moe 18, 2 rounds, 3 tg samples per start"
+  timeout 320 python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain --vram-budget 12GiB \
+    --configs plan,fit,control,ncmoe-sweep --ncmoe 18 --ub 1024 --load-modes pinned --rounds 2 \
+    --pp 8,32,128,512,4096 --pp-reps 2 --tg-depths 0,4096 --tg-reps 3 --concurrency none --max-minutes 5.2 \
+    --out "$O/w1-12g" > "$O/w1-12g.log" 2>&1
+  log "W1 8 GiB: plan / fit ($(left) s left)"
+  timeout 100 python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain --vram-budget 8GiB \
+    --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency none \
+    --max-minutes 1.5 --out "$O/w1-8g" > "$O/w1-8g.log" 2>&1
+  log "W1 16 GiB: plan / fit ($(left) s left)"
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
+    --vram-budget 16GiB --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 \
+    --concurrency none --max-minutes 1.5 --out "$O/w1-16g" > "$O/w1-16g.log" 2>&1
+  log "done"
+  ;;
+e)
+  DEADLINE=$(( t0 + 480 ))
+  SERVER=$(ls "$ORCHESTRATOR_CACHE"/llama.cpp/mainline-cuda-*/bin/llama-server 2>/dev/null | head -1)
+  [ -n "$SERVER" ] || { echo "no CUDA build on this machine (run phase c first)"; exit 1; }
+  [ -f "$Q30" ] || { echo "no W1 model on this machine"; exit 1; }
+  log "up / status / down on the GPU (bytecode compiled)"
+  timeout 150 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
+  log "gateway overhead, 16 streams, whole model on the GPU ($(left) s left)"
+  timeout 150 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 12 --model "$Q30" --binary "$SERVER" \
+    --ngl 99 --threads 8 --json > "$O/gateway.txt" 2>&1
+  log "W1 12 GiB sweep around the plan, 3 tg samples per start ($(left) s left)"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 15) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
+    --vram-budget 12GiB --configs plan,ncmoe-sweep --ncmoe 18,19,20 --ub 512,1024 --load-modes pinned --rounds 1 \
+    --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none --max-minutes "$mins" \
+    --out "$O/w1-12g-sweep" > "$O/w1-12g-sweep.log" 2>&1
   log "done"
   ;;
 *) echo "unknown phase $PHASE" >&2; exit 2 ;;
