@@ -168,7 +168,7 @@ class NodeConfig(Section):
 
     vram_reserve: AutoSize(0, 1 * TiB) = AUTO
     """Memory left free on each GPU beyond what the memory model predicts (CUDA context and kernels are
-    predicted; this is for other processes and fragmentation). auto: 512MiB."""
+    predicted; this is for fluctuation and fragmentation). auto: 256MiB."""
 
     ram_reserve: AutoSize(0, 64 * TiB) = AUTO
     """Host memory left free on the node for the OS and other processes. auto: 10% of the machine's RAM, at

@@ -203,7 +203,8 @@ def run_cases(cases: list[Case], server: str, out: Path, *, model_dir: Path, tim
         before = _nvidia_used()
         t0 = time.monotonic()
         r = run_server(server, str(path), c.args(), timeout=timeout,
-                       batch_tokens=c.ubatch if c.batch else None,
+                       # a prompt must leave room in the context: -c 4096 -ub 4096 takes 4096 - 16 tokens
+                       batch_tokens=min(c.ubatch, c.ctx - 16) if c.batch else None,
                        probe=_nvidia_used if before is not None else None, n_vocab=spec.n_vocab)
         rep = parse_load_log(r.log)
         row = {"case": dataclasses.asdict(c), "argv": [os.path.basename(r.argv[0]), *r.argv[1:]],

@@ -66,8 +66,14 @@ CPU_ALIGN = 32       # ggml CPU buffer alignment (TENSOR_ALIGNMENT)
 CUDA_ALIGN = 128     # ggml_backend_cuda_buffer_type_get_alignment
 CUDA_ROW_PADDING = 512  # MATRIX_ROW_PADDING: quantized rows are padded to this many elements on CUDA
 
-# measured on an H200 with llama-server (CUDA 12, lazy module loading); see docs/model.md
-CUDA_CONTEXT_BYTES = 512 * MiB
+# Measured on the H200 (driver 580, CUDA 13, lazy module loading) by `calibrate gpu`
+# (tests/fixtures/calibration/gpu): nvidia-smi minus llama.cpp's logged buffers right after loading was 629 MiB
+# (qwen3moe) and 690 MiB (deepseek2); the first full micro-batch then added ggml's CUDA pool: 100 MiB plus
+# ~1.2 bytes per element of the routed experts' gathered input (micro-batch x experts used x n_embd: its q8_1
+# copy for the MMQ kernels, 1.125 bytes per element, and scratch) in all four (architecture, -ub) pairs.
+CUDA_CONTEXT_BYTES = 660 * MiB
+CUDA_POOL_BASE_BYTES = 100 * MiB
+CUDA_POOL_BYTES_PER_ELEMENT = 1.2
 
 
 def pad(x: int, n: int) -> int:
@@ -349,13 +355,15 @@ def output_buffer_bytes(model: ModelInfo, n_parallel: int = 1) -> int:
 def cuda_overhead_bytes(model: ModelInfo | None = None, *, n_ubatch: int = 512, context_bytes: int = CUDA_CONTEXT_BYTES,
                         ) -> int:
     """Memory a GPU uses that llama.cpp's buffers do not show: the CUDA context with the kernels loaded at the
-    first batch, and ggml's memory pool after one full micro-batch (the biggest activation quantized to q8_1
-    for the MMQ kernels, ~1.1 bytes per element, plus a same-size scratch)."""
+    first batch, and ggml's memory pool after one full micro-batch: a base plus ~1.2 bytes per element of the
+    widest matmul input of the micro-batch (for a MoE model the routed experts' gathered input, experts used x
+    n_embd per token). Fitted on the H200 runs of ``calibrate gpu`` (within 35 MiB of each)."""
     pool = 0
     if model is not None:
         E, K, F = _ffn_dims(model)
-        widest = max(E, K * F, model.n_ff or 0, model.n_head * model.head_dim_k)
-        pool = 2 * pad(n_ubatch * widest * 36 // 32, MiB)
+        hq = model.n_head * model.head_dim_k if model.mla is None else 0
+        widest = max(E, K * E, model.n_ff or 0, hq)
+        pool = CUDA_POOL_BASE_BYTES + pad(int(n_ubatch * widest * CUDA_POOL_BYTES_PER_ELEMENT), MiB)
     return context_bytes + pool
 
 

@@ -10,7 +10,7 @@ from orchestrator.units import GiB, MiB
 
 AUTO = "auto"
 DEFAULT_CONTEXT = 8192
-DEFAULT_VRAM_RESERVE = 512 * MiB
+DEFAULT_VRAM_RESERVE = 256 * MiB   # the CUDA context and pool are predicted (measured on the H200)
 
 
 def _auto(v, default=None):

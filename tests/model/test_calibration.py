@@ -43,6 +43,26 @@ def test_fixtures_exist():
     archs = {r["case"]["preset"] for r in cpu}
     assert len(archs) >= 3
     assert {r["case"]["ctx"] for r in cpu} >= {4096, 32768} and {r["case"]["ubatch"] for r in cpu} >= {512, 4096}
+    # the mixed CPU/GPU half of the target, run on the H200: experts in host memory, the rest on the GPU
+    gpu = [r for d, r in ROWS if d == "gpu" and r["case"]["placement"] == "cpu-moe"]
+    assert len(gpu) >= 8 and len({r["case"]["preset"] for r in gpu}) >= 2
+    assert {r["case"]["ctx"] for r in gpu} >= {4096, 32768} and {r["case"]["ubatch"] for r in gpu} >= {512, 4096}
+
+
+GPU_ROWS = [r for d, r in ROWS if d == "gpu" and r.get("nvidia_used_batch")]
+
+
+@pytest.mark.parametrize("row", GPU_ROWS, ids=[r["case"]["name"] for r in GPU_ROWS])
+def test_cuda_overhead_matches_nvidia_smi_after_a_full_batch(row, model_dir):
+    """What the GPU really used after loading and one full micro-batch (nvidia-smi minus its value before)
+    against the prediction with the CUDA context and pool: the overhead part alone within 64 MiB, the whole
+    within the target."""
+    c = Case(**row["case"])
+    pred = predict_case(c, _model(c, model_dir))["cuda0"]
+    used = row["nvidia_used_batch"][0] - row["nvidia_used_before"][0]
+    buffers = row["report"]["by_device"]["cuda0"]["total"]
+    assert abs(pred["overhead"] - (used - buffers)) <= 64 << 20, (pred["overhead"] >> 20, (used - buffers) >> 20)
+    assert within(pred["total"] + pred["overhead"], used), ((pred["total"] + pred["overhead"]) >> 20, used >> 20)
 
 
 @pytest.mark.parametrize("where,row", ROWS, ids=[f"{d}/{r['case']['name']}" for d, r in ROWS])
