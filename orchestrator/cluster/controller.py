@@ -142,7 +142,7 @@ class Controller:
         # replacements wait for the old ports and are restarted on failure instead of failing the deployment
         self.slots = [WorkerSlot(s, ever_ready=restarted) for s in deployment.specs]
         self.restarted = restarted
-        self.gw = GatewaySlot()
+        self.gws = [GatewaySlot() for _ in range(deployment.gateway_processes)]
         self.phase = STARTING
         self.error = ""
         self.ready_once = False
@@ -163,11 +163,12 @@ class Controller:
             except Exception as e:  # never let one worker's step stop the loop
                 self.tick_errors += 1
                 slot.error = f"controller error: {type(e).__name__}: {e}"
-        try:
-            self._tick_gateway(now)
-        except Exception as e:
-            self.tick_errors += 1
-            self.gw.error = f"controller error: {type(e).__name__}: {e}"
+        for g in self.gws:
+            try:
+                self._tick_gateway(g, now)
+            except Exception as e:
+                self.tick_errors += 1
+                g.error = f"controller error: {type(e).__name__}: {e}"
         self._update_phase()
         return self.phase
 
@@ -286,27 +287,26 @@ class Controller:
                          "detail": detail})
         return rows
 
-    def _tick_gateway(self, now: float) -> None:
-        g = self.gw
+    def _tick_gateway(self, g: GatewaySlot, now: float) -> None:
         if g.phase in ("pending", "backoff"):
             if now < g.next_create_at:
                 return
             g.handle = self.api.create_actor(self.gateway_cls, node_id=self.driver_node_id)
             g.pushed = self.replica_table(now)
             g.start_ref = self.api.submit(g.handle, "start", self.dep.gateway_host, self.dep.gateway_port,
-                                          self.api_key, g.pushed)
+                                          self.api_key, g.pushed, len(self.gws) > 1)
             g.pushed_at, g.created_at, g.phase = now, now, "starting"
             return
         if g.phase == "starting":
             try:
                 done, url = self.api.poll(g.start_ref)
             except self._gone as e:
-                self._gateway_lost(now, f"gateway cannot serve on {self.dep.gateway_host}:{self.dep.gateway_port}: "
+                self._gateway_lost(g, now, f"gateway cannot serve on {self.dep.gateway_host}:{self.dep.gateway_port}: "
                                         f"{e}")
                 return
             if not done:
                 if now - g.created_at > SCHEDULE_TIMEOUT_S:
-                    self._gateway_lost(now, f"gateway actor not running after {SCHEDULE_TIMEOUT_S}s")
+                    self._gateway_lost(g, now, f"gateway actor not running after {SCHEDULE_TIMEOUT_S}s")
                 return
             g.start_ref, g.url, g.ever_up, g.phase, g.error = None, url, True, "serving", ""
             g.failures, g.acked = 0, g.pushed
@@ -317,7 +317,7 @@ class Controller:
             try:
                 done, _ = self.api.poll(g.push_ref)
             except self._gone as e:
-                self._gateway_lost(now, f"gateway actor died: {e}")
+                self._gateway_lost(g, now, f"gateway actor died: {e}")
                 return
             if done:
                 g.push_ref, g.acked = None, g.pushed
@@ -326,8 +326,7 @@ class Controller:
             g.push_ref = self.api.submit(g.handle, "set_replicas", table)
             g.pushed, g.pushed_at = table, now
 
-    def _gateway_lost(self, now: float, msg: str) -> None:
-        g = self.gw
+    def _gateway_lost(self, g: GatewaySlot, now: float, msg: str) -> None:
         if g.handle is not None:
             self.api.kill(g.handle)
         g.handle = g.start_ref = g.push_ref = None
@@ -347,20 +346,22 @@ class Controller:
         if self.phase in (STOPPING, STOPPED):
             return
         fatal = [f"worker {s.spec.name}: {s.reason}" for s in self.slots if s.phase == "failed" and not s.ever_ready]
-        if self.gw.phase == "failed" and not self.gw.ever_up:
-            fatal.append(self.gw.error)
+        fatal += list(dict.fromkeys(g.error for g in self.gws if g.phase == "failed" and not g.ever_up))
         all_ready = all(s.phase == "running" and s.status.get("state") == "ready" for s in self.slots)
         # ready means requests are served: the gateway has confirmed a table that routes to every worker
-        routed = self.gw.acked is not None and all(r["healthy"] for r in self.gw.acked)
+        routed = all(g.acked is not None and all(r["healthy"] for r in g.acked) for g in self.gws)
+        serving = all(g.phase == "serving" for g in self.gws)
         if fatal and not self.ready_once:
             self.phase, self.error = FAILED, "; ".join(fatal)
-        elif all_ready and self.gw.phase == "serving" and routed:
+        elif all_ready and serving and routed:
             self.phase, self.error, self.ready_once = READY, "", True
         elif self.ready_once:
             bad = [f"{s.spec.name}: {s.phase if s.phase != 'running' else s.status.get('state', '?')}"
                    for s in self.slots if not (s.phase == "running" and s.status.get("state") == "ready")]
-            if self.gw.phase != "serving":
-                bad.append(f"gateway: {self.gw.phase}" + (f" ({self.gw.error})" if self.gw.error else ""))
+            for i, g in enumerate(self.gws):
+                if g.phase != "serving":
+                    who = "gateway" if len(self.gws) == 1 else f"gateway {i}"
+                    bad.append(f"{who}: {g.phase}" + (f" ({g.error})" if g.error else ""))
             self.phase, self.error = DEGRADED, "; ".join(bad)
         else:
             self.phase = STARTING
@@ -390,14 +391,15 @@ class Controller:
             w["routed"] = table[s.spec.name]["healthy"]
             w["status_age_s"] = round(now - s.status_at, 1) if s.status_at > -1e17 else None
             workers.append(w)
-        g = self.gw
+        g = next((g for g in self.gws if g.phase != "serving"), self.gws[0])   # the worst one speaks
         return {
             "namespace": self.dep.namespace, "phase": self.phase, "error": self.error,
             "started_at": self.started_wall, "tick_errors": self.tick_errors, "restarted": self.restarted,
             "plan": dict(self.dep.plan_json),
             "gateway": {"url": g.url or f"http://{self.dep.gateway_host}:{self.dep.gateway_port}",
                         "state": g.phase, "error": g.error, "healthy": sum(1 for r in table.values() if r["healthy"]),
-                        "api_key": bool(self.api_key)},
+                        "api_key": bool(self.api_key), "processes": len(self.gws),
+                        "serving": sum(1 for x in self.gws if x.phase == "serving")},
             "workers": workers,
         }
 
@@ -409,14 +411,14 @@ class Controller:
         for s in self.slots:
             if s.handle is not None:
                 refs.append((s, self.api.submit(s.handle, "stop")))
-        gref = self.api.submit(self.gw.handle, "stop") if self.gw.handle is not None else None
+        grefs = [self.api.submit(g.handle, "stop") for g in self.gws if g.handle is not None]
         deadline = self.clock() + timeout
         for s, ref in refs:
             try:
                 s.status = dict(self.api.get(ref, timeout=max(0.5, deadline - self.clock())))
             except Exception as e:  # dead actor or timeout: its llama-server goes with it (parent-death signal)
                 s.error = f"stop: {type(e).__name__}: {e}"
-        if gref is not None:
+        for gref in grefs:
             try:
                 self.api.get(gref, timeout=max(0.5, deadline - self.clock()))
             except Exception:
@@ -426,10 +428,11 @@ class Controller:
                 self.api.kill(s.handle)
                 s.handle = None
             s.phase = "stopped"
-        if self.gw.handle is not None:
-            self.api.kill(self.gw.handle)
-            self.gw.handle = None
-        self.gw.phase, self.gw.acked = "stopped", None
+        for g in self.gws:
+            if g.handle is not None:
+                self.api.kill(g.handle)
+                g.handle = None
+            g.phase, g.acked = "stopped", None
         self.phase = STOPPED
         return self.status()
 

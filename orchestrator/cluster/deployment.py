@@ -88,6 +88,7 @@ class Deployment:
     ray_port: int | None = None                 # GCS port of the embedded head (None: a free one)
     metrics_export_port: int | None = None      # Prometheus endpoint of the embedded head (None: a free one)
     log_dir: str | None = None                  # llama-server logs on each node (None: <state_dir>/logs/<ns>)
+    gateway_processes: int = 1                  # gateway actors sharing the port (SO_REUSEPORT)
 
     def __post_init__(self) -> None:
         if not self.specs:
@@ -116,6 +117,8 @@ class Deployment:
                             ("ray.port", self.ray_port), ("ray.metrics_export_port", self.metrics_export_port)):
             if port is not None and not 0 < port < 65536:
                 raise ConfigError(f"{label}: {port} is not in 1..65535")
+        if not 1 <= self.gateway_processes <= 64:
+            raise ConfigError(f"gateway.processes: {self.gateway_processes} is not in 1..64")
         if self.api_key_env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.api_key_env):
             raise ConfigError(f"gateway.api_key_env: {self.api_key_env!r} is not an environment variable name")
 
@@ -137,6 +140,7 @@ class Deployment:
             "dashboard_host": self.dashboard_host, "dashboard_port": self.dashboard_port,
             "namespace": self.namespace, "restart": self.restart.to_dict(), "plan_json": dict(self.plan_json),
             "ray_port": self.ray_port, "metrics_export_port": self.metrics_export_port, "log_dir": self.log_dir,
+            "gateway_processes": self.gateway_processes,
         }
 
     @classmethod

@@ -140,12 +140,15 @@ class Gateway:
         app.router.add_get("/health", self._health)
         return app
 
-    async def start(self, host: str, port: int) -> str:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> str:
+        """Listen on ``host:port``; ``reuse_port``: share the port with the deployment's other gateway processes
+        (SO_REUSEPORT: the kernel spreads new connections over them)."""
         from aiohttp import web
 
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
+        site = web.TCPSite(self._runner, host, port, reuse_address=True, reuse_port=reuse_port or None,
+                           backlog=1024)
         try:
             await site.start()
         except OSError:
@@ -342,14 +345,15 @@ class GatewayActor:
     def __init__(self) -> None:
         self.gw: Gateway | None = None
 
-    async def start(self, host: str, port: int, api_key: str | None, table: list[dict]) -> str:
+    async def start(self, host: str, port: int, api_key: str | None, table: list[dict],
+                    reuse_port: bool = False) -> str:
         from orchestrator.cluster.ray_api import RayApi
 
         if self.gw is not None:
             return self.gw.url
         gw = Gateway(Router(), api_key=api_key, sink=RayApi().metrics_sink())
         gw.set_replicas(table)
-        await gw.start(host, port)
+        await gw.start(host, port, reuse_port)
         self.gw = gw
         return gw.url
 

@@ -24,6 +24,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the topology's restart.startup_timeout)")
 
 
+def gateway_processes(value, cpus: int | None = None) -> int:
+    """gateway.processes: auto = one per 4 CPUs of this machine (where the gateway runs), 1..4."""
+    import os
+
+    if value not in (None, "auto"):
+        return int(value)
+    cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                          else os.cpu_count() or 1)
+    return max(1, min(4, cpus // 4))
+
+
 def deployment_from(res):
     """The Deployment for a resolved topology (the plan's LaunchSpecs + gateway, Ray and restart settings)."""
     from orchestrator.cluster import Deployment, RestartPolicy
@@ -40,6 +51,7 @@ def deployment_from(res):
     )
     metrics_port = t.ray.metrics_export_port
     return Deployment(
+        gateway_processes=gateway_processes(t.gateway.processes),
         specs=res.specs, gateway_host=t.gateway.host, gateway_port=t.gateway.port, api_key_env=t.gateway.api_key_env,
         ray_address=t.ray.address, dashboard_host=t.ray.dashboard_host, dashboard_port=t.ray.dashboard_port,
         namespace=t.ray.namespace, restart=restart, plan_json=plan_document(res),

@@ -296,6 +296,11 @@ class GatewayConfig(Section):
     """Name of an environment variable holding the API key clients must send (`Authorization: Bearer KEY`);
     the key itself never goes in the topology. null: no key."""
 
+    processes: AutoInt(1, 64) = AUTO
+    """Gateway processes sharing the port (SO_REUSEPORT; the kernel spreads connections over them), so a burst
+    of requests is not queued behind one Python event loop. Each balances by its own in-flight counts. auto: one
+    per 4 CPUs of the machine running `up`, at most 4."""
+
 
 # -------------------------------------------------------------------------------------------------------- ray
 

@@ -80,27 +80,31 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 """
 
 
-def gateway_pid(mode: str, procs: list) -> int | None:
-    """The process that runs the gateway: ours in standalone/fake mode, the Ray actor in ray mode."""
+def gateway_pids(mode: str, procs: list) -> list[int]:
+    """The processes that run the gateway: ours in standalone/fake mode, the Ray actors in ray mode."""
     import psutil
 
     if mode != "ray":
-        return procs[-1].pid
+        return [procs[-1].pid]
+    pids = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             if (p.info["cmdline"] or [""])[0].startswith("ray::GatewayActor"):
-                return p.pid
+                pids.append(p.pid)
         except psutil.Error:
             continue
-    return None
+    return pids
 
 
-def cpu_seconds(pid: int | None) -> float:
+def cpu_seconds(pids: list[int]) -> float:
     import psutil
 
+    total = 0.0
     try:
-        t = psutil.Process(pid).cpu_times()
-        return t.user + t.system
+        for pid in pids:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        return total if pids else float("nan")
     except (psutil.Error, TypeError, ValueError):
         return float("nan")
 
@@ -192,7 +196,8 @@ def summarize(raw: dict, args, extra: dict) -> dict:
 def report(s: dict) -> str:
     lines = [
         f"gateway overhead, {s['streams']} concurrent streams x {s['max_tokens']} tokens, {s['rounds']} rounds "
-        f"interleaved ({s['mode']} mode)",
+        f"interleaved ({s['mode']} mode" + (f", {s['gateway_processes']} gateway processes" if s.get("gateway_processes")
+                                             else "") + ")",
         f"{'':26}{'direct':>12}{'gateway':>12}{'added':>12}",
         f"{'time to first token p50':26}{s['ttft_p50_ms']['direct']:>10.2f}ms{s['ttft_p50_ms']['gateway']:>10.2f}ms"
         f"{s['added_p50_ttft_ms']:>+10.2f}ms",
@@ -224,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--embd", type=int, default=256, help="width of the generated model (without --model)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the generated model (without --model)")
     ap.add_argument("--ngl", default=None, help="-ngl for llama-server (GPU runs)")
+    ap.add_argument("--gateway-processes", default="auto",
+                    help="--mode ray: gateway processes sharing the port (auto: as `up` decides, one per 4 CPUs, "
+                         "at most 4)")
     ap.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
     a = ap.parse_args(argv)
 
@@ -249,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
             from orchestrator.cluster import Deployment, up
             from orchestrator.launch.spec import LaunchSpec
 
+            from orchestrator.commands.up import gateway_processes
+
+            extra["gateway_processes"] = gateway_processes(a.gateway_processes)
             dep = Deployment(specs=(LaunchSpec(name="bench", argv=tuple(argv), port=port, model_alias="bench"),),
-                             gateway_port=gw_port, dashboard_port=free_port(), namespace="gwbench")
+                             gateway_port=gw_port, dashboard_port=free_port(), namespace="gwbench",
+                             gateway_processes=extra["gateway_processes"])
             up(dep, foreground=False)
         else:
             if a.mode == "fake":
@@ -268,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                                                   os.pathsep) if p])}, start_new_session=True,
                                           stdout=subprocess.DEVNULL))
         wait_http(gateway + "/health", 120)
-        gpid = gateway_pid(a.mode, procs)
-        cpu0 = cpu_seconds(gpid)
+        gpids = gateway_pids(a.mode, procs)
+        cpu0 = cpu_seconds(gpids)
         raw = asyncio.run(measure(direct, gateway, a.streams, a.rounds, a.max_tokens, a.warmup))
         chunks = (a.rounds + a.warmup) * a.streams * (a.max_tokens + 1)
-        extra["gateway_cpu_us_per_chunk"] = (cpu_seconds(gpid) - cpu0) / chunks * 1e6
+        extra["gateway_cpu_us_per_chunk"] = (cpu_seconds(gpids) - cpu0) / chunks * 1e6
     finally:
         if a.mode == "ray":
             from orchestrator.cluster import down, state

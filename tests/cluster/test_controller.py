@@ -51,7 +51,8 @@ class FakeGateway:
         self.dead = False
         self.stopped = False
 
-    def start(self, host, port, key, table):
+    def start(self, host, port, key, table, reuse_port=False):
+        self.reuse_port = reuse_port
         if self.fail_start:
             raise RemoteError(self.fail_start)
         self.tables.append(table)
@@ -135,8 +136,9 @@ def spec(name, node=None, port=9000, alias="m", host=None):
                       resources={"GPU": 1} if node == "b" else {}, host=host)
 
 
-def make(specs, restarted=False, **policy):
+def make(specs, restarted=False, gateway_processes=1, **policy):
     dep = Deployment(specs=tuple(specs), gateway_port=8080, plan_json={"workers": len(specs)},
+                     gateway_processes=gateway_processes,
                      restart=RestartPolicy(**{"backoff_initial_s": 1.0, "max_restarts": 2, **policy}))
     api, clock = FakeApi(NODES), Clock()
     c = Controller(dep, api, driver_node_id="id-a", clock=clock, worker_cls=FakeWorker, gateway_cls=FakeGateway,
@@ -191,6 +193,41 @@ def test_ready_when_all_workers_ready_and_gateway_serves_and_table_pushed():
         ("w0", "http://127.0.0.1:9000", True), ("w1", "http://127.0.0.1:9001", True)]
 
 
+def test_several_gateway_processes_share_the_port_and_all_must_route():
+    c, api, clock = make([spec("w0", port=9000)], gateway_processes=3)
+    tick(c, clock, 2)
+    gws = [a for a in api.actors if isinstance(a, FakeGateway)]
+    assert len(gws) == 3 and all(g.reuse_port and g.node_id == "id-a" for g in gws)
+    workers(api)[0].state = "ready"
+    api.hold_push = True                      # none has confirmed the healthy table yet
+    tick(c, clock, 3)
+    assert c.phase == STARTING
+    c.gws[0].push_ref.hold = c.gws[1].push_ref.hold = False     # two of three confirm: still not ready
+    tick(c, clock, 1)
+    assert c.phase == STARTING
+    c.gws[2].push_ref.hold = False
+    api.hold_push = False
+    tick(c, clock, 1)
+    assert c.phase == READY and all(g.tables[-1][0]["healthy"] for g in gws)
+    st = c.status()["gateway"]
+    assert st["processes"] == 3 and st["serving"] == 3 and st["state"] == "serving"
+    gws[1].dead = True                        # one gateway process dies: degraded, then replaced
+    seen = []
+    for _ in range(12):
+        tick(c, clock, 1, dt=1.0)
+        seen.append((c.phase, c.error))
+    assert any(p == DEGRADED and "gateway 1" in e for p, e in seen), seen
+    assert c.phase == READY and len([a for a in api.actors if isinstance(a, FakeGateway)]) == 4
+    c.shutdown()
+    assert all(g.phase == "stopped" for g in c.gws)
+
+
+def test_one_gateway_process_does_not_ask_for_reuse_port():
+    c, api, clock = make([spec("w0", port=9000)])
+    tick(c, clock, 2)
+    assert gateway(api).reuse_port is False
+
+
 def test_not_ready_until_the_gateway_confirmed_the_healthy_table():
     c, api, clock = make([spec("w0", port=9000)])
     tick(c, clock, 3)
@@ -198,7 +235,7 @@ def test_not_ready_until_the_gateway_confirmed_the_healthy_table():
     workers(api)[0].state = "ready"
     tick(c, clock, 4)
     assert c.phase == STARTING                       # the gateway still routes by a table without w0
-    for ref_holder in [c.gw.push_ref]:
+    for ref_holder in [c.gws[0].push_ref]:
         ref_holder.hold = False
     api.hold_push = False
     tick(c, clock, 1)

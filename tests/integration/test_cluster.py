@@ -38,6 +38,7 @@ def env(tmp_path_factory, llama_server_path):
         dep = Deployment(
             specs=(S.llama_spec("w0", llama_server_path, model), S.llama_spec("w1", llama_server_path, model)),
             gateway_port=S.free_port(), dashboard_port=S.free_port(), namespace=NS, plan_json={"demo": True},
+            gateway_processes=2,
             restart=RestartPolicy(backoff_initial_s=0.5, health_timeout_s=5.0, load_timeout_s=60.0))
         t = time.monotonic()
         res = up(dep, foreground=False, say=lambda m: None)
@@ -100,6 +101,17 @@ def test_workers_run_exactly_their_spec(env):
         assert p.cmdline() == list(spec.argv)                  # exactly the planned argv, pid = llama-server
         assert w["node"] == "local" and w["binding"] == "-t 1" and w["restarts"] == 0
         assert Path(w["log"]).is_file()
+
+
+def _listeners(port: int) -> set[int]:
+    return {c.pid for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+
+
+def test_two_gateway_processes_share_the_port(env):
+    pids = _listeners(env["dep"].gateway_port)
+    assert len(pids) == 2, pids                            # two Ray actors, one port (SO_REUSEPORT)
+    assert env["res"].status["gateway"]["processes"] == 2 and env["res"].status["gateway"]["serving"] == 2
 
 
 def test_requests_are_spread_over_both_replicas(env):
