@@ -88,30 +88,112 @@ def _log_dir(dep: Deployment) -> Path:
     return Path(dep.log_dir) if dep.log_dir else state_dir() / "logs" / dep.namespace
 
 
+class EarlyHead:
+    """The embedded Ray head, started in a background thread while ``up`` is still planning (the head takes
+    seconds to start; planning, reading the model and the warm-up run meanwhile). :func:`start_early_head`
+    makes one only when ``up`` will surely need it; ``up(..., early=...)`` takes it over, and
+    :meth:`abandon` stops it when planning fails. It records itself in the state file as soon as the head runs,
+    so ``down`` finds it whatever happens next."""
+
+    def __init__(self, namespace: str, node_name: str, *, dashboard_host: str, dashboard_port: int,
+                 metrics_port: int | None, log_dir: Path, gateway_url: str) -> None:
+        self.namespace = namespace
+        self.t0 = time.monotonic()
+        self.info: headmod.HeadInfo | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.taken = False          # up() took it over (and stops it on failure itself)
+        kw = dict(node_name=node_name, gcs_port=None, dashboard_host=dashboard_host, dashboard_port=dashboard_port,
+                  metrics_port=metrics_port, log_dir=log_dir)
+        self._thread = threading.Thread(target=self._run, args=(kw, gateway_url), name="ray-head", daemon=True)
+        self._thread.start()
+
+    def _run(self, kw: dict, gateway_url: str) -> None:
+        try:
+            info = headmod.start_head(**kw)
+            self.info = info
+            statemod.write(statemod.ClusterState(
+                namespace=self.namespace, ray_address=info.address, embedded=True, up_pid=os.getpid(),
+                started_at=time.time(), head_pid=info.pid, head_create_time=info.create_time,
+                head_temp_dir=info.temp_dir, head_log=info.log_path, dashboard_url=info.dashboard_url,
+                metrics_url=f"http://127.0.0.1:{info.metrics_port}/metrics", auth_mode=info.auth_mode,
+                gateway_url=gateway_url))
+        except BaseException as e:  # handed to up(), which raises it
+            self.error = e
+        finally:
+            self.seconds = time.monotonic() - self.t0
+
+    def result(self) -> headmod.HeadInfo:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.info is not None
+        return self.info
+
+    def abandon(self) -> None:
+        """Planning failed (or was interrupted): stop the head and forget it."""
+        self._thread.join()
+        if self.info is not None:
+            headmod.stop_head(self.info.pid, self.info.create_time, self.info.temp_dir)
+            st = statemod.read(self.namespace)
+            if st is not None and st.up_pid == os.getpid():
+                statemod.remove(self.namespace)
+            self.info = None
+
+
+def start_early_head(namespace: str, *, nodes: list[tuple[str, str | None]], gateway_host: str, gateway_port: int,
+                     dashboard_host: str, dashboard_port: int, metrics_port: int | None,
+                     log_dir: str | None) -> EarlyHead | None:
+    """Start the embedded head in the background when ``up`` will need exactly this one: a single node on this
+    machine, no deployment of that name running, the gateway port free. Otherwise None (``up`` then starts
+    the head itself, or says why it cannot)."""
+    if len(nodes) != 1 or nodes[0][1] not in (None, "127.0.0.1", "localhost"):
+        return None
+    old = statemod.read(namespace)
+    if old is not None and not (old.embedded and not _head_alive(old)):
+        return None
+    if headmod.port_problem(gateway_host, gateway_port):
+        return None
+    from orchestrator.paths import state_dir
+
+    return EarlyHead(namespace, "local", dashboard_host=dashboard_host, dashboard_port=dashboard_port,
+                     metrics_port=metrics_port,
+                     log_dir=Path(log_dir) if log_dir else state_dir() / "logs" / namespace,
+                     gateway_url=f"http://{gateway_host}:{gateway_port}")
+
+
 def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], None] = _say_default,
-       ready_timeout: float | None = None) -> UpResult:
+       ready_timeout: float | None = None, early: EarlyHead | None = None) -> UpResult:
     """Run ``deployment``; see the module docstring. Raises ClusterError/LaunchError/ConfigError with one clear
-    line after undoing everything it started."""
+    line after undoing everything it started. ``early``: the head :func:`start_early_head` started for it."""
     with _terminate_as_interrupt():
-        return _up(deployment, foreground, say, ready_timeout)
+        try:
+            return _up(deployment, foreground, say, ready_timeout, early)
+        except BaseException:
+            if early is not None and not early.taken:
+                early.abandon()    # failed before _up took the head over (e.g. a bad API key variable)
+            raise
 
 
 def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
-        ready_timeout: float | None) -> UpResult:
+        ready_timeout: float | None, early: EarlyHead | None = None) -> UpResult:
     from orchestrator.cluster.ray_api import RayApi
 
     dep = deployment
     ns = dep.namespace
+    if early is not None and (not dep.embedded or early.namespace != ns or _embedded_node_name(dep) != "local"):
+        early.abandon()      # not the head this deployment needs
+        early = None
     api_key = _api_key(dep)
     old = statemod.read(ns)
-    if old is not None:
+    if old is not None and not (early is not None and old.up_pid == os.getpid()):
         if old.embedded and not _head_alive(old):
             statemod.remove(ns)          # a stale record: its head is gone
         else:
             raise ClusterError(f"deployment {ns!r} is already running (gateway {old.gateway_url}); "
                                f"run `orchestrator down` first (state: {statemod.state_path(ns)})")
     headmod.check_port(dep.gateway_host, dep.gateway_port, "gateway.port")
-    t0 = time.monotonic()
+    t0 = early.t0 if early is not None else time.monotonic()
     st = statemod.ClusterState(namespace=ns, ray_address=dep.ray_address, embedded=dep.embedded, up_pid=os.getpid(),
                                started_at=time.time(), foreground=foreground,
                                gateway_url=f"http://{dep.gateway_host}:{dep.gateway_port}",
@@ -120,12 +202,18 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
     ctrl = None
     head = None
     try:
-        if dep.embedded:
+        if dep.embedded and early is not None:
+            say(f"waiting for the Ray head started during planning (dashboard on {dep.dashboard_host}:"
+                f"{dep.dashboard_port}) ...")
+            early.taken = True           # ours now: the teardown below stops it
+            head = early.result()
+        elif dep.embedded:
             node_name = _embedded_node_name(dep)
             say(f"starting the Ray head (dashboard on {dep.dashboard_host}:{dep.dashboard_port}) ...")
             head = headmod.start_head(node_name=node_name, gcs_port=dep.ray_port, dashboard_host=dep.dashboard_host,
                                       dashboard_port=dep.dashboard_port, metrics_port=dep.metrics_export_port,
                                       log_dir=_log_dir(dep))
+        if dep.embedded:
             st.ray_address, st.head_pid, st.head_create_time = head.address, head.pid, head.create_time
             st.head_temp_dir, st.head_log, st.auth_mode = head.temp_dir, head.log_path, head.auth_mode
             st.dashboard_url, st.metrics_url = head.dashboard_url, f"http://127.0.0.1:{head.metrics_port}/metrics"
@@ -153,6 +241,8 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):
             say("interrupted: stopping everything up started ...")
+        if head is None and early is not None and early.taken:
+            early.taken = False          # interrupted while waiting for it: the wrapper's abandon() stops it
         _teardown(api, ctrl, st if head is not None else None, dep)
         statemod.remove(ns)
         raise

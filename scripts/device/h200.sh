@@ -13,11 +13,14 @@
 #                                   # three tg samples per start; W1 at 8 and 16 GiB: plan / --fit
 #   bash scripts/device/h200.sh e   # `up` proof again (ready time), gateway overhead on the GPU, the
 #                                   # --n-cpu-moe x -ub sweep around the plan with repeated tg samples
+#   bash scripts/device/h200.sh f   # fresh machine, one command: build, `up` with the head started while
+#                                   # planning, gateway overhead with 4 and 1 gateway processes, plan vs --fit
+#                                   # generation over 5 rounds
 #
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b | c | d | e}
+PHASE=${1:?phase: a | b | c | d | e | f}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -153,6 +156,35 @@ e)
     --vram-budget 12GiB --configs plan,ncmoe-sweep --ncmoe 18,19,20 --ub 512,1024 --load-modes pinned --rounds 1 \
     --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none --max-minutes "$mins" \
     --out "$O/w1-12g-sweep" > "$O/w1-12g-sweep.log" 2>&1
+  log "done"
+  ;;
+f)
+  # one command on a fresh machine: build, then `up` (head started while planning, gateway processes),
+  # gateway overhead with 1 and with auto (4) gateway processes, and plan vs --fit generation, 5 rounds
+  DEADLINE=$(( t0 + 555 ))
+  log "build (background), bytecode (background), W1 model"
+  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
+  BUILD=$!
+  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
+  ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) > "$O/synth.log" 2>&1
+  python3 -c "import uvloop; print('uvloop', uvloop.__version__)" > "$O/uvloop.txt" 2>&1
+  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
+  [ $rc -eq 0 ] || exit 1
+  wait
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
+  log "up / status / down on the GPU ($(left) s left)"
+  timeout 120 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
+  log "gateway overhead, 4 gateway processes ($(left) s left)"
+  timeout 75 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 10 --model "$Q30" --binary "$SERVER" \
+    --ngl 99 --threads 8 --gateway-processes 4 --json > "$O/gateway-4.txt" 2>&1
+  log "gateway overhead, 1 gateway process ($(left) s left)"
+  timeout 75 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 10 --model "$Q30" --binary "$SERVER" \
+    --ngl 99 --threads 8 --gateway-processes 1 --json > "$O/gateway-1.txt" 2>&1
+  log "W1 12 GiB: plan / --fit generation, 5 rounds ($(left) s left)"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
+    --vram-budget 12GiB --configs plan,fit --rounds 5 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
+    --concurrency none --max-minutes "$mins" --out "$O/w1-12g-tg" > "$O/w1-12g-tg.log" 2>&1
   log "done"
   ;;
 *) echo "unknown phase $PHASE" >&2; exit 2 ;;

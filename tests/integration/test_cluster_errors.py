@@ -156,3 +156,71 @@ def _ok(url: str) -> bool:
         return S.http_json(url, timeout=2)[0] == 200
     except OSError:
         return False
+
+
+def _orch_ray_dirs() -> set[str]:
+    return {str(p) for p in Path("/tmp").glob("orch-ray-*")}
+
+
+@pytest.mark.slow
+def test_head_started_during_planning_is_stopped_when_planning_fails(iso, tmp_path):
+    """`up` starts the embedded head while it plans; a model that cannot be read then fails the plan: one line,
+    exit 2, and the head (with its GCS, raylet, dashboard) is gone again, its state record too."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(64))
+    topo = tmp_path / "t.yaml"
+    topo.write_text(f"model:\n  path: {bad}\ngateway:\n  port: {S.free_port()}\nray:\n  address: local\n"
+                    f"  dashboard_port: {S.free_port()}\n  namespace: early-fail\n")
+    before = _orch_ray_dirs()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
+    res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 2, res.stderr
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "bad.gguf" in err[0] and "Traceback" not in res.stderr, res.stderr
+    head_log = Path(os.environ["ORCHESTRATOR_STATE"]) / "logs" / "early-fail" / "ray-head.log"
+    assert "Ray runtime started" in head_log.read_text()     # a head did start while planning
+    new = _orch_ray_dirs() - before
+    assert all(S.ray_processes_of(d) == [] for d in new) and not any(Path(d).exists() for d in new)
+    assert not any("early-fail" in " ".join(p.info["cmdline"] or []) or str(iso["tmp"]) in " ".join(
+        p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]) if "ray" in " ".join(p.info["cmdline"] or []))
+    from orchestrator.cluster import state
+
+    assert state.read("early-fail") is None
+
+
+@pytest.mark.slow
+def test_up_takes_over_the_head_started_during_planning(iso):
+    from orchestrator.cluster import down, state, up
+    from orchestrator.cluster.runner import start_early_head
+
+    dep = _dep(iso, namespace="early-ok")
+    early = start_early_head("early-ok", nodes=[("local", None)], gateway_host=dep.gateway_host,
+                             gateway_port=dep.gateway_port, dashboard_host=dep.dashboard_host,
+                             dashboard_port=dep.dashboard_port, metrics_port=None, log_dir=None)
+    assert early is not None
+    try:
+        res = up(dep, foreground=False, say=lambda m: None, early=early)
+        st = state.read("early-ok")
+        assert res.status["phase"] == "ready" and st.head_pid == early.info.pid and st.phase == "running"
+        from orchestrator.cluster.head import head_tree
+
+        tree = head_tree(st.head_pid, st.head_create_time)
+        assert any("raylet" in " ".join(p.cmdline()) for p in tree)
+    finally:
+        down("early-ok", say=lambda m: None)
+    assert [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    assert state.read("early-ok") is None
+
+
+def test_no_early_head_when_up_would_not_use_it(iso):
+    from orchestrator.cluster.runner import start_early_head
+
+    kw = dict(gateway_host="127.0.0.1", dashboard_host="127.0.0.1", dashboard_port=S.free_port(), metrics_port=None,
+              log_dir=None)
+    assert start_early_head("x", nodes=[("a", None), ("b", "10.0.0.2")], gateway_port=S.free_port(), **kw) is None
+    assert start_early_head("x", nodes=[("a", "10.0.0.2")], gateway_port=S.free_port(), **kw) is None
+    with socket.socket() as s:                     # the gateway port is taken: up will say so, no head first
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert start_early_head("x", nodes=[("a", None)], gateway_port=s.getsockname()[1], **kw) is None
