@@ -16,11 +16,13 @@
 #   bash scripts/device/h200.sh f   # fresh machine, one command: build, `up` with the head started while
 #                                   # planning, gateway overhead with 4 and 1 gateway processes, plan vs --fit
 #                                   # generation over 5 rounds
+#   bash scripts/device/h200.sh g   # nvidia-h200-x2: build, inspect/probe, the 235B shape on 2 GPUs: plan
+#                                   # (-sm tensor) vs -sm layer vs --fit; `up` and the gateway there
 #
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b | c | d | e | f}
+PHASE=${1:?phase: a | b | c | d | e | f | g}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -185,6 +187,54 @@ f)
   timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
     --vram-budget 12GiB --configs plan,fit --rounds 5 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
     --concurrency none --max-minutes "$mins" --out "$O/w1-12g-tg" > "$O/w1-12g-tg.log" 2>&1
+  log "done"
+  ;;
+g)
+  # nvidia-h200-x2, one command on a fresh machine: build, the machine recorded (inspect, probe), the 235B
+  # shape on two GPUs held to 12 GiB each: the plan (-sm tensor) vs -sm layer (the planner's own, balanced
+  # -ot ranges) vs --fit; then `up` and the gateway overhead there
+  DEADLINE=$(( t0 + 555 ))
+  log "build (background), bytecode (background), models"
+  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
+  BUILD=$!
+  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
+  ( time orch synth-model "$Q235" --like qwen3-235b-a22b --layers 24 --quant q4_0 ) > "$O/synth.log" 2>&1
+  ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1
+  { nvidia-smi; nvidia-smi topo -m; numactl -H; nproc; free -g; } > "$O/machine.txt" 2>&1
+  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
+  [ $rc -eq 0 ] || exit 1
+  wait
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
+  log "inspect, probe"
+  orch inspect --json --save "$O/h200x2.tar.gz" > "$O/inspect.json" 2>"$O/inspect.err"; orch inspect > "$O/inspect.txt" 2>&1
+  timeout 90 python3 -m orchestrator probe --refresh --json > "$O/probe.json" 2>"$O/probe.err"; orch probe > "$O/probe.txt" 2>&1
+  orch plan "$H200" --set "model.path=$Q235" --json > "$O/plan-x2.json" 2>&1
+  orch plan "$H200" --set "model.path=$Q235" > "$O/plan-x2.txt" 2>&1
+  orch plan "$H200" --set "model.path=$Q235" --set workers.split_mode=layer --json > "$O/plan-x2-layer.json" 2>&1
+  LAYER=$(python3 - "$O/plan-x2-layer.json" <<'PY'
+import json, shlex, sys
+w = json.load(open(sys.argv[1]))["workers"][0]
+a, out, skip = w["args"], [], {"--host", "--port", "--alias"}
+i = 0
+while i < len(a):
+    if a[i] in skip:
+        i += 2
+        continue
+    out.append(a[i]); i += 1
+env = [f"{k}={v}" for k, v in w["env"].items() if k == "GGML_OP_OFFLOAD_MIN_BATCH"]
+print("sm-layer=" + shlex.join(env + out))
+PY
+)
+  echo "$LAYER" > "$O/layer-config.txt"
+  log "W2 on 2 GPUs x 12 GiB: plan / -sm layer / --fit ($(left) s left)"
+  timeout 240 python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 12GiB \
+    --configs plan,fit --config "$LAYER" --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 \
+    --concurrency none --max-minutes 3.8 --out "$O/w2-2x12g" > "$O/w2-2x12g.log" 2>&1
+  log "up / status / down on two GPUs ($(left) s left)"
+  [ "$(left)" -gt 90 ] && timeout 110 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
+  log "gateway overhead, 4 gateway processes ($(left) s left)"
+  [ "$(left)" -gt 50 ] && timeout $(( $(left) - 3 )) python3 scripts/bench/gateway_overhead.py --mode ray --rounds 8 \
+    --model "$Q30" --binary "$SERVER" --ngl 99 --threads 8 --gateway-processes 4 --json > "$O/gateway-4.txt" 2>&1
   log "done"
   ;;
 *) echo "unknown phase $PHASE" >&2; exit 2 ;;
