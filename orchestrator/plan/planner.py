@@ -267,15 +267,28 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
             load_mode = "mmap"
             lm_why = (f"CPU-resident weights ({fmt_bytes(host_guess)}) + reserve exceed the available "
                       f"{fmt_bytes(avail)}: keep them memory-mapped")
-        cands = []
-        errors = []
-        for ub in ubs:
-            try:
-                kv_ub = _kv_layers(model, req, ub=ub, fa=fa, flavor=flavor)
-                cands.append(_evaluate(model, costs, kv_ub, gpus, node_req, req, mode, fa, ub, load_mode,
-                                       cpu.host_nodes, cpu.threads, machine, flavor))
-            except _DoesNotFit as e:
-                errors.append((ub, e))
+        def evaluate(mode: str) -> tuple[list, list]:
+            cands, errors = [], []
+            for ub in ubs:
+                try:
+                    kv_ub = _kv_layers(model, req, ub=ub, fa=fa, flavor=flavor)
+                    cands.append(_evaluate(model, costs, kv_ub, gpus, node_req, req, mode, fa, ub, load_mode,
+                                           cpu.host_nodes, cpu.threads, machine, flavor))
+                except _DoesNotFit as e:
+                    errors.append((ub, e))
+            return cands, errors
+
+        cands, errors = evaluate(mode)
+        if mode == "tensor" and req.split_mode == "auto" and cands and \
+                any(costs.layer_experts[i] for i in _choose(cands).placement.cpu_expert_layers):
+            # measured on two H200s (docs/benchmarks.md): with routed experts in host memory, mainline -sm tensor
+            # ran prompts 7x slower than -sm layer and ran out of GPU memory at a 2048-token micro-batch
+            layer_cands, layer_errors = evaluate("layer")
+            if layer_cands:
+                cands, errors = layer_cands, layer_errors
+                mode, mode_why = "layer", ("-sm layer with balanced ranges (experts overflow to host memory, where "
+                                           "mainline -sm tensor was measured 7x slower on prompts and ran out of "
+                                           "memory)")
         if not cands:
             ub, e = errors[0]
             raise PlanError(

@@ -122,8 +122,14 @@ def test_layer_split_ts_reproduces_the_planned_ranges(models):
 def test_split_mode_follows_flavor_and_architecture(models):
     m = machine("2socket-2gpu")
     q235 = models("qwen3-235b-a22b")
-    assert arg(plan1(m, q235).workers[0], "-sm") == "tensor"                 # mainline, qwen3moe, f16 KV
-    assert arg(plan1(m, q235, type_k="q8_0", type_v="q8_0").workers[0], "-sm") == "layer"
+    q30 = models("qwen3-30b-a3b")
+    fits = plan1(m, q30).workers[0]
+    assert arg(fits, "-sm") == "tensor" and not fits.cpu_expert_layers      # mainline, qwen3moe, f16 KV, all in VRAM
+    assert arg(plan1(m, q30, type_k="q8_0", type_v="q8_0").workers[0], "-sm") == "layer"
+    # experts overflowing to host memory: -sm layer (tensor was measured 7x slower and out of memory on 2 H200s)
+    over = plan1(m, q235).workers[0]
+    assert over.cpu_expert_layers and arg(over, "-sm") == "layer"
+    assert any(d.what == "split mode" and "host memory" in d.why for d in over.decisions)
     assert arg(plan1(m, models("deepseek-v3")).workers[0], "-sm") == "layer"
     ik = plan1(m, q235, b=backend("ik_llama.cpp")).workers[0]
     assert arg(ik, "-sm") == "graph"
