@@ -42,6 +42,28 @@ class Resolved:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
+def measured(machine: Machine, notes: list[str]) -> Machine:
+    """This machine with measured bandwidths. With GPUs and nothing cached yet, measure now (`orchestrator probe`,
+    a second or two, cached per machine): the op-offload threshold and the main GPU come from the PCIe
+    bandwidth, so `plan` and `up` must not fall back to assumed numbers where one measurement settles them.
+    A probe that cannot run leaves the assumed bandwidths and says why."""
+    if machine.bandwidth is not None or not machine.gpus:
+        return machine
+    from orchestrator.errors import HardwareError
+    from orchestrator.hardware.probe import run_probe
+
+    try:
+        res = run_probe(machine)
+    except (HardwareError, OSError) as e:
+        notes.append(f"bandwidth: not measured ({e}); assumed values are used")
+        return machine
+    if res.failed:
+        notes.append("bandwidth: partly measured (" + "; ".join(res.messages) + ")")
+    notes.append("bandwidth: measured now by `orchestrator probe` (cached; `orchestrator probe --refresh` "
+                 "measures again)")
+    return replace(machine, bandwidth=res.bandwidth)
+
+
 def load_machines(topo: Topology) -> tuple[dict[str, Machine], list[str]]:
     from orchestrator.hardware import read_machine
     from orchestrator.hardware.dump import load_machine
@@ -56,7 +78,7 @@ def load_machines(topo: Topology) -> tuple[dict[str, Machine], list[str]]:
                                  f"node {n.name!r} is another machine: record it there with `orchestrator inspect "
                                  f"--save {n.name}.tar.gz` and give that file as machine:")
             if live_local is None:
-                live_local = read_machine("/")
+                live_local = measured(read_machine("/"), notes)
             machines[n.name] = live_local
         else:
             machines[n.name] = load_machine(str(n.machine))
