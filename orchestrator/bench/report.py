@@ -107,6 +107,8 @@ def ratio_rows(rs: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[st
         t = r.get("target")
         ts = "-" if t is None else (f"{t[0]:.2f}–{t[1]:.2f}" if isinstance(t, (list, tuple)) else f"≥ {t:.2f}")
         ok = {True: "yes", False: "NO", None: ""}[r.get("ok")]
+        if ok and r.get("within_noise"):
+            ok += " (within A/A noise)"
         val = "-" if r.get("value") is None else f"{r['value']:.2f}"
         rows.append([r["kind"], r["metric"], val, ts, r.get("other_config", ""), ok])
     return header, rows

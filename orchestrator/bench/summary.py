@@ -12,6 +12,8 @@ per-round quantiles.
 
 from __future__ import annotations
 
+import math
+
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -144,7 +146,9 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
       best of the plan and the threshold sweep (≥ 0.97);
     - ``predicted/measured``: the plan's predicted pp, tg and memory against the measurement (tg within ±15%);
     - ``plan/control``: the plan against itself run again (A/A): the noise floor, within 0.97–1.03 to read the
-      0.97 targets meaningfully.
+      0.97 targets meaningfully. When it was run, a ``plan/fit`` or ``plan/best-sweep`` verdict whose distance
+      from its target is smaller than the A/A difference of the same metric gets ``"within_noise": True``
+      (the verdict stands, but the run cannot tell it apart from noise).
     """
     out: list[dict] = []
     if plan not in summary:
@@ -184,6 +188,11 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
             cands = [(n, v) for n, v in cands if v]
             best, v = max(cands, key=lambda x: x[1])
             out.append(_entry("threshold/best", m, _med(summary, plan, m), v, best, THRESHOLD_TARGET))
+
+    noise = {e["metric"]: abs(math.log(e["value"])) for e in out if e["kind"] == "plan/control" and e["value"]}
+    for e in out:
+        if e["kind"] in ("plan/fit", "plan/best-sweep") and e["metric"] in noise and e["target"] and e["value"]:
+            e["within_noise"] = abs(math.log(e["value"] / e["target"])) < noise[e["metric"]]
 
     pred = next((c.get("predicted") or {} for c in configs if c["name"] == plan), {})
     lo, hi = PREDICTION_BAND

@@ -131,3 +131,17 @@ def test_plan_against_its_control_is_the_noise_floor():
     by = {(r["kind"], r["metric"]): r for r in ratios(summarize(configs, runs), configs)}
     assert by[("plan/control", "pp512")]["ok"] is True and by[("plan/control", "tg128@0")]["ok"] is False
     assert by[("plan/control", "tg128@0")]["value"] == pytest.approx(50 / 45)
+
+
+def test_verdicts_closer_to_their_target_than_the_a_a_noise_are_marked():
+    configs = [_cfg("plan", "plan"), _cfg("fit", "fit"), _cfg("plan-control", "control")]
+    runs = [_run("plan", 1, pp={512: [3100]}, tg={0: [73]}), _run("fit", 1, pp={512: [600]}, tg={0: [79]}),
+            _run("plan-control", 1, pp={512: [3090]}, tg={0: [88]})]
+    rs = ratios(summarize(configs, runs), configs)
+    by = {(r["kind"], r["metric"]): r for r in rs}
+    tg = by[("plan/fit", "tg128@0")]
+    assert tg["ok"] is False and tg["within_noise"] is True     # 0.92 vs 1.05, but plan vs plan differed by 17%
+    pp = by[("plan/fit", "pp512")]
+    assert pp["ok"] is True and pp["within_noise"] is False     # 5.2 vs 3.0, A/A 0.3%
+    text = render_text({"summary": summarize(configs, runs), "ratios": rs})
+    assert "NO (within A/A noise)" in text
