@@ -201,6 +201,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
     api = None
     ctrl = None
     head = None
+    head_s = None
     try:
         if dep.embedded and early is not None:
             say(f"waiting for the Ray head started during planning (dashboard on {dep.dashboard_host}:"
@@ -219,6 +220,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
             st.dashboard_url, st.metrics_url = head.dashboard_url, f"http://127.0.0.1:{head.metrics_port}/metrics"
             os.environ.setdefault("RAY_AUTH_MODE", head.auth_mode)
             statemod.write(st)
+            head_s = time.monotonic() - t0
         api = RayApi.connect(st.ray_address, ns)
         if not dep.embedded:
             statemod.write(st)
@@ -247,9 +249,12 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
         statemod.remove(ns)
         raise
     took = time.monotonic() - t0
+    loads = [f"{w['name']} {w['load_s']:.1f}s" for w in status.get("workers", []) if w.get("load_s") is not None]
+    breakdown = "; ".join(([f"Ray head {head_s:.1f}s"] if head_s is not None else [])
+                          + ([f"llama-server load: {', '.join(loads)}"] if loads else []))
     result = UpResult(ns, st.gateway_url or "", st.dashboard_url, st.metrics_url, st.ray_address, status, took)
     try:
-        say(f"ready in {took:.1f}s: gateway {st.gateway_url}/v1"
+        say(f"ready in {took:.1f}s" + (f" ({breakdown})" if breakdown else "") + f": gateway {st.gateway_url}/v1"
             + (f", dashboard {st.dashboard_url}" if st.dashboard_url else "")
             + (f", metrics {st.metrics_url}" if st.metrics_url else ""))
         if st.auth_mode == "token" and st.dashboard_url:

@@ -245,6 +245,7 @@ class Supervisor:
             "reason": self.reason,
             "health_detail": self.health_detail,
             "uptime_s": round(now - self.ready_at, 1) if self.state == READY else 0.0,
+            "load_s": round(self.ready_at - self.started_at, 2) if self.state == READY else None,
             "retry_in_s": round(max(0.0, self.next_start_at - now), 1) if self.state == BACKOFF else None,
             "log": str(self.log_path),
         }

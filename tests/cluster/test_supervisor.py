@@ -97,8 +97,10 @@ def test_start_waits_for_health_then_ready():
         assert sup.update() == STARTING          # 503 while loading
     snap = sup.snapshot()
     assert snap["pid"] == 100 and not snap["healthy"] and "Loading" in snap["health_detail"]
+    assert snap["load_s"] is None
     run_until_ready(sup, clock, probe)
     assert sup.snapshot()["healthy"] and sup.snapshot()["pid"] == 100
+    assert sup.snapshot()["load_s"] == pytest.approx(sup.ready_at - sup.started_at) and sup.snapshot()["load_s"] >= 5
 
 
 def test_crash_restarts_with_exponential_backoff_then_gives_up():
