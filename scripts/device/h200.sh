@@ -18,11 +18,13 @@
 #                                   # generation over 5 rounds
 #   bash scripts/device/h200.sh g   # nvidia-h200-x2: build, inspect/probe, the 235B shape on 2 GPUs: plan
 #                                   # (-sm tensor) vs -sm layer vs --fit; `up` and the gateway there
+#   bash scripts/device/h200.sh h   # nvidia-h200-x2, next session: the corrected plan vs --fit (2 rounds), and
+#                                   # W1 on two GPUs at 6 GiB each
 #
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b | c | d | e | f | g}
+PHASE=${1:?phase: a | b | c | d | e | f | g | h}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -235,6 +237,31 @@ PY
   log "gateway overhead, 4 gateway processes ($(left) s left)"
   [ "$(left)" -gt 50 ] && timeout $(( $(left) - 3 )) python3 scripts/bench/gateway_overhead.py --mode ray --rounds 8 \
     --model "$Q30" --binary "$SERVER" --ngl 99 --threads 8 --gateway-processes 4 --json > "$O/gateway-4.txt" 2>&1
+  log "done"
+  ;;
+h)
+  # nvidia-h200-x2 again, after the planner's split-mode rule: the corrected plan (-sm layer when experts
+  # overflow) against --fit with 2 rounds on the 235B shape (2 x 12 GiB), and W1 on two GPUs held to 6 GiB each
+  DEADLINE=$(( t0 + 555 ))
+  log "build (background), bytecode (background), models"
+  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
+  BUILD=$!
+  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
+  ( time orch synth-model "$Q235" --like qwen3-235b-a22b --layers 24 --quant q4_0 ) > "$O/synth.log" 2>&1
+  ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1
+  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
+  [ $rc -eq 0 ] || exit 1
+  wait
+  orch plan "$H200" --set "model.path=$Q235" > "$O/plan-w2.txt" 2>&1
+  log "W2 on 2 GPUs x 12 GiB: plan / --fit, 2 rounds ($(left) s left)"
+  timeout 260 python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 12GiB \
+    --configs plan,fit --rounds 2 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 \
+    --concurrency none --max-minutes 4.2 --out "$O/w2-2x12g" > "$O/w2-2x12g.log" 2>&1
+  log "W1 on 2 GPUs x 6 GiB: plan / --fit ($(left) s left)"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
+    --vram-budget 6GiB --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
+    --concurrency none --max-minutes "$mins" --out "$O/w1-2x6g" > "$O/w1-2x6g.log" 2>&1
   log "done"
   ;;
 *) echo "unknown phase $PHASE" >&2; exit 2 ;;
