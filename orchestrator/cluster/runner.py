@@ -103,6 +103,9 @@ class EarlyHead:
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.taken = False          # up() took it over (and stops it on failure itself)
+        # waited on through an Event, not Thread.join: a join interrupted by Ctrl-C/SIGTERM leaves the thread
+        # looking finished (CPython 3.11), and a head still starting would then never be stopped
+        self._done = threading.Event()
         kw = dict(node_name=node_name, gcs_port=None, dashboard_host=dashboard_host, dashboard_port=dashboard_port,
                   metrics_port=metrics_port, log_dir=log_dir)
         self._thread = threading.Thread(target=self._run, args=(kw, gateway_url), name="ray-head", daemon=True)
@@ -122,9 +125,14 @@ class EarlyHead:
             self.error = e
         finally:
             self.seconds = time.monotonic() - self.t0
+            self._done.set()
+
+    def _wait(self) -> None:
+        while not self._done.wait(0.1):
+            pass
 
     def result(self) -> headmod.HeadInfo:
-        self._thread.join()
+        self._wait()
         if self.error is not None:
             raise self.error
         assert self.info is not None
@@ -132,7 +140,7 @@ class EarlyHead:
 
     def abandon(self) -> None:
         """Planning failed (or was interrupted): stop the head and forget it."""
-        self._thread.join()
+        self._wait()
         if self.info is not None:
             headmod.stop_head(self.info.pid, self.info.create_time, self.info.temp_dir)
             st = statemod.read(self.namespace)
@@ -166,7 +174,7 @@ def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], 
        ready_timeout: float | None = None, early: EarlyHead | None = None) -> UpResult:
     """Run ``deployment``; see the module docstring. Raises ClusterError/LaunchError/ConfigError with one clear
     line after undoing everything it started. ``early``: the head :func:`start_early_head` started for it."""
-    with _terminate_as_interrupt():
+    with terminate_as_interrupt():
         try:
             return _up(deployment, foreground, say, ready_timeout, early)
         except BaseException:
@@ -365,7 +373,7 @@ def _ignoring(*sigs: int):
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt():
+def terminate_as_interrupt():
     """SIGTERM and SIGHUP act like Ctrl-C while ``up`` runs, so every way of stopping it tears down cleanly."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -62,7 +62,10 @@ def deployment_from(res):
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    import contextlib
+
     from orchestrator.cluster import LOCAL, up
+    from orchestrator.cluster.runner import terminate_as_interrupt
     from orchestrator.config import load_topology, parse_overrides
     from orchestrator.resolve import resolve
 
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.set:
         topo = topo.override(parse_overrides(args.set))
     early = None
+    stop_signals = contextlib.nullcontext()
     if topo.ray.address == LOCAL:
         # the Ray head takes seconds to start: start it now, while the plan is made (stopped if planning fails)
         from orchestrator.cluster.runner import start_early_head
@@ -80,21 +84,25 @@ def run(args: argparse.Namespace) -> int:
             gateway_port=topo.gateway.port, dashboard_host=topo.ray.dashboard_host,
             dashboard_port=topo.ray.dashboard_port,
             metrics_port=None if metrics_port in (None, "auto") else int(metrics_port), log_dir=None)
+        if early is not None:   # SIGTERM/SIGHUP while planning: stop that head too, like Ctrl-C
+            stop_signals = terminate_as_interrupt()
     try:
-        res = resolve(topo)
-        dep = deployment_from(res)
-        if res.topology.workers.warmup:
-            from orchestrator.launch.warmup import drop_caches, warm
+        with stop_signals:
+            res = resolve(topo)
+            dep = deployment_from(res)
+            if res.topology.workers.warmup:
+                from orchestrator.launch.warmup import drop_caches, warm
 
-            print(f"warm-up: {drop_caches()}", file=sys.stderr)
-            for spec in res.specs:
-                if spec.node is None:   # this machine; a remote node warms up through its own `up`
-                    secs = warm(res.model.paths, spec.argv)
-                    print(f"warm-up: read the model under {spec.name}'s NUMA policy in {secs:.1f}s", file=sys.stderr)
-        for w, spec in zip(res.plan.workers, res.specs):
-            print(f"worker {w.name}: GPUs {','.join(map(str, w.gpus)) or 'none'}; predicted tg "
-                  f"{w.predicted.tg:.1f} t/s", file=sys.stderr)
-            print(f"  {spec.shell_line()}", file=sys.stderr)
+                print(f"warm-up: {drop_caches()}", file=sys.stderr)
+                for spec in res.specs:
+                    if spec.node is None:   # this machine; a remote node warms up through its own `up`
+                        secs = warm(res.model.paths, spec.argv)
+                        print(f"warm-up: read the model under {spec.name}'s NUMA policy in {secs:.1f}s",
+                              file=sys.stderr)
+            for w, spec in zip(res.plan.workers, res.specs):
+                print(f"worker {w.name}: GPUs {','.join(map(str, w.gpus)) or 'none'}; predicted tg "
+                      f"{w.predicted.tg:.1f} t/s", file=sys.stderr)
+                print(f"  {spec.shell_line()}", file=sys.stderr)
     except BaseException:
         if early is not None:
             early.abandon()

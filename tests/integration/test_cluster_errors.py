@@ -231,3 +231,33 @@ def test_no_early_head_when_up_would_not_use_it(iso):
         s.bind(("127.0.0.1", 0))
         s.listen()
         assert start_early_head("x", nodes=[("a", None)], gateway_port=s.getsockname()[1], **kw) is None
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_for_the_early_head_stops_it(iso, monkeypatch):
+    """SIGTERM (like Ctrl-C) while `up` waits for the head it started during planning: the head is stopped
+    once it is up, nothing is recorded. (An interrupted Thread.join once hid the still-starting head.)"""
+    import threading
+
+    from orchestrator.cluster import state, up
+    from orchestrator.cluster.runner import start_early_head
+
+    from orchestrator.cluster import head as headmod
+
+    stopped = []
+    real_stop = headmod.stop_head
+    monkeypatch.setattr(headmod, "stop_head", lambda pid, ct, temp_dir=None, **kw: stopped.append(temp_dir) or
+                        real_stop(pid, ct, temp_dir, **kw))
+    dep = _dep(iso, namespace="early-term")
+    early = start_early_head("early-term", nodes=[("local", None)], gateway_host=dep.gateway_host,
+                             gateway_port=dep.gateway_port, dashboard_host=dep.dashboard_host,
+                             dashboard_port=dep.dashboard_port, metrics_port=None, log_dir=None)
+    assert early is not None
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(KeyboardInterrupt):
+        up(dep, foreground=False, say=lambda m: None, early=early)
+    head_log = Path(os.environ["ORCHESTRATOR_STATE"]) / "logs" / "early-term" / "ray-head.log"
+    assert "Ray runtime started" in head_log.read_text()          # it did come up, and then
+    assert early.info is None                                     # it was stopped again
+    assert len(stopped) == 1 and S.ray_processes_of(stopped[0]) == [] and not Path(stopped[0]).exists()
+    assert state.read("early-term") is None
