@@ -138,6 +138,23 @@ def test_split_mode_follows_flavor_and_architecture(models):
     assert "--load-mode" not in ik.args and ("--no-mmap" in ik.args) == (ik.load_mode == "pinned")
 
 
+def test_two_h200s_as_recorded_split_by_layer_when_experts_overflow_else_by_tensor(models):
+    """The nvidia-h200-x2 machine as `inspect --save` recorded it (tests/fixtures/machines/h200x2.*): the
+    235B shape under 12 GiB per GPU overflows to the host -> -sm layer with balanced ranges (what ran there);
+    Qwen3-30B-A3B under 24 GiB per GPU fits -> -sm tensor, no -ot."""
+    from pathlib import Path
+
+    from orchestrator.hardware.dump import load_machine
+
+    x2 = load_machine(Path(__file__).resolve().parents[1] / "fixtures" / "machines" / "h200x2.tar.gz")
+    assert [g.name for g in x2.gpus] == ["NVIDIA H200", "NVIDIA H200"]
+    w2 = plan1(with_gpu_free(x2, 12 << 30), models("qwen3-235b-a22b", layers=24), limit=12 << 30).workers[0]
+    assert arg(w2, "-sm") == "layer" and w2.cpu_expert_layers and arg(w2, "-ts")
+    assert all(d.total <= d.budget for d in w2.memory if d.device.startswith("CUDA"))
+    w1 = plan1(with_gpu_free(x2, 24 << 30), models("qwen3-30b-a3b"), limit=24 << 30).workers[0]
+    assert arg(w1, "-sm") == "tensor" and not w1.cpu_expert_layers and arg(w1, "-ot") is None
+
+
 def test_numa_bind_when_it_fits_the_nearest_node_else_interleave_over_the_socket(models):
     m = machine("2socket-2gpu")
     w = plan1(m, models("qwen3-235b-a22b")).workers[0]
