@@ -434,7 +434,7 @@ def run_bench(configs: Sequence[BenchConfig], server_binary: str, out_dir: str |
 def _finish(data: dict, out: Path, charts: bool) -> None:
     data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     data["summary"] = summarize(data["configs"], data["runs"])
-    data["ratios"] = ratios(data["summary"], data["configs"])
+    data["ratios"] = ratios(data["summary"], data["configs"], vram_budget=data.get("vram_budget"))
     files = {"json": "bench.json", "table": "bench.txt"}
     if charts:
         try:

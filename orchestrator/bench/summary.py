@@ -134,8 +134,11 @@ def _entry(kind: str, metric: str, plan: float, other: float, other_config: str,
             "other_config": other_config, "target": target, "ok": ok}
 
 
+SAFE_HEADROOM = 256 << 20   # a sweep point that left less VRAM free than this ran at the edge of out-of-memory
+
+
 def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], plan: str = "plan",
-           fit: str = "fit") -> list[dict]:
+           fit: str = "fit", vram_budget: int | None = None) -> list[dict]:
     """The ratios of issue 7, each with its target and whether it is met:
 
     - ``plan/fit``: every pp and tg metric the two share (targets: tg128@0 ≥ 1.05, pp512 ≥ 3, pp4096 ≥ 2.5,
@@ -145,6 +148,9 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
     - ``threshold/best``: at every prompt length, the plan's op-offload threshold (the plan itself) against the
       best of the plan and the threshold sweep (≥ 0.97);
     - ``predicted/measured``: the plan's predicted pp, tg and memory against the measurement (tg within ±15%);
+    - ``plan/best-safe-sweep`` (with ``vram_budget``): the same against the sweep points that left at least
+      ``SAFE_HEADROOM`` of the budget free on every GPU (no target: it says how much of a ``plan/best-sweep``
+      gap comes from placements at the edge of out-of-memory, which the plan's reserve rules out);
     - ``plan/control``: the plan against itself run again (A/A): the noise floor, within 0.97–1.03 to read the
       0.97 targets meaningfully. When it was run, a ``plan/fit`` or ``plan/best-sweep`` verdict whose distance
       from its target is smaller than the A/A difference of the same metric gets ``"within_noise": True``
@@ -178,6 +184,19 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
         if cands:
             best, v = max(cands, key=lambda x: x[1])
             out.append(_entry("plan/best-sweep", m, _med(summary, plan, m), v, best, SWEEP_TARGET))
+    if vram_budget and sweep:
+        def safe(name: str) -> bool:
+            peaks = [v["median"] for k, v in summary[name]["metrics"].items()
+                     if k.startswith("vram_peak_") and v.get("median") is not None]
+            return bool(peaks) and max(peaks) <= vram_budget - SAFE_HEADROOM
+        safe_sweep = [n for n in sweep if safe(n)]
+        if len(safe_sweep) < len(sweep):
+            for m in plan_metrics:
+                cands = [(n, _med(summary, n, m)) for n in safe_sweep]
+                cands = [(n, v) for n, v in cands if v]
+                if cands:
+                    best, v = max(cands, key=lambda x: x[1])
+                    out.append(_entry("plan/best-safe-sweep", m, _med(summary, plan, m), v, best, None))
 
     thresholds = [n for n, g in groups.items() if g == "offload-sweep" and n in summary]
     if thresholds:

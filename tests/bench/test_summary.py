@@ -145,3 +145,17 @@ def test_verdicts_closer_to_their_target_than_the_a_a_noise_are_marked():
     assert pp["ok"] is True and pp["within_noise"] is False     # 5.2 vs 3.0, A/A 0.3%
     text = render_text({"summary": summarize(configs, runs), "ratios": rs})
     assert "NO (within A/A noise)" in text
+
+
+def test_best_safe_sweep_leaves_out_points_at_the_edge_of_out_of_memory():
+    GiB = 1 << 30
+    configs = [_cfg("plan", "plan"), _cfg("n18", "ncmoe-sweep"), _cfg("n19", "ncmoe-sweep")]
+    runs = [_run("plan", 1, pp={512: [2700]}, tg={0: [77]}, gpu_peak=int(11.65 * GiB)),
+            _run("n18", 1, pp={512: [2860]}, tg={0: [85]}, gpu_peak=int(11.96 * GiB)),   # 40 MiB left of 12 GiB
+            _run("n19", 1, pp={512: [2750]}, tg={0: [78]}, gpu_peak=int(11.64 * GiB))]
+    s = summarize(configs, runs)
+    by = {(r["kind"], r["metric"]): r for r in ratios(s, configs, vram_budget=12 * GiB)}
+    assert by[("plan/best-sweep", "pp512")]["other_config"] == "n18"            # the target row is unchanged
+    safe = by[("plan/best-safe-sweep", "pp512")]
+    assert safe["other_config"] == "n19" and safe["value"] == pytest.approx(2700 / 2750) and safe["ok"] is None
+    assert not any(r["kind"] == "plan/best-safe-sweep" for r in ratios(s, configs))   # no budget: no such row
