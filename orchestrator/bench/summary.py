@@ -13,7 +13,6 @@ per-round quantiles.
 from __future__ import annotations
 
 import math
-
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -109,6 +108,12 @@ def _med(summary: Mapping[str, Any], config: str, metric: str) -> float | None:
     return None if m is None else m["median"]
 
 
+def _best(summary: Mapping[str, Any], names: Sequence[str], metric: str) -> tuple[str, float] | None:
+    """The configuration among ``names`` with the highest median of ``metric`` (None when none has it)."""
+    cands = [(n, v) for n in names if (v := _med(summary, n, metric))]
+    return max(cands, key=lambda x: x[1]) if cands else None
+
+
 def _speed_metrics(summary: Mapping[str, Any], config: str) -> list[str]:
     ms = (summary.get(config) or {}).get("metrics", {})
     return sorted((k for k in ms if _PP.match(k) or _TG.match(k)), key=_metric_order)
@@ -178,34 +183,25 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
                 out.append(e)
 
     sweep = [n for n, g in groups.items() if g == "ncmoe-sweep" and n in summary]
-    for m in plan_metrics:
-        cands = [(n, _med(summary, n, m)) for n in sweep]
-        cands = [(n, v) for n, v in cands if v]
-        if cands:
-            best, v = max(cands, key=lambda x: x[1])
-            out.append(_entry("plan/best-sweep", m, _med(summary, plan, m), v, best, SWEEP_TARGET))
-    if vram_budget and sweep:
-        def safe(name: str) -> bool:
-            peaks = [v["median"] for k, v in summary[name]["metrics"].items()
-                     if k.startswith("vram_peak_") and v.get("median") is not None]
-            return bool(peaks) and max(peaks) <= vram_budget - SAFE_HEADROOM
-        safe_sweep = [n for n in sweep if safe(n)]
-        if len(safe_sweep) < len(sweep):
-            for m in plan_metrics:
-                cands = [(n, _med(summary, n, m)) for n in safe_sweep]
-                cands = [(n, v) for n, v in cands if v]
-                if cands:
-                    best, v = max(cands, key=lambda x: x[1])
-                    out.append(_entry("plan/best-safe-sweep", m, _med(summary, plan, m), v, best, None))
+    def safe(name: str) -> bool:
+        peaks = [v["median"] for k, v in summary[name]["metrics"].items()
+                 if k.startswith("vram_peak_") and v.get("median") is not None]
+        return bool(peaks) and max(peaks) <= vram_budget - SAFE_HEADROOM
+
+    safe_sweep = [n for n in sweep if safe(n)] if vram_budget else sweep
+    for kind, names, target in (("plan/best-sweep", sweep, SWEEP_TARGET), ("plan/best-safe-sweep", safe_sweep, None)):
+        if kind == "plan/best-safe-sweep" and len(safe_sweep) == len(sweep):
+            continue                                    # every sweep point was safe: the row above says it
+        for m in plan_metrics:
+            if best := _best(summary, names, m):
+                out.append(_entry(kind, m, _med(summary, plan, m), best[1], best[0], target))
 
     thresholds = [n for n, g in groups.items() if g == "offload-sweep" and n in summary]
     if thresholds:
         for m in plan_metrics:
             if not _PP.match(m):
                 continue
-            cands = [(n, _med(summary, n, m)) for n in [plan] + thresholds]
-            cands = [(n, v) for n, v in cands if v]
-            best, v = max(cands, key=lambda x: x[1])
+            best, v = _best(summary, [plan] + thresholds, m)
             out.append(_entry("threshold/best", m, _med(summary, plan, m), v, best, THRESHOLD_TARGET))
 
     noise = {e["metric"]: abs(math.log(e["value"])) for e in out if e["kind"] == "plan/control" and e["value"]}

@@ -18,6 +18,18 @@ LOCAL = "local"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
+def gateway_processes(value: int | str | None, cpus: int | None = None) -> int:
+    """``gateway.processes``: a number as given; auto = one per 4 CPUs this process may use (the gateway runs on
+    the machine that runs ``up``), 1..4."""
+    import os
+
+    if value not in (None, "auto"):
+        return int(value)
+    cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                          else os.cpu_count() or 1)
+    return max(1, min(4, cpus // 4))
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """How a worker's llama-server is watched and restarted.

@@ -82,10 +82,10 @@ def _embedded_node_name(dep: Deployment) -> str:
     return nodes.pop() if nodes else "local"
 
 
-def _log_dir(dep: Deployment) -> Path:
+def _log_dir(log_dir: str | None, namespace: str) -> Path:
     from orchestrator.paths import state_dir
 
-    return Path(dep.log_dir) if dep.log_dir else state_dir() / "logs" / dep.namespace
+    return Path(log_dir) if log_dir else state_dir() / "logs" / namespace
 
 
 class EarlyHead:
@@ -162,11 +162,8 @@ def start_early_head(namespace: str, *, nodes: list[tuple[str, str | None]], gat
         return None
     if headmod.port_problem(gateway_host, gateway_port):
         return None
-    from orchestrator.paths import state_dir
-
     return EarlyHead(namespace, "local", dashboard_host=dashboard_host, dashboard_port=dashboard_port,
-                     metrics_port=metrics_port,
-                     log_dir=Path(log_dir) if log_dir else state_dir() / "logs" / namespace,
+                     metrics_port=metrics_port, log_dir=_log_dir(log_dir, namespace),
                      gateway_url=f"http://{gateway_host}:{gateway_port}")
 
 
@@ -221,7 +218,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
             say(f"starting the Ray head (dashboard on {dep.dashboard_host}:{dep.dashboard_port}) ...")
             head = headmod.start_head(node_name=node_name, gcs_port=dep.ray_port, dashboard_host=dep.dashboard_host,
                                       dashboard_port=dep.dashboard_port, metrics_port=dep.metrics_export_port,
-                                      log_dir=_log_dir(dep))
+                                      log_dir=_log_dir(dep.log_dir, dep.namespace))
         if dep.embedded:
             st.ray_address, st.head_pid, st.head_create_time = head.address, head.pid, head.create_time
             st.head_temp_dir, st.head_log, st.auth_mode = head.temp_dir, head.log_path, head.auth_mode

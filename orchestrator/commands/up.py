@@ -24,20 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the topology's restart.startup_timeout)")
 
 
-def gateway_processes(value, cpus: int | None = None) -> int:
-    """gateway.processes: auto = one per 4 CPUs of this machine (where the gateway runs), 1..4."""
-    import os
-
-    if value not in (None, "auto"):
-        return int(value)
-    cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                          else os.cpu_count() or 1)
-    return max(1, min(4, cpus // 4))
-
-
 def deployment_from(res):
     """The Deployment for a resolved topology (the plan's LaunchSpecs + gateway, Ray and restart settings)."""
     from orchestrator.cluster import Deployment, RestartPolicy
+    from orchestrator.cluster.deployment import gateway_processes
     from orchestrator.commands.plan import plan_document
 
     t = res.topology
@@ -60,9 +50,8 @@ def deployment_from(res):
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     import contextlib
+    import sys
 
     from orchestrator.cluster import LOCAL, up
     from orchestrator.cluster.runner import terminate_as_interrupt

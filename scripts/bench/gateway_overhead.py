@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             from orchestrator.cluster import Deployment, up
             from orchestrator.launch.spec import LaunchSpec
 
-            from orchestrator.commands.up import gateway_processes
+            from orchestrator.cluster.deployment import gateway_processes
 
             extra["gateway_processes"] = gateway_processes(a.gateway_processes)
             dep = Deployment(specs=(LaunchSpec(name="bench", argv=tuple(argv), port=port, model_alias="bench"),),

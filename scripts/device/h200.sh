@@ -43,6 +43,24 @@ Q235=$M/qwen3-235b-a22b-24l-q4_0.gguf
 H200=topologies/h200.yaml
 
 left() { echo $(( DEADLINE - $(date +%s) )); }   # seconds left in this phase
+# a fresh machine: the CUDA build and the bytecode of the bundle (as pip install would compile it) in the background
+start_build() {
+  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
+  BUILD=$!
+  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
+}
+synth() {   # synth q30 | q235: write a model (beside the build)
+  case "$1" in
+    q30) ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1 ;;
+    q235) ( time orch synth-model "$Q235" --like qwen3-235b-a22b --layers 24 --quant q4_0 ) >> "$O/synth.log" 2>&1 ;;
+  esac
+}
+finish_build() {   # wait for start_build; end the phase when the build failed; SERVER = the built llama-server
+  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
+  [ $rc -eq 0 ] || exit 1
+  wait
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
+}
 
 case "$PHASE" in
 a)
@@ -98,18 +116,13 @@ c)
   DEADLINE=$(( t0 + 545 ))
   { nvidia-smi; numactl -H; nproc; free -g; df -h /root; } > "$O/machine.txt" 2>&1
   log "build (background), bytecode (background, as pip install does), W1 model, GPU-marked tests without llama-server"
-  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
-  BUILD=$!
-  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
-  ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) > "$O/synth.log" 2>&1
+  start_build
+  synth q30
   timeout 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/hardware/test_probe.py \
     tests/hardware/test_live.py tests/cluster/test_cluster_metrics.py tests/bench/test_ballast.py \
     tests/bench/test_sampler.py > "$O/pytest-gpu.txt" 2>&1
   log "pytest rc=$?"; tail -2 "$O/pytest-gpu.txt"
-  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
-  [ $rc -eq 0 ] || exit 1
-  wait
-  SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
+  finish_build
   log "server $SERVER"
   log "GPU-marked bench test with the CUDA llama-server"
   LLAMA_SERVER=$SERVER timeout 60 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests/bench/test_runner.py \
@@ -167,15 +180,10 @@ f)
   # gateway overhead with 1 and with auto (4) gateway processes, and plan vs --fit generation, 5 rounds
   DEADLINE=$(( t0 + 555 ))
   log "build (background), bytecode (background), W1 model"
-  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
-  BUILD=$!
-  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
-  ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) > "$O/synth.log" 2>&1
+  start_build
+  synth q30
   python3 -c "import uvloop; print('uvloop', uvloop.__version__)" > "$O/uvloop.txt" 2>&1
-  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
-  [ $rc -eq 0 ] || exit 1
-  wait
-  SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
+  finish_build
   log "up / status / down on the GPU ($(left) s left)"
   timeout 120 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
   log "gateway overhead, 4 gateway processes ($(left) s left)"
@@ -197,16 +205,11 @@ g)
   # -ot ranges) vs --fit; then `up` and the gateway overhead there
   DEADLINE=$(( t0 + 555 ))
   log "build (background), bytecode (background), models"
-  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
-  BUILD=$!
-  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
-  ( time orch synth-model "$Q235" --like qwen3-235b-a22b --layers 24 --quant q4_0 ) > "$O/synth.log" 2>&1
-  ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1
+  start_build
+  synth q235
+  synth q30
   { nvidia-smi; nvidia-smi topo -m; numactl -H; nproc; free -g; } > "$O/machine.txt" 2>&1
-  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
-  [ $rc -eq 0 ] || exit 1
-  wait
-  SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
+  finish_build
   log "inspect, probe"
   orch inspect --json --save "$O/h200x2.tar.gz" > "$O/inspect.json" 2>"$O/inspect.err"; orch inspect > "$O/inspect.txt" 2>&1
   timeout 90 python3 -m orchestrator probe --refresh --json > "$O/probe.json" 2>"$O/probe.err"; orch probe > "$O/probe.txt" 2>&1
@@ -244,14 +247,10 @@ h)
   # overflow) against --fit with 2 rounds on the 235B shape (2 x 12 GiB), and W1 on two GPUs held to 6 GiB each
   DEADLINE=$(( t0 + 555 ))
   log "build (background), bytecode (background), models"
-  ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
-  BUILD=$!
-  ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
-  ( time orch synth-model "$Q235" --like qwen3-235b-a22b --layers 24 --quant q4_0 ) > "$O/synth.log" 2>&1
-  ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1
-  wait $BUILD; rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
-  [ $rc -eq 0 ] || exit 1
-  wait
+  start_build
+  synth q235
+  synth q30
+  finish_build
   orch plan "$H200" --set "model.path=$Q235" > "$O/plan-w2.txt" 2>&1
   log "W2 on 2 GPUs x 12 GiB: plan / --fit, 2 rounds ($(left) s left)"
   timeout 260 python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 12GiB \

@@ -80,10 +80,20 @@ def test_deployment_round_trips():
     ({"specs": (spec(),), "gateway_port": 70000}, "gateway.port: 70000"),
     ({"specs": (spec(),), "api_key_env": "1BAD"}, "gateway.api_key_env"),
     ({"specs": (spec(),), "namespace": "a/b"}, "ray.namespace"),
+    ({"specs": (spec(),), "gateway_processes": 0}, "gateway.processes: 0 is not in 1..64"),
 ])
 def test_deployment_rejects(kw, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         Deployment(**kw)
+
+
+def test_gateway_processes_auto_is_one_per_4_cpus_up_to_4():
+    from orchestrator.cluster.deployment import gateway_processes
+
+    assert [gateway_processes("auto", cpus=c) for c in (1, 2, 4, 8, 16, 32, 128)] == [1, 1, 1, 2, 4, 4, 4]
+    assert gateway_processes(3, cpus=2) == 3 and gateway_processes(None) >= 1
+    d = Deployment(specs=(spec(),), gateway_processes=2)
+    assert Deployment.from_dict(json.loads(json.dumps(d.to_dict()))).gateway_processes == 2
 
 
 def test_same_port_on_two_nodes_is_fine():
