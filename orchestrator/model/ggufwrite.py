@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from orchestrator.fsutil import write_atomic
 from orchestrator.model.ggml_types import ggml_type
 
 ALIGN = 32
@@ -98,18 +99,7 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: Itera
     pad = (-len(head)) % ALIGN
     head += b"\0" * pad
     total = len(head) + offset
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(head)
-            f.truncate(total)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(path, bytes(head), size=total)
     return total
 
 
