@@ -61,7 +61,11 @@ SOURCES: dict[str, PinnedSource] = {
 _KEEP_TOP = {"CMakeLists.txt", "cmake", "common", "include", "src", "ggml", "tools", "vendor", "licenses", "LICENSE",
              "build-info.sh", "scripts", "examples", "pocs"}
 _DROP_GGML_BACKENDS = {"ggml-cann", "ggml-hexagon", "ggml-metal", "ggml-musa", "ggml-opencl", "ggml-openvino",
-                       "ggml-sycl", "ggml-virtgpu", "ggml-vulkan", "ggml-webgpu", "ggml-zdnn", "ggml-et", "ggml-kompute"}
+                       "ggml-sycl", "ggml-virtgpu", "ggml-vulkan", "ggml-webgpu", "ggml-zdnn", "ggml-et", "ggml-kompute",
+                       "kompute"}     # ik_llama.cpp: the Kompute submodule (16 MiB) at ggml/src/kompute
+# ik_llama.cpp keeps the server under examples/: its web UI sources and themes (the build embeds public*/ only)
+_DROP_PATHS = {("examples", "server", "themes"), ("examples", "server", "webui"),
+               ("examples", "server", "webui_llamacpp"), ("examples", "llama.android"), ("examples", "llama.swiftui")}
 
 
 def sha256_file(path: Path) -> str:
@@ -154,6 +158,8 @@ def export_source(root: Path, out: Path) -> int:
         if not parts:
             return True
         if parts[0] not in _KEEP_TOP:
+            return False
+        if any(parts[:len(d)] == d for d in _DROP_PATHS):
             return False
         if parts[0] == "ggml" and len(parts) >= 3 and parts[1] == "src" and parts[2] in _DROP_GGML_BACKENDS:
             # keep the backend's CMakeLists so an `add_subdirectory` guarded by an option still configures

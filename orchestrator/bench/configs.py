@@ -20,7 +20,7 @@ OFFLOAD_DEFAULT = 32                # llama.cpp's default when the variable is u
 OFFLOAD_NEVER = 1_000_000_000       # larger than any batch: CPU-resident weights are never copied to the GPU
 
 GROUPS = ("plan", "fit", "cpu-moe", "ncmoe-sweep", "offload-sweep")
-OPTIONAL_GROUPS = ("control",)          # asked for by name only
+OPTIONAL_GROUPS = ("control", "threads-sweep")          # asked for by name only
 
 # long name of every flag the generators look at (llama-server's short and long aliases)
 _ALIASES = {
@@ -147,6 +147,8 @@ class BenchConfig:
     ``group``: which family it belongs to (plan, fit, cpu-moe, ncmoe-sweep, offload-sweep, extra); ``params``: its
     coordinates in that family (n_cpu_moe, ubatch, load_mode, op_offload_min_batch). ``predicted``: what the plan
     predicted ({"pp": {len: t/s}, "tg": t/s, "memory": {"gpu0": bytes, "CPU": bytes}}), compared in the summary.
+    ``server``: this configuration's own llama-server (another build, e.g. ik_llama.cpp beside mainline); None =
+    the run's.
     """
 
     name: str
@@ -156,6 +158,7 @@ class BenchConfig:
     params: Mapping[str, Any] = field(default_factory=dict)
     wrapper: tuple[str, ...] = ()
     predicted: Mapping[str, Any] = field(default_factory=dict)
+    server: str | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+=@-]*", self.name):
@@ -179,22 +182,24 @@ class BenchConfig:
     def argv(self, server_binary: str, host: str, port: int) -> tuple[str, ...]:
         """The complete command line: wrapper, binary, flags, then our --host/--port."""
         body = without(self.args, ENDPOINT_FLAGS)
-        return (*self.wrapper, server_binary, *body, "--host", host, "--port", str(port))
+        return (*self.wrapper, self.server or server_binary, *body, "--host", host, "--port", str(port))
 
     def shell_line(self, server_binary: str = "llama-server") -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        line = shlex.join([*self.wrapper, server_binary, *self.args])
+        line = shlex.join([*self.wrapper, self.server or server_binary, *self.args])
         return f"{env} {line}" if env else line
 
     def to_dict(self) -> dict:
         return {"name": self.name, "group": self.group, "args": list(self.args), "env": dict(self.env),
-                "wrapper": list(self.wrapper), "params": dict(self.params), "predicted": _jsonable(self.predicted)}
+                "wrapper": list(self.wrapper), "params": dict(self.params), "predicted": _jsonable(self.predicted),
+                **({"server": self.server} if self.server else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "BenchConfig":
         return cls(name=d["name"], args=tuple(d.get("args", ())), env=dict(d.get("env", {})),
                    group=d.get("group", "extra"), params=dict(d.get("params", {})),
-                   wrapper=tuple(d.get("wrapper", ())), predicted=dict(d.get("predicted", {})))
+                   wrapper=tuple(d.get("wrapper", ())), predicted=dict(d.get("predicted", {})),
+                   server=d.get("server") or None)
 
 
 def _jsonable(x: Any) -> Any:
@@ -524,11 +529,41 @@ def offload_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]
     return out
 
 
+def default_thread_values(plan: BenchConfig) -> list[int]:
+    """Generation threads below the plan's T: T/4, T/2, 3T/4 and T-1 (the plan's own point is the plan)."""
+    t = _int_arg(plan.args, "-t")
+    if t is None:
+        raise ConfigError("threads-sweep: the plan's flags have no -t/--threads: give the sweep's values "
+                          "(--threads N,...)")
+    return sorted({max(1, t // 4), max(1, t // 2), max(1, 3 * t // 4), max(1, t - 1)} - {t})
+
+
+def threads_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]:
+    """The plan with its generation threads (``-t``) replaced; prompt threads (``-tb``) stay the plan's, so a
+    plan without ``-tb`` gets the plan's ``-t`` there (llama-server would otherwise follow ``-t``)."""
+    t_plan = _int_arg(plan.args, "-t")
+    out = []
+    for v in values:
+        v = int(v)
+        if v < 1:
+            raise ConfigError(f"threads {v}: must be at least 1")
+        if v == t_plan:
+            continue                   # that point is the plan itself
+        pairs = [("-t", str(v))]
+        if get_arg(plan.args, "-tb") is None and t_plan is not None:
+            pairs.append(("-tb", str(t_plan)))
+        out.append(BenchConfig(name=f"threads{v}", args=with_args(plan.args, *pairs), env=dict(plan.env),
+                               group="threads-sweep", wrapper=plan.wrapper, params={**dict(plan.params), "threads": v}))
+    return out
+
+
 def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_values: Sequence[int] | None = None,
                   ubatches: Sequence[int] | None = None, load_modes: Sequence[str] = ("mmap", "pinned"),
-                  offload_values: Sequence[int] | None = None, n_layers: int | None = None) -> list[BenchConfig]:
+                  offload_values: Sequence[int] | None = None, n_layers: int | None = None,
+                  thread_values: Sequence[int] | None = None) -> list[BenchConfig]:
     """The configurations named in ``which`` (plan, fit, cpu-moe, ncmoe-sweep, offload-sweep, and the optional
-    control: the plan again), derived from the plan's, in that order; names are unique."""
+    control: the plan again, and threads-sweep: the plan at other generation threads), derived from the plan's,
+    in that order; names are unique."""
     unknown = [w for w in which if w not in GROUPS + OPTIONAL_GROUPS]
     if unknown:
         raise ConfigError(f"unknown bench configuration group {unknown[0]!r}: expected one of "
@@ -549,6 +584,9 @@ def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_val
         elif w == "offload-sweep":
             vals = list(offload_values) if offload_values is not None else default_offload_values(plan)
             out += offload_sweep(plan, vals)
+        elif w == "threads-sweep":
+            vals = list(thread_values) if thread_values is not None else default_thread_values(plan)
+            out += threads_sweep(plan, vals)
     return dedupe(out)
 
 
@@ -568,7 +606,9 @@ _ENV_TOKEN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 def parse_config_option(text: str, *, group: str = "extra") -> BenchConfig:
     """``NAME=ARGS`` from the command line: ``fast=-m m.gguf -c 8192 -ngl 999`` (leading ``VAR=value`` words are
-    environment: ``off64=GGML_OP_OFFLOAD_MIN_BATCH=64 -m m.gguf ...``). A config named ``plan`` is the plan."""
+    environment: ``off64=GGML_OP_OFFLOAD_MIN_BATCH=64 -m m.gguf ...``; ``LLAMA_SERVER=PATH`` among them is this
+    configuration's own llama-server, e.g. an ik_llama.cpp build beside mainline). A config named ``plan`` is the
+    plan."""
     if "=" not in text:
         raise ConfigError(f"--config {text!r}: expected NAME='llama-server flags'")
     name, rest = text.split("=", 1)
@@ -583,7 +623,8 @@ def parse_config_option(text: str, *, group: str = "extra") -> BenchConfig:
         env[k] = v
     if not words:
         raise ConfigError(f"--config {name}: no llama-server flags given")
+    server = env.pop("LLAMA_SERVER", None) or None
     if name == "plan":
-        return plan_config(words, env)
-    return replace(BenchConfig(name=name, args=tuple(words), env=env, group=group),
+        return replace(plan_config(words, env), server=server)
+    return replace(BenchConfig(name=name, args=tuple(words), env=env, group=group, server=server),
                    params={"op_offload_min_batch": offload_threshold_of(words, env) or OFFLOAD_DEFAULT})

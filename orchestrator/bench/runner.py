@@ -222,14 +222,20 @@ class _Bench:
         self.nvml = nvml
         self.ballast = ballast
         self.gpus = list(options.gpus) if options.gpus is not None else (list(range(nvml.count())) if nvml else [])
-        self.log_flags: tuple[str, ...] = ()
-        if options.log_verbosity is not None and binary_has_flag(server_binary, "--log-verbosity"):
-            self.log_flags = ("-lv", str(options.log_verbosity))
+        self._log_flags: dict[str, tuple[str, ...]] = {}
+
+    def log_flags(self, binary: str) -> tuple[str, ...]:
+        """``-lv N`` when that llama-server has the flag (asked once per binary)."""
+        if binary not in self._log_flags:
+            ok = self.opt.log_verbosity is not None and binary_has_flag(binary, "--log-verbosity")
+            self._log_flags[binary] = ("-lv", str(self.opt.log_verbosity)) if ok else ()
+        return self._log_flags[binary]
 
     def argv(self, cfg: BenchConfig, port: int) -> tuple[str, ...]:
         argv = cfg.argv(self.binary, self.opt.host, port)
-        if self.log_flags and not any(has_flag(cfg.args, f) for f in ("-lv", "--verbosity", "--log-verbosity")):
-            argv += self.log_flags
+        flags = self.log_flags(cfg.server or self.binary)
+        if flags and not any(has_flag(cfg.args, f) for f in ("-lv", "--verbosity", "--log-verbosity")):
+            argv += flags
         return argv
 
     def _settle_gpus(self) -> dict[str, int]:
@@ -362,6 +368,9 @@ def run_bench(configs: Sequence[BenchConfig], server_binary: str, out_dir: str |
     options = options or BenchOptions()
     _check_configs(configs)
     _check_binary(server_binary)
+    for c in configs:
+        if c.server:
+            _check_binary(c.server)
     out = Path(out_dir)
     progress = progress or make_progress("auto")
     launcher = launcher or default_launcher()
@@ -386,6 +395,8 @@ def run_bench(configs: Sequence[BenchConfig], server_binary: str, out_dir: str |
         data = {
             "schema": SCHEMA, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
             "server_binary": server_binary, "server_version": server_version(server_binary),
+            "config_servers": {c.name: {"binary": c.server, "version": server_version(c.server)}
+                               for c in configs if c.server},
             "options": options.to_dict(), "gpus": _gpu_inventory(nvml, bench.gpus) if nvml else [],
             "vram_budget": options.vram_budget, "ballast": ballast.status() if ballast is not None else None,
             "configs": [c.to_dict() for c in configs], "schedule": [list(x) for x in plan_order], "runs": [],

@@ -99,6 +99,7 @@ class Supervisor:
         self.last_error = ""
         self.reason = ""                # why it is failed (state FAILED)
         self.started_at = 0.0           # this run's spawn time
+        self.started_wall = 0.0         # the same, as wall-clock time (for `up`'s breakdown of where time went)
         self.ready_at = 0.0
         self.last_ok = 0.0              # last healthy /health
         self.last_probe = -1e18
@@ -195,6 +196,7 @@ class Supervisor:
             return
         self.state = STARTING
         self.started_at = self.clock()
+        self.started_wall = time.time()
         self.last_probe = -1e18
         self.health_detail = "starting"
 
@@ -246,6 +248,7 @@ class Supervisor:
             "health_detail": self.health_detail,
             "uptime_s": round(now - self.ready_at, 1) if self.state == READY else 0.0,
             "load_s": round(self.ready_at - self.started_at, 2) if self.state == READY else None,
+            "spawned_wall": self.started_wall or None,
             "retry_in_s": round(max(0.0, self.next_start_at - now), 1) if self.state == BACKOFF else None,
             "log": str(self.log_path),
         }

@@ -68,13 +68,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="a configuration given as llama-server flags (repeatable; the name 'plan' is the plan)")
     src.add_argument("--configs", type=_words, default=None, metavar="LIST",
                      help="derived groups: plan,fit,cpu-moe,ncmoe-sweep,offload-sweep (default: all of them "
-                          "when there is a plan); control = the plan again, an A/A noise check")
+                          "when there is a plan); control = the plan again, an A/A noise check; threads-sweep = the plan "
+                          "at other generation threads (-t)")
     src.add_argument("--ncmoe", type=_ints, metavar="N,...", help="--n-cpu-moe values (default: plan ±1)")
     src.add_argument("--ub", type=_ints, metavar="N,...", help="-ub values of the sweep (default: 512 and the plan's)")
     src.add_argument("--load-modes", type=_words, default=("mmap", "pinned"), metavar="LIST",
                      help="load modes of the sweep (mmap, pinned, mlock; default mmap,pinned)")
     src.add_argument("--offload", type=_offload_values, metavar="N,...",
                      help="GGML_OP_OFFLOAD_MIN_BATCH values ('never' = no offload; default: around the plan's)")
+    src.add_argument("--threads", type=_ints, metavar="N,...",
+                     help="-t values of threads-sweep (default: the plan's T/4, T/2, 3T/4, T-1)")
     src.add_argument("--server", metavar="PATH", help="llama-server (default: the plan's, else $LLAMA_SERVER, PATH, "
                                                       "the build cache)")
     how = p.add_argument_group("how to measure")
@@ -147,7 +150,7 @@ def _configs(args: argparse.Namespace):
         return others
     which = args.configs or GROUPS
     derived = build_configs(plan, which, ncmoe_values=args.ncmoe, ubatches=args.ub, load_modes=args.load_modes,
-                            offload_values=args.offload)
+                            offload_values=args.offload, thread_values=args.threads)
     names = {c.name for c in derived}
     clash = [c.name for c in others if c.name in names]
     if clash:

@@ -21,10 +21,18 @@
 #   bash scripts/device/h200.sh h   # nvidia-h200-x2, next session: the corrected plan vs --fit (2 rounds), and
 #                                   # W1 on two GPUs at 6 GiB each
 #
+# The third session (evening), three commands back to back on nvidia-h200-x2 (GPU 0 alone stands in for the H200):
+#   bash scripts/device/h200.sh i   # mainline + ik_llama.cpp CUDA builds side by side, models; `up` on GPU 0
+#                                   # (W1 12 GiB, head started while planning); gateway overhead, 4 and 1 processes
+#   bash scripts/device/h200.sh j   # W1 12 GiB on GPU 0: plan / --fit / generation threads 8, 16, 24 (3 rounds);
+#                                   # W2 on 2 x 12 GiB: the corrected plan (-sm layer) / --fit
+#   bash scripts/device/h200.sh k S # W2 on 2 x 12 GiB: ik_llama.cpp's plan (-sm graph) / ik -sm layer / mainline's
+#                                   # plan; W1 on 2 x 6 GiB: plan / --fit; ends itself after S seconds
+#
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b | c | d | e | f | g | h}
+PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -38,6 +46,7 @@ t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 orch() { python3 -m orchestrator "$@"; }
 build_args=(--source .devbundle/llama-src.tar.xz --cuda --cuda-arch 90 --native -j 16)
+ik_args=(--flavor ik_llama.cpp --source .devbundle/ik-src.tar.xz --cuda --cuda-arch 90 --native -j 16)
 Q30=$M/qwen3-30b-a3b-q4_0.gguf
 Q235=$M/qwen3-235b-a22b-24l-q4_0.gguf
 H200=topologies/h200.yaml
@@ -256,6 +265,78 @@ h)
   timeout 260 python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 12GiB \
     --configs plan,fit --rounds 2 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 \
     --concurrency none --max-minutes 4.2 --out "$O/w2-2x12g" > "$O/w2-2x12g.log" 2>&1
+  log "W1 on 2 GPUs x 6 GiB: plan / --fit ($(left) s left)"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
+    --vram-budget 6GiB --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
+    --concurrency none --max-minutes "$mins" --out "$O/w1-2x6g" > "$O/w1-2x6g.log" 2>&1
+  log "done"
+  ;;
+i)
+  DEADLINE=$(( t0 + 545 ))
+  { nvidia-smi; nvidia-smi topo -m; numactl -H; nproc; free -g; df -h /root; } > "$O/machine.txt" 2>&1
+  log "builds (background: mainline and ik_llama.cpp, 16 jobs each), bytecode, models"
+  start_build
+  ( time orch build "${ik_args[@]}" ) > "$O/build-ik.log" 2>&1 &
+  IKB=$!
+  synth q30
+  synth q235
+  wait $BUILD; rc=$?; log "mainline build rc=$rc"; tail -3 "$O/build.log"
+  [ $rc -eq 0 ] || exit 1
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
+  log "up / status / down, W1 12 GiB on GPU 0 ($(left) s left)"
+  timeout 120 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" --set "nodes.0.gpus=[0]" > "$O/up-proof.log" 2>&1
+  log "gateway overhead, 4 gateway processes ($(left) s left)"
+  timeout 70 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 8 --model "$Q30" --binary "$SERVER" \
+    --ngl 99 --threads 8 --gateway-processes 4 --json > "$O/gateway-4.txt" 2>&1
+  log "gateway overhead, 1 gateway process ($(left) s left)"
+  timeout 70 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 8 --model "$Q30" --binary "$SERVER" \
+    --ngl 99 --threads 8 --gateway-processes 1 --json > "$O/gateway-1.txt" 2>&1
+  log "waiting for the ik_llama.cpp build ($(left) s left; left running if it is not done)"
+  while kill -0 $IKB 2>/dev/null && [ "$(left)" -gt 5 ]; do sleep 2; done
+  kill -0 $IKB 2>/dev/null && log "ik build still running" || { wait $IKB; log "ik build rc=$?"; }
+  tail -3 "$O/build-ik.log"
+  log "done"
+  ;;
+j)
+  DEADLINE=$(( t0 + 560 ))
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null) || { echo "no CUDA build on this machine"; exit 1; }
+  log "W1 12 GiB on GPU 0: plan / --fit / -t 8, 16, 24, 3 rounds"
+  timeout 250 python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --set "nodes.0.gpus=[0]" --gpus 0 \
+    --progress plain --vram-budget 12GiB --configs plan,fit,threads-sweep --threads 8,16,24 --rounds 3 --pp 512 \
+    --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none --max-minutes 4.0 --out "$O/w1-12g-threads" \
+    > "$O/w1-12g-threads.log" 2>&1
+  orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB > "$O/plan-w2.txt" 2>&1
+  log "W2 on 2 GPUs x 12 GiB: plan / --fit ($(left) s left)"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain \
+    --vram-budget 12GiB --configs plan,fit --rounds 2 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 \
+    --concurrency none --max-minutes "$mins" --out "$O/w2-2x12g" > "$O/w2-2x12g.log" 2>&1
+  log "done"
+  ;;
+k)
+  DEADLINE=$(( t0 + ${2:-560} ))
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null) || { echo "no CUDA build on this machine"; exit 1; }
+  while pgrep -f "flavor ik_llama.cpp" > /dev/null && [ "$(left)" -gt 300 ]; do sleep 2; done   # phase i's build
+  IK=$(ls "$ORCHESTRATOR_CACHE"/llama.cpp/ik_llama.cpp-cuda-*/bin/llama-server 2>/dev/null | head -1)
+  log "ik_llama.cpp server: ${IK:-none} ($(left) s left)"
+  if [ -n "$IK" ]; then
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
+      > "$O/plan-w2-ik.txt" 2>&1
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
+      --set workers.split_mode=layer --json > "$O/plan-w2-ik-layer.json" 2>&1
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --json > "$O/plan-w2.json" 2>&1
+    IKLAYER=$(python3 scripts/device/plan-config.py ik-layer "$O/plan-w2-ik-layer.json")
+    MAIN=$(python3 scripts/device/plan-config.py mainline-plan "$O/plan-w2.json" --server)
+    log "W2 on 2 GPUs x 12 GiB: ik plan / ik -sm layer / mainline plan ($(left) s left)"
+    timeout $(( $(left) - 130 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q235" \
+      --set "backend.binary=$IK" --progress plain --vram-budget 12GiB --configs plan --config "$IKLAYER" \
+      --config "$MAIN" --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none \
+      --max-minutes $(python3 -c "print(max(0.3, ($(left) - 140) / 60))") --out "$O/w2-2x12g-ik" \
+      > "$O/w2-2x12g-ik.log" 2>&1
+  else
+    log "no ik_llama.cpp CUDA build"
+  fi
   log "W1 on 2 GPUs x 6 GiB: plan / --fit ($(left) s left)"
   mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
   timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \

@@ -89,10 +89,17 @@ def test_export_source_is_small_and_buildable(tmp_path):
     tree = fake_tree(tmp_path / "tree")
     (tree / ".git").write_text("gitdir: elsewhere\n")
     out = tmp_path / "llama-src.tar.xz"
+    # ik_llama.cpp's layout: the Kompute submodule in ggml/src, the server's web UI sources under examples/
+    for d in ("ggml/src/kompute", "ggml/src/ggml-cuda", "examples/server/themes", "examples/server/public"):
+        (tree / d).mkdir(parents=True)
+        (tree / d / "f.txt").write_text("x")
     sources.export_source(tree, out)
     with tarfile.open(out) as tf:
         names = tf.getnames()
     assert any(n.endswith("src/llama.cpp") for n in names)
+    assert not any("/kompute/" in n or "/themes/" in n for n in names)
+    assert any(n.endswith("ggml/src/ggml-cuda/f.txt") for n in names)
+    assert any(n.endswith("examples/server/public/f.txt") for n in names)     # the assets the server embeds
     assert not any("models/" in n for n in names)  # models, docs, tests are left out
     assert not any(n.endswith("/.git") for n in names)
     res = b.build(b.BuildOptions(cuda=False), source=out, cache=tmp_path / "cache", say=lambda s: None)

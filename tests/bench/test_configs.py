@@ -26,6 +26,8 @@ from orchestrator.bench.configs import (
     parse_config_option,
     plan_config,
     server_from_plan_json,
+    threads_sweep,
+    default_thread_values,
     with_args,
     without,
 )
@@ -159,6 +161,24 @@ def test_control_is_the_plan_again_by_request_only(plan):
     assert [c.name for c in cs] == ["plan", "plan-control"]
     assert cs[1].args == plan.args and cs[1].env == plan.env and cs[1].group == "control"
     assert "plan-control" not in [c.name for c in build_configs(plan, ncmoe_values=[1], offload_values=[32])]
+
+
+def test_threads_sweep_changes_generation_threads_only(plan):
+    assert default_thread_values(plan) == [4, 8, 12, 15]
+    cs = build_configs(plan, ["plan", "threads-sweep"], thread_values=[8, 16, 12])
+    assert [c.name for c in cs] == ["plan", "threads8", "threads12"]          # 16 is the plan itself
+    for c, t in zip(cs[1:], (8, 12)):
+        assert get_arg(c.args, "-t") == str(t) and get_arg(c.args, "-tb") == "32"
+        assert without(c.args, ["-t"]) == without(plan.args, ["-t"]) and c.env == plan.env
+        assert c.group == "threads-sweep" and c.params["threads"] == t and c.wrapper == plan.wrapper
+    # by request only; a plan without -tb keeps its prompt threads at the plan's -t
+    assert not any(c.group == "threads-sweep" for c in build_configs(plan, ncmoe_values=[1], offload_values=[32]))
+    (c,) = threads_sweep(plan_config(["-m", "x.gguf", "-t", "16"]), [8])
+    assert get_arg(c.args, "-t") == "8" and get_arg(c.args, "-tb") == "16"
+    with pytest.raises(ConfigError, match="no -t"):
+        default_thread_values(plan_config(["-m", "x.gguf"]))
+    with pytest.raises(ConfigError, match="at least 1"):
+        threads_sweep(plan, [0])
 
 
 def test_build_configs_order_unique_and_unknown_group(plan):

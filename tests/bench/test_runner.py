@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -278,6 +279,34 @@ def test_every_kind_of_derived_configuration_loads_on_the_real_server(tmp_path, 
                      progress=Progress(), charts=False)
     assert [(r["config"], r["status"]) for r in data["runs"]] == [(c.name, "ok") for c in configs], \
         [r.get("error") for r in data["runs"]]
+
+
+@pytest.mark.integration
+def test_a_configuration_with_its_own_llama_server_and_the_threads_sweep(tmp_path, tiny_moe, llama_server_path):
+    """LLAMA_SERVER=PATH in --config runs that configuration on another build (here the same binary under another
+    path), beside the run's own; threads-sweep changes -t only. Both are what the real server ran."""
+    other = tmp_path / "other-build" / "llama-server"
+    other.parent.mkdir()
+    other.symlink_to(llama_server_path)
+    plan = parse_config_option(f"plan=-m {tiny_moe} -c 1024 -np 1 -t 2 -tb 2 -ub 128 -b 256")
+    alt = parse_config_option(f"alt=LLAMA_SERVER={other} {OFFLOAD_ENV}=64 -m {tiny_moe} -c 1024 -np 1 -t 1")
+    assert alt.server == str(other) and alt.env == {OFFLOAD_ENV: "64"}
+    configs = build_configs(plan, ["plan", "threads-sweep"], thread_values=[1]) + [alt]
+    w = Workload(pp=(8,), pp_reps=1, tg_depths=(0,), tg_tokens=4, concurrency=(), warmup=False)
+    data = run_bench(configs, llama_server_path, tmp_path / "out", _opts(rounds=1, workload=w,
+                     prime_page_cache=False), progress=Progress(), charts=False)
+    runs = {r["config"]: r for r in data["runs"]}
+    assert {n: r["status"] for n, r in runs.items()} == {"plan": "ok", "threads1": "ok", "alt": "ok"}
+    assert runs["alt"]["argv"][0] == str(other) and runs["plan"]["argv"][0] == llama_server_path
+    assert runs["alt"]["argv"][-2:] == ["-lv", "4"]
+    t = runs["threads1"]["argv"]
+    assert t[0] == llama_server_path and t[t.index("-t") + 1] == "1" and t[t.index("-tb") + 1] == "2"
+    assert data["config_servers"]["alt"]["binary"] == str(other) and "plan" not in data["config_servers"]
+    assert next(c for c in data["configs"] if c["name"] == "alt")["server"] == str(other)
+    with pytest.raises(Exception, match="does not exist"):
+        run_bench([replace(alt, server=str(tmp_path / "nope"))], llama_server_path, tmp_path / "out2",
+                  _opts(rounds=1, workload=w), progress=Progress(), charts=False)
+    assert _servers_left() == []
 
 
 def test_an_interrupt_while_stopping_still_stops_the_server():

@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""Turn one worker of `orchestrator plan --json` into a bench configuration string, for `orchestrator bench
+--config`: ``NAME=[LLAMA_SERVER=PATH] [VAR=value ...] flags`` (the worker's flags without --host/--port/--alias,
+its environment (op-offload threshold, visible GPUs), and with --server its binary as this configuration's own llama-server).
+
+  python3 scripts/device/plan-config.py NAME PLAN.json [--server] [--worker N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+SKIP = {"--host", "--port", "--alias"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("name")
+    ap.add_argument("plan_json")
+    ap.add_argument("--server", action="store_true", help="run it on the plan's own llama-server binary")
+    ap.add_argument("--worker", type=int, default=0)
+    a = ap.parse_args()
+    with open(a.plan_json) as f:
+        w = json.load(f)["workers"][a.worker]
+    args, out, i = w["args"], [], 0
+    while i < len(args):
+        if args[i] in SKIP:
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    env = [f"{k}={v}" for k, v in w["env"].items()]
+    server = [f"LLAMA_SERVER={w['argv'][w['argv'].index(args[0]) - 1]}"] if a.server else []
+    print(f"{a.name}=" + shlex.join(server + env + out))
+
+
+if __name__ == "__main__":
+    main()
