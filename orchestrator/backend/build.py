@@ -269,8 +269,8 @@ def build(
                 src_root = sources.find_llama_root(source)
             else:
                 src_root = sources.extract(source, work / "src")
-            if source is None:
-                _patch_source(src_root, opts.flavor, say)
+            if source is None or not source.is_dir():
+                _patch_source(src_root, opts.flavor, say)     # our own extracted copy (a user's tree is left alone)
             bdir = work / "build"
             log = work / "build.log"
             env = dict(os.environ)

@@ -117,6 +117,45 @@ def test_missing_source_archive(tmp_path):
         b.build(b.BuildOptions(cuda=False), source=tmp_path / "nope.tar.xz", cache=tmp_path / "c", say=lambda s: None)
 
 
+IK_CMAKE = """cmake_minimum_required(VERSION 3.14)
+project(fake_ik C)
+execute_process(COMMAND ${CMAKE_COMMAND} -P ${CMAKE_SOURCE_DIR}/common/cmake/build-info-gen-cpp.cmake
+                RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "build-info-gen-cpp.cmake failed: ${rc}")
+endif()
+file(READ ${CMAKE_SOURCE_DIR}/common/build-info.cpp info)
+if(NOT info MATCHES "build_number = 7")
+  message(FATAL_ERROR "build-info.cpp not written from build-info.cpp.in")
+endif()
+add_library(llama STATIC src/lib.c)
+foreach(t llama-server llama-bench llama-sweep-bench)
+  add_executable(${t} tools/tool.c)
+  target_link_libraries(${t} llama)
+endforeach()
+"""
+
+
+def test_ik_archive_gets_the_build_info_script_its_sdist_lacks(tmp_path):
+    """ik_llama.cpp's common/CMakeLists runs common/cmake/build-info-gen-cpp.cmake, which its sdist (and so an
+    exported archive of it) lacks: the build writes it into its own extracted copy, and real cmake runs it."""
+    tree = fake_tree(tmp_path / "tree")
+    (tree / "CMakeLists.txt").write_text(IK_CMAKE)
+    (tree / "cmake").mkdir()
+    (tree / "cmake" / "build-info.cmake").write_text('set(BUILD_NUMBER 7)\nset(BUILD_COMMIT "abc")\n')
+    (tree / "common").mkdir()
+    (tree / "common" / "build-info.cpp.in").write_text("int build_number = @BUILD_NUMBER@;\n")
+    out = tmp_path / "ik-src.tar.xz"
+    sources.export_source(tree, out)
+    res = b.build(b.BuildOptions(cuda=False, flavor="ik_llama.cpp"), source=out, cache=tmp_path / "cache",
+                  say=lambda s: None)
+    assert os.access(res.server, os.X_OK)
+    assert not (tree / "common" / "cmake").exists()            # the exported tree itself is not touched
+    with pytest.raises(BackendError, match="Error processing file: .*build-info-gen-cpp.cmake"):   # a user's own tree: left alone
+        b.build(b.BuildOptions(cuda=False, flavor="ik_llama.cpp"), source=tree, cache=tmp_path / "cache2",
+                say=lambda s: None)
+
+
 def test_cuda_requested_without_nvcc(tmp_path, monkeypatch):
     monkeypatch.setattr(b, "find_nvcc", lambda: None)
     with pytest.raises(BackendError, match="nvcc"):
