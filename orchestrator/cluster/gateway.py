@@ -24,6 +24,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 QUARANTINE_S = 2.0
+# llama-server (cpp-httplib) closes a kept-alive connection after 5 s idle; the pool lets go of idle connections
+# sooner, so a request is not sent down a connection the server has just closed
+UPSTREAM_KEEPALIVE_S = 4.0
+STALE_RETRIES = 2   # requests retried on a fresh connection after the server closed a pooled one
 
 
 @dataclass
@@ -181,7 +185,7 @@ class Gateway:
         import aiohttp
 
         return aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s,
                                           sock_connect=self.connect_timeout_s),
             auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),
@@ -269,6 +273,7 @@ class Gateway:
         if "Accept" in request.headers:
             headers["Accept"] = request.headers["Accept"]
         tried: set[str] = set()
+        stale = 0
         while True:
             rep = self.router.pick(model, tried)
             if rep is None:
@@ -280,6 +285,17 @@ class Gateway:
                 try:
                     upstream = await self._session_for(rep).post(rep.url + request.path_qs, data=body,
                                                                  headers=headers)
+                except aiohttp.ServerDisconnectedError as e:
+                    # closed before any answer: most often a pooled connection the server had just closed (idle
+                    # timeout, its keep-alive limit), not a dead server: pick again (a fresh connection) before
+                    # calling the replica unreachable
+                    if stale < STALE_RETRIES:
+                        stale += 1
+                        tried.discard(rep.name)
+                        continue
+                    self.router.mark_failed(rep.name, f"unreachable ({type(e).__name__})")
+                    self.prune_sessions()
+                    continue
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                     # refused / reset before an answer: nothing reached the client, try another replica
                     self.router.mark_failed(rep.name, f"unreachable ({type(e).__name__})")

@@ -223,6 +223,65 @@ def test_refused_replica_is_skipped_and_the_request_succeeds_elsewhere():
     run(go())
 
 
+class OneRequestPerConnection:
+    """An upstream that answers the first request on each connection (keep-alive) and closes the connection without
+    an answer when a second request arrives on it, as a server does that closed an idle kept-alive connection just
+    as the client reused it."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.answered = 0
+        self.port = free_port()
+        self.server = None
+
+    async def _conn(self, reader, writer):
+        self.connections += 1
+        try:
+            for n in range(2):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                               if ln.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if n == 1:
+                    break                      # the second request on this connection: close, no answer
+                body = json.dumps({"replica": "one"}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+                self.answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def start(self):
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", self.port)
+        return self
+
+    async def stop(self):
+        self.server.close()
+        await self.server.wait_closed()
+
+
+def test_a_pooled_connection_closed_by_the_server_is_retried_not_quarantined():
+    """One replica; every request after the first goes down a kept-alive connection that the server closes: the
+    gateway retries on a fresh connection, the client sees only 200s, and the replica stays healthy."""
+    async def go():
+        up = await OneRequestPerConnection().start()
+        try:
+            async def fn(s, base, gw):
+                for _ in range(4):
+                    async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                        assert r.status == 200, await r.text()
+                        assert (await r.json())["replica"] == "one"
+                assert gw.router.healthy_count() == 1 and not gw.router.replicas["one"].detail.startswith("unre")
+            await with_gateway([{"name": "one", "url": f"http://127.0.0.1:{up.port}", "model": "m",
+                                 "healthy": True}], fn)
+            assert up.answered == 4 and up.connections >= 4
+        finally:
+            await up.stop()
+    run(go())
+
+
 def test_503_with_json_reason_when_no_replica_is_healthy():
     async def fn(s, base, gw):
         async with s.post(base + "/v1/chat/completions", json={"messages": []}) as r:
