@@ -255,18 +255,19 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                          package=package, policy=req.numa, smt=req.smt, threads=req.threads,
                          threads_batch=req.threads_batch, share=share)
         avail = machine.memory_available_bytes or sum(node_available(machine, n) for n in machine.numa_nodes)
-        if load_mode_req != "auto":
-            load_mode = load_mode_req
-            lm_why = "set by the topology"
-        elif host_guess + node_req.ram_reserve <= avail:
-            load_mode = "pinned"
-            lm_why = (f"CPU-resident weights ({fmt_bytes(host_guess)}) + reserve fit the available "
-                      f"{fmt_bytes(avail)}: load them into pinned host buffers, so batches are copied to the GPU at "
-                      f"full PCIe speed (mmap'd pages copy ~{1 / R.PAGEABLE_FRACTION:.0f}x slower)")
-        else:
-            load_mode = "mmap"
-            lm_why = (f"CPU-resident weights ({fmt_bytes(host_guess)}) + reserve exceed the available "
-                      f"{fmt_bytes(avail)}: keep them memory-mapped")
+
+        def choose_load_mode(host_bytes: int) -> tuple[str, str]:
+            if load_mode_req != "auto":
+                return load_mode_req, "set by the topology"
+            if host_bytes + node_req.ram_reserve <= avail:
+                return "pinned", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve fit the available "
+                                  f"{fmt_bytes(avail)}: load them into pinned host buffers, so batches are copied to "
+                                  f"the GPU at full PCIe speed (mmap'd pages copy ~{1 / R.PAGEABLE_FRACTION:.0f}x "
+                                  "slower)")
+            return "mmap", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve exceed the available "
+                            f"{fmt_bytes(avail)}: keep them memory-mapped")
+
+        load_mode, lm_why = choose_load_mode(host_guess)      # a first guess; checked again with the placement
         def evaluate(mode: str) -> tuple[list, list]:
             cands, errors = [], []
             for ub in ubs:
@@ -298,6 +299,15 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                 f"model.parallel, quantize the KV cache (model.cache_type_k and cache_type_v: q8_0), or add GPUs")
         best = _choose(cands)
         placement = best.placement
+        # the load mode again with the bytes the placement really leaves in host memory (whole layers of experts
+        # can leave more there than the first guess); a change means evaluating again under the other mode
+        final_mode, lm_why = choose_load_mode(placement.cpu_weights)
+        if final_mode != load_mode:
+            load_mode = final_mode
+            cands2, _errors = evaluate(mode)
+            if cands2:
+                best = _choose(cands2)
+                placement = best.placement
         # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
         host_bytes = placement.cpu_weights + placement.cpu_kv
         cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,

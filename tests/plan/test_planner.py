@@ -13,6 +13,7 @@ from orchestrator.errors import PlanError
 from orchestrator.hardware.topology import Bandwidth
 from orchestrator.model import TensorClass
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
+from orchestrator.units import fmt_bytes
 from orchestrator.plan.costs import model_costs
 
 GiB = 1 << 30
@@ -151,6 +152,10 @@ def test_two_h200s_as_recorded_split_by_layer_when_experts_overflow_else_by_tens
     w2 = plan1(with_gpu_free(x2, 12 << 30), models("qwen3-235b-a22b", layers=24), limit=12 << 30).workers[0]
     assert arg(w2, "-sm") == "layer" and w2.cpu_expert_layers and arg(w2, "-ts")
     assert all(d.total <= d.budget for d in w2.memory if d.device.startswith("CUDA"))
+    # the load-mode reason names the bytes this placement leaves in host memory, not the planner's first guess
+    lm = next(d for d in w2.decisions if d.what == "load mode")
+    cpu = next(d for d in w2.memory if d.device == "CPU")
+    assert lm.value == "pinned" and f"CPU-resident weights ({fmt_bytes(cpu.weights)})" in lm.why
     w1 = plan1(with_gpu_free(x2, 24 << 30), models("qwen3-30b-a3b"), limit=24 << 30).workers[0]
     assert arg(w1, "-sm") == "tensor" and not w1.cpu_expert_layers and arg(w1, "-ot") is None
 
