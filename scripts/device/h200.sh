@@ -24,6 +24,9 @@
 # The third session (evening), three commands back to back on nvidia-h200-x2 (GPU 0 alone stands in for the H200):
 #   bash scripts/device/h200.sh i   # mainline + ik_llama.cpp CUDA builds side by side, models; `up` on GPU 0
 #                                   # (W1 12 GiB, head started while planning); gateway overhead, 4 and 1 processes
+#                                   # (as run on 2026-11-29 the ik build was still compiling during `up` and the
+#                                   # gateway runs, which made them CPU-starved: do not measure beside a build;
+#                                   # the ik build needs more than 9 minutes with 16 jobs)
 #   bash scripts/device/h200.sh j   # W1 12 GiB on GPU 0: plan / --fit / generation threads 8, 16, 24 (3 rounds);
 #                                   # W2 on 2 x 12 GiB: the corrected plan (-sm layer) / --fit
 #   bash scripts/device/h200.sh k S # W2 on 2 x 12 GiB: ik_llama.cpp's plan (-sm graph) / ik -sm layer / mainline's
@@ -317,7 +320,7 @@ j)
 k)
   DEADLINE=$(( t0 + ${2:-560} ))
   SERVER=$(orch build "${build_args[@]}" 2>/dev/null) || { echo "no CUDA build on this machine"; exit 1; }
-  while pgrep -f "flavor ik_llama.cpp" > /dev/null && [ "$(left)" -gt 300 ]; do sleep 2; done   # phase i's build
+  while pgrep -f "[f]lavor ik_llama.cpp" > /dev/null && [ "$(left)" -gt 300 ]; do sleep 2; done   # phase i's build
   IK=$(ls "$ORCHESTRATOR_CACHE"/llama.cpp/ik_llama.cpp-cuda-*/bin/llama-server 2>/dev/null | head -1)
   log "ik_llama.cpp server: ${IK:-none} ($(left) s left)"
   if [ -n "$IK" ]; then

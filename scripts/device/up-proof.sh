@@ -62,7 +62,7 @@ curl -s "$MURL" | grep -i "orchestrator" > "$O/metrics.txt"; echo "metric lines:
 head -20 "$O/metrics.txt"
 
 echo "== kill -9 llama-server, serving again"
-PID=$(pgrep -f "llama-server.*--port" | head -1)
+PID=$(pgrep -x llama-server | head -1)      # by process name: a command line that mentions llama-server is not one
 kill -9 "$PID"; t=$(now)
 for i in $(seq 1 300); do
   code=$(curl -s -o /dev/null -w '%{http_code}' "$GW/v1/completions" -H 'Content-Type: application/json' \
@@ -75,4 +75,4 @@ orch status > "$O/status-after-kill.txt" 2>&1; cat "$O/status-after-kill.txt"
 echo "== down"
 orch down > "$O/down.out" 2>&1; echo "down rc=$?"; cat "$O/down.out"
 sleep 2
-echo "left: llama-server $(pgrep -fc 'llama-server' || true), raylet $(pgrep -fc raylet || true), gcs $(pgrep -fc gcs_server || true)"
+echo "left: llama-server $(pgrep -xc llama-server || true), raylet $(pgrep -xc raylet || true), gcs $(pgrep -xc gcs_server || true)"
