@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 from orchestrator.plan.costs import ModelCosts
 
@@ -162,22 +163,38 @@ def place_layer_split(costs: ModelCosts, kv_layer: list[int], gpus: list[GpuBudg
     for g in range(g_count, 0, -1):
         ends.append(int(back[g, ends[-1]]))
     bounds = tuple(reversed(ends))
-    layer_gpu: list[int | None] = [None] * n
-    exp_on = [costs.layer_experts[i] == 0 for i in range(n)]
-    gpu_w, gpu_kv = [], []
+    gpu_experts: set[int] = set()
     for g in range(g_count):
         i, j = bounds[g], bounds[g + 1]
-        for k in range(i, j):
-            layer_gpu[k] = g
         budget = gpus[g].budget - (costs.output_bytes if g == g_count - 1 else 0)
         room = budget - (pre_base[j] - pre_base[i])
-        chosen = _fits_experts(costs, list(range(i, j)), room)
-        for k in chosen:
-            exp_on[k] = True
-        gpu_w.append(sum(costs.layer_always[k] for k in range(i, j)) + sum(costs.layer_experts[k] for k in chosen)
-                     + (costs.output_bytes if g == g_count - 1 else 0))
-        gpu_kv.append(sum(kv_layer[k] for k in range(i, j)))
-    counts = [bounds[g + 1] - bounds[g] for g in range(g_count)]
+        gpu_experts |= _fits_experts(costs, list(range(i, j)), room)
+    cpu_layers = tuple(k for k in range(n) if costs.layer_experts[k] and k not in gpu_experts)
+    return layer_split_placement(costs, kv_layer, [bounds[g + 1] - bounds[g] for g in range(g_count)], cpu_layers)
+
+
+def layer_split_placement(costs: ModelCosts, kv_layer: list[int], layers_per_gpu: Sequence[int],
+                          cpu_expert_layers: Iterable[int]) -> Placement:
+    """The ``-sm layer`` placement with ``layers_per_gpu[g]`` consecutive layers on GPU g (the output layer on the
+    last) and the routed experts of ``cpu_expert_layers`` in host memory: what a recorded ``-ts``/``-ot`` ran."""
+    n = costs.n_layers
+    if sum(layers_per_gpu) != n or any(c < 0 for c in layers_per_gpu):
+        raise ValueError(f"layers per GPU {list(layers_per_gpu)} do not add up to the model's {n} layers")
+    on_cpu = set(cpu_expert_layers)
+    layer_gpu: list[int | None] = [None] * n
+    exp_on = [costs.layer_experts[i] == 0 or i not in on_cpu for i in range(n)]
+    gpu_w, gpu_kv = [], []
+    start = 0
+    last = len(layers_per_gpu) - 1
+    for g, count in enumerate(layers_per_gpu):
+        rng = range(start, start + count)
+        for k in rng:
+            layer_gpu[k] = g
+        gpu_w.append(sum(costs.layer_always[k] + (costs.layer_experts[k] if exp_on[k] else 0) for k in rng)
+                     + (costs.output_bytes if g == last else 0))
+        gpu_kv.append(sum(kv_layer[k] for k in rng))
+        start += count
+    counts = list(layers_per_gpu)
     counts[-1] += 1  # the output layer (index n_layers) goes to the last GPU
     cpu_w = costs.input_bytes + sum(costs.layer_experts[k] for k in range(n) if not exp_on[k])
     return Placement(split_mode="layer", n_gpu_layers=n + 1, layer_gpu=tuple(layer_gpu), experts_on_gpu=tuple(exp_on),

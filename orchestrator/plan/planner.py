@@ -42,7 +42,7 @@ class _Candidate:
     tg: float
     tg_bytes: Mapping[str, int]
     pp: Mapping[int, float]
-    compute_gpu: int
+    compute_gpu: tuple[int, ...]            # per GPU of the worker (CUDA0, CUDA1, ...)
     overhead_gpu: int
     speed: SpeedInputs
 
@@ -146,21 +146,35 @@ def _place(costs, kv_layer, budgets, mode, req):
     return place_layer_split(costs, kv_layer, budgets)
 
 
+def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor: str, mode: str, n_gpus: int,
+                 staging: int) -> tuple[int, ...]:
+    """Compute buffer of each GPU of a worker (CUDA0, CUDA1, ...). ``staging``: room to copy in a host-resident
+    expert tensor for an offloaded batch. An offloaded op runs on the first GPU backend that takes it (ggml's
+    scheduler tries CUDA0 first), so with ``-sm layer`` only CUDA0 stages (measured on two H200s: CUDA1's buffer
+    lacked exactly that copy); the tensor/graph splits keep it on every GPU (not measured)."""
+    def one(st: int) -> int:
+        return M.gpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=req.context,
+                                   n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                   type_v=req.type_v, has_output=True, staging=st, flavor=flavor)
+    full = one(staging)
+    base = one(0) if staging and mode == "layer" else full
+    return tuple(full if k == 0 else base for k in range(n_gpus))
+
+
 def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine,
               flavor="mainline"):
     """Place the model for micro-batch ``ub`` and predict its speed."""
     n_ctx = req.context
     overhead = M.cuda_overhead(model, ub)
 
-    def budgets_for(staging: int) -> tuple[list[GpuBudget], int]:
-        compute = M.gpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
-                                      n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
-                                      type_v=req.type_v, has_output=True, staging=staging, flavor=flavor)
+    def budgets_for(staging: int) -> tuple[list[GpuBudget], tuple[int, ...]]:
+        computes = gpu_computes(model, req, ub=ub, fa=fa, flavor=flavor, mode=mode, n_gpus=len(gpus),
+                                staging=staging)
         out = []
-        for g in gpus:
+        for k, g in enumerate(gpus):
             free, _why = _gpu_free(g, node_req)
-            out.append(GpuBudget(g.index, g.name, free - node_req.vram_reserve - overhead - compute))
-        return out, compute
+            out.append(GpuBudget(g.index, g.name, free - node_req.vram_reserve - overhead - computes[k]))
+        return out, computes
 
     budgets, compute = budgets_for(0)
     placement = _place(costs, kv_layer, budgets, mode, req)
@@ -337,7 +351,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         for k, g in enumerate(gpus):
             free, why = _gpu_free(g, node_req)
             memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
-                                       compute=best.compute_gpu, overhead=best.overhead_gpu,
+                                       compute=best.compute_gpu[k], overhead=best.overhead_gpu,
                                        budget=free - node_req.vram_reserve))
         cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
                                           n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
