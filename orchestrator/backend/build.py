@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -196,8 +197,9 @@ def _run_logged(argv: list[str], cwd: Path, log: Path, env: dict, progress: _Pro
     with open(log, "a") as lf:
         lf.write("$ " + " ".join(argv) + "\n")
         lf.flush()
+        # its own process group, so stopping the build stops cmake's ninja and every compiler under it too
         proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, bufsize=1)
+                                env=env, bufsize=1, start_new_session=True)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -206,8 +208,17 @@ def _run_logged(argv: list[str], cwd: Path, log: Path, env: dict, progress: _Pro
                     progress.line(line)
             return proc.wait()
         except BaseException:
-            proc.kill()
-            proc.wait()
+            # TERM first: ninja then stops the steps it runs (each in a process group of its own); KILL after 10 s
+            for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
             raise
 
 
@@ -256,21 +267,31 @@ def build(
         if prefix.exists():
             shutil.rmtree(prefix)
         work = root / f"{key}.partial"
-        if work.exists():
-            shutil.rmtree(work)
-        work.mkdir()
+        resume = None if rebuild else _resumable(work, key)
+        if resume is None:
+            if work.exists():
+                shutil.rmtree(work)
+            work.mkdir()
         t0 = time.monotonic()
         ok = False
+        interrupted = False
         try:
-            if source is None:
-                archive = sources.fetch(sources.SOURCES[opts.flavor], cache, progress=say)
-                src_root = sources.extract(archive, work / "src", sources.SOURCES[opts.flavor].subdir)
-            elif source.is_dir():
-                src_root = sources.find_llama_root(source)
+            if resume is not None:
+                src_root = resume
+                say(f"resuming the interrupted build in {work}")
             else:
-                src_root = sources.extract(source, work / "src")
-            if source is None or not source.is_dir():
-                _patch_source(src_root, opts.flavor, say)     # our own extracted copy (a user's tree is left alone)
+                if source is None:
+                    archive = sources.fetch(sources.SOURCES[opts.flavor], cache, progress=say)
+                    src_root = sources.extract(archive, work / "src", sources.SOURCES[opts.flavor].subdir)
+                elif source.is_dir():
+                    src_root = sources.find_llama_root(source)
+                else:
+                    src_root = sources.extract(source, work / "src")
+                if source is None or not source.is_dir():
+                    _patch_source(src_root, opts.flavor, say)  # our own extracted copy (a user's tree is left alone)
+                # from here an interrupted build (Ctrl-C, a killed shell, a lost machine) is resumed by the next
+                # `orchestrator build` with the same key: the compiled objects are kept
+                (work / "partial.json").write_text(json.dumps({"key": key, "src_root": str(src_root)}) + "\n")
             bdir = work / "build"
             log = work / "build.log"
             env = dict(os.environ)
@@ -310,14 +331,31 @@ def build(
             shutil.rmtree(work / "src", ignore_errors=True)
             shutil.rmtree(bdir, ignore_errors=True)
             (work / "build.log").unlink(missing_ok=True)
+            (work / "partial.json").unlink(missing_ok=True)
             os.replace(work, prefix)
             ok = True
             say(f"built llama.cpp in {seconds:.0f}s -> {prefix / 'bin'}")
             return BuildResult(key, prefix, prefix / "bin" / "llama-server", binaries, cached=False,
                                seconds=seconds, info=info)
+        except KeyboardInterrupt:
+            interrupted = True
+            say(f"build interrupted: the next `orchestrator build` with the same options resumes it ({work})")
+            raise
         finally:
-            if not ok:
-                shutil.rmtree(work, ignore_errors=True)
+            if not ok and not interrupted:
+                shutil.rmtree(work, ignore_errors=True)      # a failed build leaves the cache clean
+
+
+def _resumable(work: Path, key: str) -> Path | None:
+    """The source root of an interrupted build of ``key`` in ``work`` (its objects are reused), else None."""
+    try:
+        meta = json.loads((work / "partial.json").read_text())
+    except (OSError, ValueError):
+        return None
+    src = Path(meta.get("src_root", ""))
+    if meta.get("key") != key or not (src / "CMakeLists.txt").is_file():
+        return None
+    return src
 
 
 _IK_BUILD_INFO_SCRIPT = """\

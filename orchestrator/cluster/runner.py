@@ -30,6 +30,7 @@ from orchestrator.cluster import head as headmod
 from orchestrator.cluster import state as statemod
 from orchestrator.cluster.deployment import Deployment
 from orchestrator.errors import ClusterError, ConfigError, LaunchError
+from orchestrator.sigutil import terminate_as_interrupt
 
 CONTROLLER = "controller"
 CONTROLLER_RESTARTS = 3     # Ray restarts a crashed controller; it starts the deployment again
@@ -372,24 +373,6 @@ def _ignoring(*sigs: int):
         yield
         return
     old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt():
-    """SIGTERM and SIGHUP act like Ctrl-C while ``up`` runs, so every way of stopping it tears down cleanly."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

@@ -61,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
         raise BackendError(f"--jobs must be >= 0, got {args.jobs}")
     opts = b.BuildOptions(flavor=args.flavor, cuda=args.cuda, cuda_archs=tuple(args.cuda_arch), native=args.native,
                           jobs=args.jobs)
-    res = b.build(opts, source=args.source, rebuild=args.rebuild)
+    from orchestrator.sigutil import terminate_as_interrupt
+
+    with terminate_as_interrupt():   # SIGTERM/SIGHUP: stop the compilers, keep what was compiled for a resume
+        res = b.build(opts, source=args.source, rebuild=args.rebuild)
     if args.json:
         print(json.dumps({"key": res.key, "server": str(res.server), "cached": res.cached,
                           "binaries": {k: str(v) for k, v in res.binaries.items()}, **res.info}, indent=1))

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from orchestrator.cluster import LOCAL, up
-    from orchestrator.cluster.runner import terminate_as_interrupt
+    from orchestrator.sigutil import terminate_as_interrupt
     from orchestrator.config import load_topology, parse_overrides
     from orchestrator.resolve import resolve
 

@@ -156,6 +156,84 @@ def test_ik_archive_gets_the_build_info_script_its_sdist_lacks(tmp_path):
                 say=lambda s: None)
 
 
+def test_an_interrupted_build_is_resumed_with_its_objects(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM through the CLI) during compilation keeps the partial build; the next build with the
+    same key resumes it instead of extracting and compiling from scratch. A failed build is still removed."""
+    tree = fake_tree(tmp_path / "tree")
+    out = tmp_path / "src.tar.xz"
+    sources.export_source(tree, out)
+    cache = tmp_path / "cache"
+    real = b._run_logged
+
+    def interrupt_compile(argv, *a, **kw):
+        if "--build" in argv:
+            raise KeyboardInterrupt
+        return real(argv, *a, **kw)
+
+    monkeypatch.setattr(b, "_run_logged", interrupt_compile)
+    said: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        b.build(b.BuildOptions(cuda=False), source=out, cache=cache, say=said.append)
+    (partial,) = (cache / "llama.cpp").glob("*.partial")
+    assert (partial / "partial.json").is_file() and any("resumes it" in x for x in said)
+    marker = next(partial.glob("src/*/src")) / "kept.txt"
+    marker.write_text("the extracted source is reused, not unpacked again")
+    monkeypatch.setattr(b, "_run_logged", real)
+    said.clear()
+    res = b.build(b.BuildOptions(cuda=False), source=out, cache=cache, say=said.append)
+    assert any(x.startswith("resuming the interrupted build") for x in said)
+    assert os.access(res.server, os.X_OK) and not res.cached and not partial.exists()
+    assert not (res.prefix / "partial.json").exists()
+    # another key (other options) does not resume someone else's partial build
+    assert b._resumable(partial, "other-key") is None
+
+
+SLOW_CMAKE = """cmake_minimum_required(VERSION 3.14)
+project(fake_llama C)
+add_custom_command(OUTPUT ${CMAKE_BINARY_DIR}/slow.c
+                   COMMAND ${CMAKE_COMMAND} -E sleep 60
+                   COMMAND ${CMAKE_COMMAND} -E copy ${CMAKE_SOURCE_DIR}/tools/tool.c ${CMAKE_BINARY_DIR}/slow.c)
+add_library(llama STATIC src/lib.c)
+foreach(t llama-server llama-bench llama-fit-params)
+  add_executable(${t} ${CMAKE_BINARY_DIR}/slow.c)
+  target_link_libraries(${t} llama)
+endforeach()
+"""
+
+
+@pytest.mark.integration
+def test_sigterm_stops_every_compiler_and_keeps_the_partial_build(tmp_path):
+    """`orchestrator build` stopped with SIGTERM (as `timeout` does): exit 130, nothing it started is left running
+    (cmake, ninja and the step they run are in its process group), and the partial build stays for a resume."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    tree = fake_tree(tmp_path / "tree")
+    (tree / "CMakeLists.txt").write_text(SLOW_CMAKE)
+    env = {**os.environ, "ORCHESTRATOR_CACHE": str(tmp_path / "cache")}
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "build", "--source", str(tree), "--cpu"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    sleeper = None
+    while time.monotonic() < deadline and sleeper is None:
+        kids = psutil.Process(p.pid).children(recursive=True)
+        sleeper = next((k for k in kids if "sleep" in " ".join(k.cmdline())), None)
+        time.sleep(0.1)
+    assert sleeper is not None, p.stderr.read() if p.poll() is not None else "no build step started"
+    group = [k for k in psutil.Process(p.pid).children(recursive=True)]
+    p.send_signal(signal.SIGTERM)
+    _out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    gone, alive = psutil.wait_procs(group, timeout=10)
+    assert alive == [], [k.cmdline() for k in alive]
+    (partial,) = (tmp_path / "cache" / "llama.cpp").glob("*.partial")
+    assert (partial / "partial.json").is_file() and "resumes it" in err
+
+
 def test_cuda_requested_without_nvcc(tmp_path, monkeypatch):
     monkeypatch.setattr(b, "find_nvcc", lambda: None)
     with pytest.raises(BackendError, match="nvcc"):
