@@ -32,10 +32,16 @@
 #   bash scripts/device/h200.sh k S # W2 on 2 x 12 GiB: ik_llama.cpp's plan (-sm graph) / ik -sm layer / mainline's
 #                                   # plan; W1 on 2 x 6 GiB: plan / --fit; ends itself after S seconds
 #
+# Next x2 session (builds resume now, so a build cut by a command's time limit goes on in the next command):
+#   bash scripts/device/h200.sh l   # ik_llama.cpp CUDA build alone (32 jobs), models; nothing is measured beside it
+#   bash scripts/device/h200.sh m   # mainline build (32 jobs), then W2 on 2 x 12 GiB: ik plan (-sm graph) / ik
+#                                   # -sm layer / mainline plan, and W1 at 2 x 24 GiB (no overflow): the plan
+#                                   # (-sm tensor) / -sm layer / --fit
+#
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k}
+PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k | l | m}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -345,6 +351,54 @@ k)
   timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
     --vram-budget 6GiB --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
     --concurrency none --max-minutes "$mins" --out "$O/w1-2x6g" > "$O/w1-2x6g.log" 2>&1
+  log "done"
+  ;;
+l)
+  DEADLINE=$(( t0 + 560 ))
+  log "ik_llama.cpp CUDA build alone, 32 jobs (resumed if a previous command was cut); models beside it"
+  ( time timeout $(( DEADLINE - $(date +%s) - 10 )) python3 -m orchestrator build --flavor ik_llama.cpp \
+      --source .devbundle/ik-src.tar.xz --cuda --cuda-arch 90 --native -j 32 ) > "$O/build-ik.log" 2>&1 &
+  IKB=$!
+  synth q235
+  synth q30
+  wait $IKB; log "ik build rc=$? (124: cut by the time limit; the next phase resumes it)"; tail -3 "$O/build-ik.log"
+  log "done"
+  ;;
+m)
+  DEADLINE=$(( t0 + 570 ))
+  mainline_args=(--source .devbundle/llama-src.tar.xz --cuda --cuda-arch 90 --native -j 32)
+  log "ik build (resumed or cached), then mainline (32 jobs), one after the other"
+  ( time timeout 300 python3 -m orchestrator build --flavor ik_llama.cpp --source .devbundle/ik-src.tar.xz --cuda \
+      --cuda-arch 90 --native -j 32 ) > "$O/build-ik.log" 2>&1
+  log "ik rc=$?"; tail -2 "$O/build-ik.log"
+  ( time orch build "${mainline_args[@]}" ) > "$O/build.log" 2>&1; log "mainline rc=$?"; tail -2 "$O/build.log"
+  SERVER=$(orch build "${mainline_args[@]}" 2>/dev/null)
+  IK=$(ls "$ORCHESTRATOR_CACHE"/llama.cpp/ik_llama.cpp-cuda-*/bin/llama-server 2>/dev/null | head -1)
+  if [ -n "$IK" ] && [ "$(left)" -gt 200 ]; then
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
+      > "$O/plan-w2-ik.txt" 2>&1
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
+      --set workers.split_mode=layer --json > "$O/plan-w2-ik-layer.json" 2>&1
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$SERVER" \
+      --json > "$O/plan-w2.json" 2>&1
+    IKLAYER=$(python3 scripts/device/plan-config.py ik-layer "$O/plan-w2-ik-layer.json")
+    MAIN=$(python3 scripts/device/plan-config.py mainline-plan "$O/plan-w2.json" --server)
+    log "W2 on 2 GPUs x 12 GiB: ik plan / ik -sm layer / mainline plan ($(left) s left)"
+    timeout $(( $(left) - 100 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q235" \
+      --set "backend.binary=$IK" --progress plain --vram-budget 12GiB --configs plan --config "$IKLAYER" \
+      --config "$MAIN" --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none \
+      --max-minutes $(python3 -c "print(max(0.3, ($(left) - 110) / 60))") --out "$O/w2-2x12g-ik" \
+      > "$O/w2-2x12g-ik.log" 2>&1
+  fi
+  orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=24GiB --set "backend.binary=$SERVER" \
+    --set workers.split_mode=layer --json > "$O/plan-w1-layer.json" 2>&1
+  LAYER=$(python3 scripts/device/plan-config.py sm-layer "$O/plan-w1-layer.json")
+  log "W1 on 2 GPUs x 24 GiB (fits): plan (-sm tensor) / -sm layer / --fit ($(left) s left)"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --set "backend.binary=$SERVER" \
+    --progress plain --vram-budget 24GiB --configs plan,fit --config "$LAYER" --rounds 1 --pp 32,512,4096 \
+    --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none --max-minutes "$mins" --out "$O/w1-2x24g" \
+    > "$O/w1-2x24g.log" 2>&1
   log "done"
   ;;
 *) echo "unknown phase $PHASE" >&2; exit 2 ;;
