@@ -506,18 +506,25 @@ def default_offload_values(plan: BenchConfig) -> list[int]:
     return vals + [OFFLOAD_NEVER]
 
 
+def _other_points(values: Sequence[int], plan_value: int | None, what: str) -> list[int]:
+    """A sweep's values as positive ints, without the plan's own point (that point is the plan itself)."""
+    out = []
+    for v in values:
+        v = int(v)
+        if v < 1:
+            raise ConfigError(f"{what} {v}: must be at least 1")
+        if v != plan_value:
+            out.append(v)
+    return out
+
+
 def offload_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]:
     """The plan with its op-offload threshold replaced (GGML_OP_OFFLOAD_MIN_BATCH, or ik_llama.cpp's
     ``-cuda offload-batch-size=N`` when the plan uses that)."""
     out = []
     ik = get_arg(plan.args, "-cuda")
     t_plan = int(plan.params.get("op_offload_min_batch") or OFFLOAD_DEFAULT)
-    for v in values:
-        v = int(v)
-        if v < 1:
-            raise ConfigError(f"op-offload threshold {v}: must be at least 1")
-        if v == t_plan:
-            continue                   # that point is the plan itself
+    for v in _other_points(values, t_plan, "op-offload threshold"):
         args, env = plan.args, dict(plan.env)
         if ik and "offload-batch-size=" in ik:
             args = with_args(args, ("-cuda", re.sub(r"offload-batch-size=\d+", f"offload-batch-size={v}", ik)))
@@ -543,12 +550,7 @@ def threads_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]
     plan without ``-tb`` gets the plan's ``-t`` there (llama-server would otherwise follow ``-t``)."""
     t_plan = _int_arg(plan.args, "-t")
     out = []
-    for v in values:
-        v = int(v)
-        if v < 1:
-            raise ConfigError(f"threads {v}: must be at least 1")
-        if v == t_plan:
-            continue                   # that point is the plan itself
+    for v in _other_points(values, t_plan, "threads"):
         pairs = [("-t", str(v))]
         if get_arg(plan.args, "-tb") is None and t_plan is not None:
             pairs.append(("-tb", str(t_plan)))

@@ -80,6 +80,14 @@ finish_build() {   # wait for start_build; end the phase when the build failed; 
   SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
 }
 
+w1_2x6g() {   # W1 on two GPUs held to 6 GiB each: plan / --fit, one round, until the phase's deadline
+  log "W1 on 2 GPUs x 6 GiB: plan / --fit ($(left) s left)"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
+    --vram-budget 6GiB --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
+    --concurrency none --max-minutes "$mins" --out "$O/w1-2x6g" > "$O/w1-2x6g.log" 2>&1
+}
+
 case "$PHASE" in
 a)
   DEADLINE=$(( t0 + 470 ))
@@ -274,11 +282,7 @@ h)
   timeout 260 python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 12GiB \
     --configs plan,fit --rounds 2 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 \
     --concurrency none --max-minutes 4.2 --out "$O/w2-2x12g" > "$O/w2-2x12g.log" 2>&1
-  log "W1 on 2 GPUs x 6 GiB: plan / --fit ($(left) s left)"
-  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
-  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
-    --vram-budget 6GiB --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
-    --concurrency none --max-minutes "$mins" --out "$O/w1-2x6g" > "$O/w1-2x6g.log" 2>&1
+  w1_2x6g
   log "done"
   ;;
 i)
@@ -346,11 +350,7 @@ k)
   else
     log "no ik_llama.cpp CUDA build"
   fi
-  log "W1 on 2 GPUs x 6 GiB: plan / --fit ($(left) s left)"
-  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
-  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
-    --vram-budget 6GiB --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
-    --concurrency none --max-minutes "$mins" --out "$O/w1-2x6g" > "$O/w1-2x6g.log" 2>&1
+  w1_2x6g
   log "done"
   ;;
 l)
