@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,7 @@ def test_start_waits_for_health_then_ready():
     run_until_ready(sup, clock, probe)
     assert sup.snapshot()["healthy"] and sup.snapshot()["pid"] == 100
     assert sup.snapshot()["load_s"] == pytest.approx(sup.ready_at - sup.started_at) and sup.snapshot()["load_s"] >= 5
+    assert abs(sup.snapshot()["spawned_wall"] - time.time()) < 60        # wall-clock spawn time, for `up`'s line
 
 
 def test_crash_restarts_with_exponential_backoff_then_gives_up():

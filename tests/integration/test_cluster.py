@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -41,12 +42,13 @@ def env(tmp_path_factory, llama_server_path):
             gateway_processes=2,
             restart=RestartPolicy(backoff_initial_s=0.5, health_timeout_s=5.0, load_timeout_s=60.0))
         t = time.monotonic()
-        res = up(dep, foreground=False, say=lambda m: None)
+        said: list[str] = []
+        res = up(dep, foreground=False, say=said.append)
         from orchestrator.cluster import state
 
         st = state.read(NS)
         info = {"dep": dep, "res": res, "model": model, "binary": llama_server_path, "state": st, "tmp": tmp,
-                "up_s": time.monotonic() - t}
+                "up_s": time.monotonic() - t, "said": said}
         try:
             yield info
         finally:
@@ -67,6 +69,15 @@ def test_up_reports_urls_and_ready_workers(env):
     assert res.status["phase"] == "ready"
     assert [w["state"] for w in res.status["workers"]] == ["ready", "ready"]
     assert env["state"].embedded and psutil.pid_exists(env["state"].head_pid)
+    # the ready line says where the time went: the head, then each llama-server's spawn time and load
+    ready = next(m for m in env["said"] if m.startswith("ready in "))
+    m = re.match(r"ready in ([\d.]+)s \(Ray head ([\d.]+)s; llama-server (.*)\)", ready)
+    assert m, ready
+    total, head = float(m.group(1)), float(m.group(2))
+    spawns = re.findall(r"(w[01]) spawned at \+([\d.]+)s, loaded in ([\d.]+)s", m.group(3))
+    assert sorted(w for w, _, _ in spawns) == ["w0", "w1"], ready
+    for _w, at, load in spawns:
+        assert head <= float(at) and float(at) + float(load) <= total + 0.2, ready
     print(f"up to ready: {env['up_s']:.1f}s")
 
 
