@@ -160,6 +160,22 @@ def test_two_h200s_as_recorded_split_by_layer_when_experts_overflow_else_by_tens
     assert arg(w1, "-sm") == "tensor" and not w1.cpu_expert_layers and arg(w1, "-ot") is None
 
 
+def test_load_mode_follows_the_bytes_the_placement_leaves_in_host_memory(models):
+    """Pinned only when the placement's host-resident weights + the RAM reserve fit the available memory; checked
+    with the final placement, not the planner's first guess (whole expert layers can leave more on the host)."""
+    m = machine("1socket-1gpu-24g")
+    w = plan1(m, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
+    cpu = next(d for d in w.memory if d.device == "CPU").weights
+    assert w.load_mode == "pinned"
+    reserve = NodeRequest(name="x").ram_reserve
+    for avail, mode in ((cpu + reserve + (64 << 20), "pinned"), (cpu + reserve - (64 << 20), "mmap")):
+        tight = dataclasses.replace(m, memory_available_bytes=avail)
+        w2 = plan1(tight, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
+        assert w2.load_mode == mode, (avail, w2.load_mode)
+        lm = next(d for d in w2.decisions if d.what == "load mode")
+        assert f"({fmt_bytes(next(d for d in w2.memory if d.device == 'CPU').weights)})" in lm.why
+
+
 def test_numa_bind_when_it_fits_the_nearest_node_else_interleave_over_the_socket(models):
     m = machine("2socket-2gpu")
     w = plan1(m, models("qwen3-235b-a22b")).workers[0]
