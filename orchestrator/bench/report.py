@@ -101,16 +101,19 @@ TITLES = {"speed": "tokens/s (median ±half the range over all samples)",
 
 
 def ratio_rows(rs: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    header = ["ratio", "metric", "value", "target", "against", "met"]
+    header = ["ratio", "metric", "value", "90% interval", "target", "against", "met"]
     rows = []
     for r in rs:
         t = r.get("target")
         ts = "-" if t is None else (f"{t[0]:.2f}–{t[1]:.2f}" if isinstance(t, (list, tuple)) else f"≥ {t:.2f}")
         ok = {True: "yes", False: "NO", None: ""}[r.get("ok")]
-        if ok and r.get("within_noise"):
-            ok += " (within A/A noise)"
+        notes = [n for n, on in (("within A/A noise", r.get("within_noise")),
+                                  ("90% interval spans the target", r.get("ci_spans_target"))) if on]
+        if ok and notes:
+            ok += f" ({'; '.join(notes)})"
         val = "-" if r.get("value") is None else f"{r['value']:.2f}"
-        rows.append([r["kind"], r["metric"], val, ts, r.get("other_config", ""), ok])
+        ci = "" if not r.get("ci90") else f"{r['ci90'][0]:.2f}–{r['ci90'][1]:.2f}"
+        rows.append([r["kind"], r["metric"], val, ci, ts, r.get("other_config", ""), ok])
     return header, rows
 
 

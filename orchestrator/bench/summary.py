@@ -32,7 +32,33 @@ _TG = re.compile(r"^tg(\d+)@(\d+)$")
 def stat(values: Sequence[float]) -> dict:
     v = [float(x) for x in values]
     return {"median": quantile(v, 0.5), "min": min(v), "max": max(v), "q1": quantile(v, 0.25),
-            "q3": quantile(v, 0.75), "n": len(v)}
+            "q3": quantile(v, 0.75), "n": len(v), "values": sorted(v)}
+
+
+CI_LEVEL = 0.90
+CI_RESAMPLES = 2000
+CI_MIN_SAMPLES = 3
+
+
+def ratio_ci(a: Sequence[float], b: Sequence[float], *, level: float = CI_LEVEL,
+             resamples: int = CI_RESAMPLES, seed: int = 0) -> tuple[float, float] | None:
+    """A bootstrap interval of median(a) / median(b): both sample sets resampled with replacement (a fixed seed,
+    so a report is reproducible). None with fewer than ``CI_MIN_SAMPLES`` samples on either side. Samples of one
+    server start are correlated, so this is narrower than the start-to-start spread an A/A control shows."""
+    import numpy as np
+
+    if len(a) < CI_MIN_SAMPLES or len(b) < CI_MIN_SAMPLES:
+        return None
+    rng = np.random.default_rng(seed)
+    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    ma = np.median(xa[rng.integers(0, len(xa), (resamples, len(xa)))], axis=1)
+    mb = np.median(xb[rng.integers(0, len(xb), (resamples, len(xb)))], axis=1)
+    r = ma / np.where(mb > 0, mb, np.nan)
+    r = r[np.isfinite(r)]
+    if not len(r):
+        return None
+    tail = (1 - level) / 2
+    return float(np.quantile(r, tail)), float(np.quantile(r, 1 - tail))
 
 
 def run_metrics(run: Mapping[str, Any]) -> dict[str, list[float]]:
@@ -203,6 +229,15 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
                 continue
             best, v = _best(summary, [plan] + thresholds, m)
             out.append(_entry("threshold/best", m, _med(summary, plan, m), v, best, THRESHOLD_TARGET))
+
+    for e in out:     # how sure each ratio is: an interval over the samples, and whether it spans the target
+        va = (summary.get(plan) or {}).get("metrics", {}).get(e["metric"], {}).get("values")
+        vb = (summary.get(e["other_config"]) or {}).get("metrics", {}).get(e["metric"], {}).get("values")
+        ci = ratio_ci(va, vb) if va and vb and e["other_config"] != plan else None
+        if ci is not None:
+            e["ci90"] = [ci[0], ci[1]]
+            if isinstance(e["target"], (int, float)):
+                e["ci_spans_target"] = ci[0] < e["target"] < ci[1]
 
     noise = {e["metric"]: abs(math.log(e["value"])) for e in out if e["kind"] == "plan/control" and e["value"]}
     for e in out:

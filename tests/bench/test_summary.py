@@ -159,3 +159,37 @@ def test_best_safe_sweep_leaves_out_points_at_the_edge_of_out_of_memory():
     safe = by[("plan/best-safe-sweep", "pp512")]
     assert safe["other_config"] == "n19" and safe["value"] == pytest.approx(2700 / 2750) and safe["ok"] is None
     assert not any(r["kind"] == "plan/best-safe-sweep" for r in ratios(s, configs))   # no budget: no such row
+
+
+def test_ratio_interval_is_reproducible_and_brackets_the_median_ratio():
+    from orchestrator.bench.summary import ratio_ci
+
+    a, b = [10.0, 11.0, 12.0, 10.5, 11.5], [5.0, 5.5, 6.0, 5.2, 5.8]
+    lo, hi = ratio_ci(a, b)
+    assert lo < quantile(a, 0.5) / quantile(b, 0.5) < hi and (lo, hi) == ratio_ci(a, b)
+    assert ratio_ci(a, b[:2]) is None                        # too few samples to say anything
+    tight = ratio_ci([10.0] * 9, [5.0] * 9)
+    assert tight == (2.0, 2.0)
+
+
+def test_recorded_h200_runs_get_intervals_and_a_target_inside_one_is_flagged():
+    """Real runs: W1 at 12 GiB on one H200 of the x2 (9 tg samples a configuration) has plan/fit tg 1.05 with an
+    interval around the 1.05 target, so the verdict is flagged; W2 on two GPUs has tg 1.24 with an interval clear
+    of it."""
+    import json
+    from pathlib import Path
+
+    fix = Path(__file__).resolve().parents[1] / "fixtures" / "bench"
+    doc = json.loads((fix / "h200x2-gpu0-2026-11-29" / "w1-12g-threads.json").read_text())
+    summ = summarize(doc["configs"], doc["runs"])
+    rs = {(r["kind"], r["metric"]): r for r in ratios(summ, doc["configs"])}
+    tg = rs[("plan/fit", "tg128@0")]
+    assert tg["ok"] is True and tg["ci90"][0] < 1.05 < tg["ci90"][1] and tg["ci_spans_target"] is True
+    assert "yes (90% interval spans the target)" in render_text({**doc, "summary": summ, "ratios": list(rs.values())})
+    doc2 = json.loads((fix / "h200x2-2026-11-29" / "w2-12g.json").read_text())
+    summ2 = summarize(doc2["configs"], doc2["runs"])
+    rs2 = {(r["kind"], r["metric"]): r for r in ratios(summ2, doc2["configs"])}
+    for m in ("pp512", "pp4096"):                    # one prompt per start, two starts: too few for an interval
+        assert "ci90" not in rs2[("plan/fit", m)]
+    tg2 = rs2[("plan/fit", "tg128@0")]                # four samples each: 1.24, clear of the 1.05 target
+    assert tg2["ok"] is True and tg2["ci90"][0] > 1.05 and tg2["ci_spans_target"] is False
