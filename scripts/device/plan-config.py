@@ -31,7 +31,9 @@ def main() -> None:
         out.append(args[i])
         i += 1
     env = [f"{k}={v}" for k, v in w["env"].items()]
-    server = [f"LLAMA_SERVER={w['argv'][w['argv'].index(args[0]) - 1]}"] if a.server else []
+    argv = w["argv"]
+    assert argv[len(argv) - len(args):] == args, "the worker's argv does not end with its args"
+    server = [f"LLAMA_SERVER={argv[len(argv) - len(args) - 1]}"] if a.server else []   # the word before the args
     print(f"{a.name}=" + shlex.join(server + env + out))
 
 
