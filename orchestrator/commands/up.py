@@ -75,10 +75,13 @@ def run(args: argparse.Namespace) -> int:
             metrics_port=None if metrics_port in (None, "auto") else int(metrics_port), log_dir=None)
         if early is not None:   # SIGTERM/SIGHUP while planning: stop that head too, like Ctrl-C
             stop_signals = terminate_as_interrupt()
+    prefetch = None
     try:
         with stop_signals:
             res = resolve(topo)
             dep = deployment_from(res)
+            if res.topology.workers.prefetch and not res.topology.workers.warmup:
+                prefetch = start_prefetch(res)
             if res.topology.workers.warmup:
                 from orchestrator.launch.warmup import drop_caches, warm
 
@@ -93,8 +96,36 @@ def run(args: argparse.Namespace) -> int:
                       f"{w.predicted.tg:.1f} t/s", file=sys.stderr)
                 print(f"  {spec.shell_line()}", file=sys.stderr)
     except BaseException:
+        if prefetch is not None:
+            prefetch.stop()
         if early is not None:
             early.abandon()
         raise
-    up(dep, foreground=not args.detach, ready_timeout=args.ready_timeout, early=early)
+    try:
+        up(dep, foreground=not args.detach, ready_timeout=args.ready_timeout, early=early)
+    finally:
+        if prefetch is not None:
+            prefetch.stop()
     return 0
+
+
+def start_prefetch(res):
+    """Read the model into the page cache in the background when that helps here (see orchestrator.launch.prefetch);
+    prints what it does or why not. Returns the running Prefetch or None."""
+    import os
+    import sys
+
+    from orchestrator.launch.prefetch import Prefetch, eligible
+
+    local = [(w, spec) for w, spec in zip(res.plan.workers, res.specs) if spec.node is None]
+    if not local:
+        return None
+    machine = res.machines.get(local[0][0].node)
+    try:
+        size = sum(os.path.getsize(p) for p in res.model.paths)
+    except OSError:
+        return None
+    ok, why = eligible(size, [w.load_mode for w, _ in local], len(machine.numa_nodes) if machine else 1,
+                       machine.memory_available_bytes if machine else None)
+    print(f"prefetch: {why}", file=sys.stderr)
+    return Prefetch(res.model.paths).start() if ok else None

@@ -252,6 +252,12 @@ class WorkersConfig(Section):
     read the model once under each local worker's own NUMA policy, so memory-mapped weights land on the nodes
     that will read them. Off by default: dropping caches affects every process on the machine."""
 
+    prefetch: Bool = True
+    """While the Ray head starts, ask the kernel to read the model into the page cache, so a cold start does not
+    wait for Ray and then for the disk. Skipped (with a note) for a memory-mapped model on several NUMA nodes,
+    where the pages must land where the workers read them (use warmup), and for a model larger than 80% of the
+    available memory. Pages already cached cost nothing."""
+
     host: Host("an IP address or host name", nullable=True) = None
     """Address each llama-server listens on. null: 127.0.0.1 when the worker runs where the gateway runs,
     else the node's address."""

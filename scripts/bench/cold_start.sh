@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# `up` to ready from a cold page cache, with and without workers.prefetch, against llama-server's own cold load.
+# The model file is evicted from the page cache before every start (POSIX_FADV_DONTNEED, no root needed).
+#   bash scripts/bench/cold_start.sh TOPOLOGY MODEL.gguf [ROUNDS] [--set KEY=VALUE ...]
+set -uo pipefail
+TOPO=$1 MODEL=$2 ROUNDS=${3:-2}
+shift $(( $# >= 3 ? 3 : $# ))
+sets=(--set "model.path=$MODEL" "$@")
+orch() { python3 -m orchestrator "$@"; }
+evict() { python3 -c "import os,sys; fd=os.open(sys.argv[1], os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)" "$MODEL"; }
+secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(date +%s.%N)"; }
+plan=$(mktemp)
+orch plan "$TOPO" "${sets[@]}" --json > "$plan" || exit 1
+evict
+python3 - "$plan" <<'PY'
+import json, os, subprocess, sys, time, urllib.request
+w = json.load(open(sys.argv[1]))["workers"][0]
+t0 = time.monotonic()
+p = subprocess.Popen(w["argv"], env={**os.environ, **w["env"]}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+while True:
+    try:
+        if urllib.request.urlopen(f"http://{w['host']}:{w['port']}/health", timeout=2).status == 200:
+            break
+    except Exception:
+        pass
+    if p.poll() is not None:
+        sys.exit(f"llama-server exited {p.returncode}")
+    time.sleep(0.1)
+print(f"llama-server alone, cold: {time.monotonic() - t0:.1f} s to /health")
+os.killpg(p.pid, 15)
+p.wait(timeout=60)
+PY
+for r in $(seq 1 "$ROUNDS"); do
+  for pf in false true; do
+    evict
+    t=$(date +%s.%N)
+    out=$(orch up "$TOPO" "${sets[@]}" --set "workers.prefetch=$pf" --detach 2>&1)
+    rc=$?
+    echo "round $r prefetch=$pf: up rc=$rc, ready after $(secs "$t") s -- $(grep -o 'ready in.*loaded in [0-9.]*s' <<< "$out" | head -1)"
+    orch down > /dev/null 2>&1
+  done
+done
+rm -f "$plan"
