@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -261,3 +262,26 @@ def test_sigterm_while_waiting_for_the_early_head_stops_it(iso, monkeypatch):
     assert early.info is None                                     # it was stopped again
     assert len(stopped) == 1 and S.ray_processes_of(stopped[0]) == [] and not Path(stopped[0]).exists()
     assert state.read("early-term") is None
+
+
+@pytest.mark.slow
+def test_cli_up_reads_the_model_ahead_while_ray_starts_and_can_be_told_not_to(iso, tmp_path):
+    """`orchestrator up` on this one-node machine: the model is read into the page cache while the head starts
+    (a note says so), the deployment comes up and serves; with workers.prefetch false there is no such note."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
+    for prefetch in ("true", "false"):
+        gw_port = S.free_port()
+        topo = tmp_path / f"p-{prefetch}.yaml"
+        topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  prefetch: {prefetch}\n"
+                        f"gateway:\n  port: {gw_port}\nray:\n  address: local\n  dashboard_port: {S.free_port()}\n"
+                        f"  namespace: prefetch-{prefetch}\n")
+        res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
+                             capture_output=True, text=True, timeout=240)
+        try:
+            assert res.returncode == 0, res.stderr
+            assert ("prefetch: reading the model" in res.stderr) == (prefetch == "true"), res.stderr
+            with urllib.request.urlopen(f"http://127.0.0.1:{gw_port}/v1/models", timeout=10) as r:
+                assert r.status == 200
+        finally:
+            subprocess.run([sys.executable, "-m", "orchestrator", "down", "-n", f"prefetch-{prefetch}"], env=env,
+                           capture_output=True, text=True, timeout=180)
