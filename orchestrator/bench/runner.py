@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from orchestrator.bench.configs import BenchConfig, has_flag
 from orchestrator.bench.logparse import parse_server_log
@@ -357,13 +357,15 @@ class _Bench:
 def run_bench(configs: Sequence[BenchConfig], server_binary: str, out_dir: str | os.PathLike,
               options: BenchOptions | None = None, *, progress: Progress | None = None,
               launcher: Launcher | None = None, nvml: Any = "auto", ballast: Any = None,
-              charts: bool = True) -> dict:
+              charts: bool = True, plan_context: Mapping[str, Any] | None = None) -> dict:
     """Measure ``configs`` side by side on this machine and write ``bench.json``, ``bench.txt`` and PNG charts
     (``speed.png``, ``offload.png``) under ``out_dir``; returns the JSON data.
 
     ``options.vram_budget``: hold a VRAM ballast for the whole run (unless ``ballast``, an already held
     :class:`~orchestrator.bench.ballast.VramBallast`, is given: then the caller planned under it and owns it).
     ``launcher``/``nvml``: seams for tests (default: the launch process manager, NVML when present).
+    ``plan_context``: what the plan was made from (its decisions and the machine's measured bandwidths), kept in
+    ``bench.json`` so a later reader knows, e.g., which host bandwidth this machine instance measured.
     """
     options = options or BenchOptions()
     _check_configs(configs)
@@ -400,6 +402,7 @@ def run_bench(configs: Sequence[BenchConfig], server_binary: str, out_dir: str |
             "options": options.to_dict(), "gpus": _gpu_inventory(nvml, bench.gpus) if nvml else [],
             "vram_budget": options.vram_budget, "ballast": ballast.status() if ballast is not None else None,
             "configs": [c.to_dict() for c in configs], "schedule": [list(x) for x in plan_order], "runs": [],
+            **({"plan_context": dict(plan_context)} if plan_context else {}),
         }
         if options.prime_page_cache:
             progress.note("priming the page cache with the model file(s)")

@@ -183,6 +183,12 @@ def _plan_from_topology(args: argparse.Namespace):
     if not 0 <= args.worker < len(res.specs):
         raise ConfigError(f"{args.topology}: worker {args.worker} does not exist (the plan has {len(res.specs)})")
     spec, worker = res.specs[args.worker], res.plan.workers[args.worker]
+    machine = res.machines.get(worker.node)
+    args.plan_context = {
+        "topology": str(args.topology), "worker": worker.name, "node": worker.node,
+        "decisions": [[d.what, d.value, d.why] for d in worker.decisions],
+        "bandwidth": machine.bandwidth.to_json() if machine is not None and machine.bandwidth is not None else None,
+    }
     plan = config_from_launch_spec(spec, worker)
     n_layers = res.plan.model.get("n_layers")
     if isinstance(n_layers, int):
@@ -243,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         data = run_bench(configs, server, out, options, progress=make_progress(args.progress),
-                         charts=not args.no_charts)
+                         charts=not args.no_charts, plan_context=getattr(args, "plan_context", None))
     finally:
         signal.signal(signal.SIGTERM, previous)
     if args.json:

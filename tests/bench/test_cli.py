@@ -186,3 +186,8 @@ def test_topology_is_planned_like_up_and_measured(tmp_path, tiny_moe, llama_serv
     assert plan["predicted"].get("tg", 0) > 0 and plan["params"]["n_layers"] == 4
     assert data["server_binary"] == llama_server_path
     assert any(r["kind"] == "predicted/measured" for r in d["ratios"])
+    # what the plan was made from travels with the results: its decisions (threads, as --set asked) and the
+    # machine's measured bandwidths (none measured on a machine without GPUs and no probe cache)
+    ctx = data["plan_context"]
+    assert ctx["topology"] == str(topo) and ctx["node"] == "local" and "bandwidth" in ctx
+    assert any(what == "threads" and value.startswith("-t 1") for what, value, _why in ctx["decisions"])
