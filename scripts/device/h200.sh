@@ -88,6 +88,32 @@ w1_2x6g() {   # W1 on two GPUs held to 6 GiB each: plan / --fit, one round, unti
     --concurrency none --max-minutes "$mins" --out "$O/w1-2x6g" > "$O/w1-2x6g.log" 2>&1
 }
 
+w2_ik_vs_mainline() {   # W2 on 2 GPUs x 12 GiB: ik plan / ik -sm layer / mainline plan ($IK, $SERVER), one run;
+                        # leaves $1 seconds of the phase for what follows
+  orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
+    > "$O/plan-w2-ik.txt" 2>&1
+  orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
+    --set workers.split_mode=layer --json > "$O/plan-w2-ik-layer.json" 2>&1
+  orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$SERVER" \
+    --json > "$O/plan-w2.json" 2>&1
+  IKLAYER=$(python3 scripts/device/plan-config.py ik-layer "$O/plan-w2-ik-layer.json")
+  MAIN=$(python3 scripts/device/plan-config.py mainline-plan "$O/plan-w2.json" --server)
+  log "W2 on 2 GPUs x 12 GiB: ik plan / ik -sm layer / mainline plan ($(left) s left)"
+  timeout $(( $(left) - $1 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q235" \
+    --set "backend.binary=$IK" --progress plain --vram-budget 12GiB --configs plan --config "$IKLAYER" \
+    --config "$MAIN" --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none \
+    --max-minutes $(python3 -c "print(max(0.3, ($(left) - $1 - 10) / 60))") --out "$O/w2-2x12g-ik" \
+    > "$O/w2-2x12g-ik.log" 2>&1
+}
+
+gateway_4_and_1() {   # gateway overhead, W1 all on the GPU, with 4 then 1 gateway processes: TIMEOUT ROUNDS each
+  for n in 4 1; do
+    log "gateway overhead, $n gateway process(es) ($(left) s left)"
+    timeout "$1" python3 scripts/bench/gateway_overhead.py --mode ray --rounds "$2" --model "$Q30" --binary "$SERVER" \
+      --ngl 99 --threads 8 --gateway-processes $n --json > "$O/gateway-$n.txt" 2>&1
+  done
+}
+
 case "$PHASE" in
 a)
   DEADLINE=$(( t0 + 470 ))
@@ -212,12 +238,7 @@ f)
   finish_build
   log "up / status / down on the GPU ($(left) s left)"
   timeout 120 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
-  log "gateway overhead, 4 gateway processes ($(left) s left)"
-  timeout 75 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 10 --model "$Q30" --binary "$SERVER" \
-    --ngl 99 --threads 8 --gateway-processes 4 --json > "$O/gateway-4.txt" 2>&1
-  log "gateway overhead, 1 gateway process ($(left) s left)"
-  timeout 75 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 10 --model "$Q30" --binary "$SERVER" \
-    --ngl 99 --threads 8 --gateway-processes 1 --json > "$O/gateway-1.txt" 2>&1
+  gateway_4_and_1 75 10
   log "W1 12 GiB: plan / --fit generation, 5 rounds ($(left) s left)"
   mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
   timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
@@ -242,20 +263,7 @@ g)
   orch plan "$H200" --set "model.path=$Q235" --json > "$O/plan-x2.json" 2>&1
   orch plan "$H200" --set "model.path=$Q235" > "$O/plan-x2.txt" 2>&1
   orch plan "$H200" --set "model.path=$Q235" --set workers.split_mode=layer --json > "$O/plan-x2-layer.json" 2>&1
-  LAYER=$(python3 - "$O/plan-x2-layer.json" <<'PY'
-import json, shlex, sys
-w = json.load(open(sys.argv[1]))["workers"][0]
-a, out, skip = w["args"], [], {"--host", "--port", "--alias"}
-i = 0
-while i < len(a):
-    if a[i] in skip:
-        i += 2
-        continue
-    out.append(a[i]); i += 1
-env = [f"{k}={v}" for k, v in w["env"].items() if k == "GGML_OP_OFFLOAD_MIN_BATCH"]
-print("sm-layer=" + shlex.join(env + out))
-PY
-)
+  LAYER=$(python3 scripts/device/plan-config.py sm-layer "$O/plan-x2-layer.json")
   echo "$LAYER" > "$O/layer-config.txt"
   log "W2 on 2 GPUs x 12 GiB: plan / -sm layer / --fit ($(left) s left)"
   timeout 240 python3 -m orchestrator bench "$H200" --set "model.path=$Q235" --progress plain --vram-budget 12GiB \
@@ -299,12 +307,7 @@ i)
   SERVER=$(orch build "${build_args[@]}" 2>/dev/null)
   log "up / status / down, W1 12 GiB on GPU 0 ($(left) s left)"
   timeout 120 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" --set "nodes.0.gpus=[0]" > "$O/up-proof.log" 2>&1
-  log "gateway overhead, 4 gateway processes ($(left) s left)"
-  timeout 70 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 8 --model "$Q30" --binary "$SERVER" \
-    --ngl 99 --threads 8 --gateway-processes 4 --json > "$O/gateway-4.txt" 2>&1
-  log "gateway overhead, 1 gateway process ($(left) s left)"
-  timeout 70 python3 scripts/bench/gateway_overhead.py --mode ray --rounds 8 --model "$Q30" --binary "$SERVER" \
-    --ngl 99 --threads 8 --gateway-processes 1 --json > "$O/gateway-1.txt" 2>&1
+  gateway_4_and_1 70 8
   log "waiting for the ik_llama.cpp build ($(left) s left; left running if it is not done)"
   while kill -0 $IKB 2>/dev/null && [ "$(left)" -gt 5 ]; do sleep 2; done
   kill -0 $IKB 2>/dev/null && log "ik build still running" || { wait $IKB; log "ik build rc=$?"; }
@@ -334,19 +337,7 @@ k)
   IK=$(ls "$ORCHESTRATOR_CACHE"/llama.cpp/ik_llama.cpp-cuda-*/bin/llama-server 2>/dev/null | head -1)
   log "ik_llama.cpp server: ${IK:-none} ($(left) s left)"
   if [ -n "$IK" ]; then
-    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
-      > "$O/plan-w2-ik.txt" 2>&1
-    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
-      --set workers.split_mode=layer --json > "$O/plan-w2-ik-layer.json" 2>&1
-    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --json > "$O/plan-w2.json" 2>&1
-    IKLAYER=$(python3 scripts/device/plan-config.py ik-layer "$O/plan-w2-ik-layer.json")
-    MAIN=$(python3 scripts/device/plan-config.py mainline-plan "$O/plan-w2.json" --server)
-    log "W2 on 2 GPUs x 12 GiB: ik plan / ik -sm layer / mainline plan ($(left) s left)"
-    timeout $(( $(left) - 130 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q235" \
-      --set "backend.binary=$IK" --progress plain --vram-budget 12GiB --configs plan --config "$IKLAYER" \
-      --config "$MAIN" --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none \
-      --max-minutes $(python3 -c "print(max(0.3, ($(left) - 140) / 60))") --out "$O/w2-2x12g-ik" \
-      > "$O/w2-2x12g-ik.log" 2>&1
+    w2_ik_vs_mainline 130
   else
     log "no ik_llama.cpp CUDA build"
   fi
@@ -375,20 +366,7 @@ m)
   SERVER=$(orch build "${mainline_args[@]}" 2>/dev/null)
   IK=$(ls "$ORCHESTRATOR_CACHE"/llama.cpp/ik_llama.cpp-cuda-*/bin/llama-server 2>/dev/null | head -1)
   if [ -n "$IK" ] && [ "$(left)" -gt 200 ]; then
-    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
-      > "$O/plan-w2-ik.txt" 2>&1
-    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
-      --set workers.split_mode=layer --json > "$O/plan-w2-ik-layer.json" 2>&1
-    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$SERVER" \
-      --json > "$O/plan-w2.json" 2>&1
-    IKLAYER=$(python3 scripts/device/plan-config.py ik-layer "$O/plan-w2-ik-layer.json")
-    MAIN=$(python3 scripts/device/plan-config.py mainline-plan "$O/plan-w2.json" --server)
-    log "W2 on 2 GPUs x 12 GiB: ik plan / ik -sm layer / mainline plan ($(left) s left)"
-    timeout $(( $(left) - 100 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q235" \
-      --set "backend.binary=$IK" --progress plain --vram-budget 12GiB --configs plan --config "$IKLAYER" \
-      --config "$MAIN" --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none \
-      --max-minutes $(python3 -c "print(max(0.3, ($(left) - 110) / 60))") --out "$O/w2-2x12g-ik" \
-      > "$O/w2-2x12g-ik.log" 2>&1
+    w2_ik_vs_mainline 100
   fi
   orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=24GiB --set "backend.binary=$SERVER" \
     --set workers.split_mode=layer --json > "$O/plan-w1-layer.json" 2>&1
