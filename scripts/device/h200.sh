@@ -38,10 +38,16 @@
 #                                   # -sm layer / mainline plan, and W1 at 2 x 24 GiB (no overflow): the plan
 #                                   # (-sm tensor) / -sm layer / --fit
 #
+# The fourth session (2026-11-29, night), one nvidia-h200, two commands back to back:
+#   bash scripts/device/h200.sh n   # build + W1 model; `up` proof (ready time); gateway overhead, 4 and 1 processes
+#   bash scripts/device/h200.sh o   # W1 12 GiB: where generation can still gain on the CPU side: plan / --fit /
+#                                   # plan --no-host (experts repacked for the CPU, no op offload) / --cpu-strict 1
+#                                   # / --prio 2 / --poll 100, 3 interleaved rounds
+#
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k | l | m}
+PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -377,6 +383,35 @@ m)
     --progress plain --vram-budget 24GiB --configs plan,fit --config "$LAYER" --rounds 1 --pp 32,512,4096 \
     --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none --max-minutes "$mins" --out "$O/w1-2x24g" \
     > "$O/w1-2x24g.log" 2>&1
+  log "done"
+  ;;
+n)
+  DEADLINE=$(( t0 + 570 ))
+  log "build (background), bytecode (background), W1 model"
+  start_build
+  synth q30
+  finish_build
+  log "up / status / down on the GPU ($(left) s left)"
+  timeout 130 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
+  log "gateway overhead ($(left) s left)"
+  if [ "$(left)" -gt 170 ]; then gateway_4_and_1 $(( ($(left) - 20) / 2 )) 10
+  else timeout $(( $(left) - 10 )) python3 scripts/bench/gateway_overhead.py --mode ray --rounds 10 --model "$Q30" \
+    --binary "$SERVER" --ngl 99 --threads 8 --json > "$O/gateway-auto.txt" 2>&1; fi
+  log "done"
+  ;;
+o)
+  DEADLINE=$(( t0 + 575 ))
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null) || { echo "no CUDA build on this machine"; exit 1; }
+  orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=12GiB --json > "$O/plan-w1-12g.json" 2>&1
+  V=()
+  for v in "no-host:--no-host" "cpu-strict:--cpu-strict 1" "prio2:--prio 2" "poll100:--poll 100"; do
+    V+=(--config "$(python3 scripts/device/plan-config.py "plan-${v%%:*}" "$O/plan-w1-12g.json" --add "${v#*:}")")
+  done
+  log "W1 12 GiB: plan / --fit / plan with --no-host, --cpu-strict 1, --prio 2, --poll 100; 3 rounds"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
+    --vram-budget 12GiB --configs plan,fit "${V[@]}" --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
+    --concurrency none --max-minutes "$mins" --out "$O/w1-12g-cpu" > "$O/w1-12g-cpu.log" 2>&1
   log "done"
   ;;
 *) echo "unknown phase $PHASE" >&2; exit 2 ;;

@@ -3,7 +3,9 @@
 --config`: ``NAME=[LLAMA_SERVER=PATH] [VAR=value ...] flags`` (the worker's flags without --host/--port/--alias,
 its environment (op-offload threshold, visible GPUs), and with --server its binary as this configuration's own llama-server).
 
-  python3 scripts/device/plan-config.py NAME PLAN.json [--server] [--worker N]
+  python3 scripts/device/plan-config.py NAME PLAN.json [--server] [--worker N] [--add 'FLAGS']
+
+--add appends llama-server flags (a variant of the plan: e.g. --add '--cpu-strict 1').
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ def main() -> None:
     ap.add_argument("plan_json")
     ap.add_argument("--server", action="store_true", help="run it on the plan's own llama-server binary")
     ap.add_argument("--worker", type=int, default=0)
+    ap.add_argument("--add", default="", help="llama-server flags appended to the plan's")
     a = ap.parse_args()
     with open(a.plan_json) as f:
         w = json.load(f)["workers"][a.worker]
@@ -34,7 +37,7 @@ def main() -> None:
     argv = w["argv"]
     assert argv[len(argv) - len(args):] == args, "the worker's argv does not end with its args"
     server = [f"LLAMA_SERVER={argv[len(argv) - len(args) - 1]}"] if a.server else []   # the word before the args
-    print(f"{a.name}=" + shlex.join(server + env + out))
+    print(f"{a.name}=" + shlex.join(server + env + out + shlex.split(a.add)))
 
 
 if __name__ == "__main__":
