@@ -43,11 +43,18 @@
 #   bash scripts/device/h200.sh o   # W1 12 GiB: where generation can still gain on the CPU side: plan / --fit /
 #                                   # plan --no-host (experts repacked for the CPU, no op offload) / --cpu-strict 1
 #                                   # / --prio 2 / --poll 100, 3 interleaved rounds
+#   bash scripts/device/h200.sh p   # W1 at 8 and 12 GiB: plan / --fit / plan again (A/A), 3 rounds each
+#   bash scripts/device/h200.sh q   # W1 8 GiB: plan / --fit / the plan's placement memory-mapped / --no-host
+#   (p and q ran as inline commands with exactly these lines on 2026-11-29)
+# Next session (one nvidia-h200):
+#   bash scripts/device/h200.sh r   # W1 8 GiB, why --fit generates 4-7% faster than the plan: the plan at -ub 512
+#                                   # (fit's), and the plan's 33 CPU expert layers moved to the back (15..47, as
+#                                   # --fit places them), 4 rounds; needs the build from n
 #
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o}
+PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | p | q | r}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -405,13 +412,44 @@ o)
   orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=12GiB --json > "$O/plan-w1-12g.json" 2>&1
   V=()
   for v in "no-host:--no-host" "cpu-strict:--cpu-strict 1" "prio2:--prio 2" "poll100:--poll 100"; do
-    V+=(--config "$(python3 scripts/device/plan-config.py "plan-${v%%:*}" "$O/plan-w1-12g.json" --add "${v#*:}")")
+    V+=(--config "$(python3 scripts/device/plan-config.py "plan-${v%%:*}" "$O/plan-w1-12g.json" --add="${v#*:}")")
   done
   log "W1 12 GiB: plan / --fit / plan with --no-host, --cpu-strict 1, --prio 2, --poll 100; 3 rounds"
   mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
   timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
     --vram-budget 12GiB --configs plan,fit "${V[@]}" --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
     --concurrency none --max-minutes "$mins" --out "$O/w1-12g-cpu" > "$O/w1-12g-cpu.log" 2>&1
+  log "done"
+  ;;
+p)
+  for b in 8 12; do
+    timeout 270 python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain --vram-budget ${b}GiB \
+      --configs plan,fit,control --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none \
+      --max-minutes 4.2 --out "$O/w1-${b}g-tg" > "$O/w1-${b}g-tg.log" 2>&1
+  done
+  ;;
+q)
+  orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=8GiB --json > "$O/plan-w1-8g.json"
+  A=$(python3 scripts/device/plan-config.py plan-mmap "$O/plan-w1-8g.json" --add="--load-mode mmap")
+  B=$(python3 scripts/device/plan-config.py plan-no-host "$O/plan-w1-8g.json" --add="--no-host")
+  timeout 400 python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain --vram-budget 8GiB \
+    --configs plan,fit --config "$A" --config "$B" --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
+    --concurrency none --max-minutes 6 --out "$O/w1-8g-mem" > "$O/w1-8g-mem.log" 2>&1
+  ;;
+r)
+  DEADLINE=$(( t0 + 560 ))
+  orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=8GiB --json > "$O/plan-w1-8g.json"
+  n=$(python3 -c "import json,re,sys; a=json.load(open(sys.argv[1]))['workers'][0]['args']; \
+print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|')))" "$O/plan-w1-8g.json")
+  back=$(python3 -c "import sys; n=int(sys.argv[1]); print('|'.join(str(i) for i in range(48 - n, 48)))" "$n")
+  A=$(python3 scripts/device/plan-config.py plan-ub512 "$O/plan-w1-8g.json" --replace=-ub=512)
+  B=$(python3 scripts/device/plan-config.py plan-back "$O/plan-w1-8g.json" \
+      --replace="-ot=blk\.($back)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU")
+  log "W1 8 GiB: plan / --fit / plan -ub 512 / plan with its $n CPU layers at the back, 4 rounds"
+  mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
+  timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
+    --vram-budget 8GiB --configs plan,fit --config "$A" --config "$B" --rounds 4 --pp 512 --pp-reps 1 --tg-depths 0 \
+    --tg-reps 3 --concurrency none --max-minutes "$mins" --out "$O/w1-8g-why" > "$O/w1-8g-why.log" 2>&1
   log "done"
   ;;
 *) echo "unknown phase $PHASE" >&2; exit 2 ;;
