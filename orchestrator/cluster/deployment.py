@@ -18,16 +18,15 @@ LOCAL = "local"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
-def gateway_processes(value: int | str | None, cpus: int | None = None) -> int:
-    """``gateway.processes``: a number as given; auto = one per 4 CPUs this process may use (the gateway runs on
-    the machine that runs ``up``), 1..4."""
-    import os
+def gateway_processes(value: int | str | None) -> int:
+    """``gateway.processes``: a number as given; auto = 1.
 
+    One event loop streams several thousand chunks a second (about 200 µs of CPU each, measured on the H200), more
+    than a GPU replica produces. Extra processes were measured to add latency there: four added 9.9 ms to the
+    first token at 16 streams, one 1.9-2.0 ms (docs/benchmarks.md). Set a number for many fast replicas."""
     if value not in (None, "auto"):
         return int(value)
-    cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                          else os.cpu_count() or 1)
-    return max(1, min(4, cpus // 4))
+    return 1
 
 
 @dataclass(frozen=True)

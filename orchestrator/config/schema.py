@@ -303,9 +303,9 @@ class GatewayConfig(Section):
     the key itself never goes in the topology. null: no key."""
 
     processes: AutoInt(1, 64) = AUTO
-    """Gateway processes sharing the port (SO_REUSEPORT; the kernel spreads connections over them), so a burst
-    of requests is not queued behind one Python event loop. Each balances by its own in-flight counts. auto: one
-    per 4 CPUs of the machine running `up`, at most 4."""
+    """Gateway processes sharing the port (SO_REUSEPORT; the kernel spreads connections over them), each
+    balancing by its own in-flight counts. More than one helps only when one event loop cannot keep up with
+    the replicas' streamed tokens (several thousand a second); on the H200 four processes added latency. auto: 1."""
 
 
 # -------------------------------------------------------------------------------------------------------- ray

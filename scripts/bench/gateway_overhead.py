@@ -230,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="layers of the generated model (without --model)")
     ap.add_argument("--ngl", default=None, help="-ngl for llama-server (GPU runs)")
     ap.add_argument("--gateway-processes", default="auto",
-                    help="--mode ray: gateway processes sharing the port (auto: as `up` decides, one per 4 CPUs, "
-                         "at most 4)")
+                    help="--mode ray: gateway processes sharing the port (auto: as `up` decides: 1)")
     ap.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
     a = ap.parse_args(argv)
 
