@@ -104,6 +104,7 @@ class WorkerSlot:
     error: str = ""
     reason: str = ""
     route_url: str = ""             # how the gateway reaches this worker's llama-server
+    adopt_offered: bool = False     # the first actor was given `up`'s early llama-server (if there is one)
 
 
 @dataclass
@@ -226,9 +227,13 @@ class Controller:
         except NodeMissing as e:
             self._actor_lost(slot, now, str(e), created=False)
             return
+        # the llama-server `up` started before Ray (workers.early_start) goes to the first actor only: its keeper
+        # stops it when that actor dies
+        adopt = None if (slot.adopt_offered or self.restarted) else self.dep.early.get(slot.spec.name)
+        slot.adopt_offered = True
         slot.handle = self.api.create_actor(
             self.worker_cls, slot.spec.to_dict(), self.policy.to_dict(), node.name, self.dep.log_dir,
-            self.dep.namespace, slot.ever_ready, node_id=node.node_id, resources=dict(slot.spec.resources),
+            self.dep.namespace, slot.ever_ready, adopt, node_id=node.node_id, resources=dict(slot.spec.resources),
             max_concurrency=4)
         slot.start_ref = self.api.submit(slot.handle, "start")
         slot.poll_ref = None

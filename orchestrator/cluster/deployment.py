@@ -100,6 +100,7 @@ class Deployment:
     metrics_export_port: int | None = None      # Prometheus endpoint of the embedded head (None: a free one)
     log_dir: str | None = None                  # llama-server logs on each node (None: <state_dir>/logs/<ns>)
     gateway_processes: int = 1                  # gateway actors sharing the port (SO_REUSEPORT)
+    early: Mapping[str, Mapping[str, str]] = field(default_factory=dict)   # worker -> `up`'s early llama-server
 
     def __post_init__(self) -> None:
         if not self.specs:
@@ -151,7 +152,7 @@ class Deployment:
             "dashboard_host": self.dashboard_host, "dashboard_port": self.dashboard_port,
             "namespace": self.namespace, "restart": self.restart.to_dict(), "plan_json": dict(self.plan_json),
             "ray_port": self.ray_port, "metrics_export_port": self.metrics_export_port, "log_dir": self.log_dir,
-            "gateway_processes": self.gateway_processes,
+            "gateway_processes": self.gateway_processes, "early": {k: dict(v) for k, v in self.early.items()},
         }
 
     @classmethod

@@ -281,6 +281,11 @@ def _breakdown(status: dict, head_s: float | None, t0_wall: float) -> str:
     for w in status.get("workers", []):
         if w.get("load_s") is None:
             continue
+        if w.get("adopted") and w.get("spawned_wall"):    # started by up before Ray: ready is seen once adopted
+            spawned = w["spawned_wall"] - t0_wall
+            loads.append(f"{w['name']} spawned by up at +{spawned:.1f}s, adopted healthy at "
+                         f"+{spawned + w['load_s']:.1f}s")
+            continue
         at = f"spawned at +{w['spawned_wall'] - t0_wall:.1f}s, " if w.get("spawned_wall") else ""
         loads.append(f"{w['name']} {at}loaded in {w['load_s']:.1f}s")
     return "; ".join(([f"Ray head {head_s:.1f}s"] if head_s is not None else [])
@@ -398,6 +403,11 @@ def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_d
             problems.append(str(e))
     res = _teardown(api, None, st, None)
     res.namespace = namespace
+    import shutil
+
+    from orchestrator.paths import state_dir
+
+    shutil.rmtree(state_dir() / "run" / namespace, ignore_errors=True)   # the keepers' hand-over files
     res.problems = problems + res.problems
     statemod.remove(namespace)
     for p in res.problems:

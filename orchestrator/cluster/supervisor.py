@@ -106,12 +106,23 @@ class Supervisor:
         self.next_start_at = 0.0
         self.health_detail = ""
         self.last_exit: int | None = None
+        self.adopted = False            # the running server was started before the actor (workers.early_start)
 
     # --- commands ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         if self.state in (IDLE, STOPPED):
             self.failures = 0
             self._spawn()
+
+    def adopt(self, proc: ProcessHandle, started_at: float, started_wall: float) -> None:
+        """Supervise a server that was started for this worker before it existed (see
+        :mod:`orchestrator.cluster.keeper`): as if :meth:`start` had spawned it at ``started_at``."""
+        if self.state in (IDLE, STOPPED):
+            self.failures = 0
+            self.proc, self.state, self.adopted = proc, STARTING, True
+            self.started_at, self.started_wall = started_at, started_wall
+            self.last_probe = -1e18
+            self.health_detail = "starting"
 
     def stop(self) -> int | None:
         code = self._kill()
@@ -179,6 +190,7 @@ class Supervisor:
     # --- internals -----------------------------------------------------------------------------------------------
     def _spawn(self) -> None:
         self.proc = None
+        self.adopted = False
         busy = self.port_check(self.spec.host, self.spec.port)
         if busy:                      # another server there would answer /health for ours
             self._failed_run(busy, spawn_error=True)
@@ -249,6 +261,7 @@ class Supervisor:
             "uptime_s": round(now - self.ready_at, 1) if self.state == READY else 0.0,
             "load_s": round(self.ready_at - self.started_at, 2) if self.state == READY else None,
             "spawned_wall": self.started_wall or None,
+            "adopted": self.adopted and running,
             "retry_in_s": round(max(0.0, self.next_start_at - now), 1) if self.state == BACKOFF else None,
             "log": str(self.log_path),
         }

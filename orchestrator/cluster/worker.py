@@ -35,12 +35,15 @@ def default_log_dir(namespace: str) -> Path:
 
 class WorkerActor:
     def __init__(self, spec: dict, policy: dict, node_name: str, log_dir: str | None, namespace: str,
-                 resumed: bool = False, sink: MetricsSink | None = None, launcher: Launcher | None = None,
+                 resumed: bool = False, adopt: dict | None = None, sink: MetricsSink | None = None,
+                 launcher: Launcher | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = LaunchSpec.from_dict(spec)
         self.policy = RestartPolicy.from_dict(policy)
         self.node_name = node_name
         self.resumed = resumed
+        self.adopt = adopt              # handed over by `up`: a llama-server it started early (keeper.py)
+        self.adopt_note = ""
         log_path = Path(log_dir) if log_dir else default_log_dir(namespace)
         self.log_path = log_path / f"{self.spec.name}.log"
         self.sup = Supervisor(self.spec, self.policy, launcher or LocalLauncher(drop_env=RAY_INJECTED_ENV),
@@ -79,7 +82,7 @@ class WorkerActor:
         snap.update({
             "node": self.node_name, "hostname": socket.gethostname(), "actor_pid": os.getpid(),
             "binding": describe_binding(self.spec.argv), "devices": describe_devices(self.spec.env, self.spec.argv),
-            "metrics": dict(self.sampler.last), "loop_error": self._loop_error,
+            "metrics": dict(self.sampler.last), "loop_error": self._loop_error, "adopt_note": self.adopt_note,
         })
         return snap
 
@@ -120,6 +123,16 @@ class WorkerActor:
             self.sampler.sample(state, now)
 
     def _first_start(self) -> None:
+        if self.adopt is not None:
+            from orchestrator.cluster.keeper import AdoptedHandle
+
+            handover, self.adopt = self.adopt, None
+            handle, why = AdoptedHandle.adopt(handover, self.spec, grace=self.policy.stop_timeout_s)
+            if handle is not None:
+                since = max(0.0, time.monotonic() - handle.started_monotonic)
+                self.sup.adopt(handle, self.clock() - since, handle.started_wall)
+                return
+            self.adopt_note = f"did not adopt the llama-server `up` started early ({why}); started its own"
         busy = port_busy(self.spec.host, self.spec.port)
         if busy and self.resumed:  # the previous actor's llama-server may still be going down
             deadline = time.monotonic() + self.policy.port_wait_s

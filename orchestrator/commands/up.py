@@ -76,11 +76,13 @@ def run(args: argparse.Namespace) -> int:
         if early is not None:   # SIGTERM/SIGHUP while planning: stop that head too, like Ctrl-C
             stop_signals = terminate_as_interrupt()
     prefetch = None
+    servers: list = []
     try:
         with stop_signals:
             res = resolve(topo)
             dep = deployment_from(res)
-            if res.topology.workers.prefetch and not res.topology.workers.warmup:
+            early_start = early is not None and res.topology.workers.early_start
+            if res.topology.workers.prefetch and not res.topology.workers.warmup and not early_start:
                 prefetch = start_prefetch(res)
             if res.topology.workers.warmup:
                 from orchestrator.launch.warmup import drop_caches, warm
@@ -95,18 +97,59 @@ def run(args: argparse.Namespace) -> int:
                 print(f"worker {w.name}: GPUs {','.join(map(str, w.gpus)) or 'none'}; predicted tg "
                       f"{w.predicted.tg:.1f} t/s", file=sys.stderr)
                 print(f"  {spec.shell_line()}", file=sys.stderr)
+            if early_start:
+                servers = start_early_servers(dep)
+                dep = dep.copy(early={s.spec.name: s.handover() for s in servers})
     except BaseException:
         if prefetch is not None:
             prefetch.stop()
+        stop_unadopted(servers, everything=True)
         if early is not None:
             early.abandon()
         raise
+    ok = False
     try:
         up(dep, foreground=not args.detach, ready_timeout=args.ready_timeout, early=early)
+        ok = True
     finally:
         if prefetch is not None:
             prefetch.stop()
+        stop_unadopted(servers, everything=not (ok and args.detach))   # the foreground up returns once stopped
     return 0
+
+
+def start_early_servers(dep) -> list:
+    """Start every worker's llama-server now, each under a keeper (orchestrator.cluster.keeper), so it loads while
+    Ray starts; the worker actors adopt them. A worker whose port is taken is left to its actor (which says so)."""
+    import sys
+
+    from orchestrator.cluster.keeper import EarlyServer
+    from orchestrator.cluster.runner import _log_dir
+    from orchestrator.cluster.supervisor import port_busy
+    from orchestrator.paths import state_dir
+
+    servers = []
+    logs = _log_dir(dep.log_dir, dep.namespace)
+    for spec in dep.specs:
+        if spec.node is not None or port_busy(spec.host, spec.port):
+            continue
+        servers.append(EarlyServer(spec, logs / f"{spec.name}.log", state_dir() / "run" / dep.namespace,
+                                   dep.restart.stop_timeout_s).start())
+        print(f"llama-server {spec.name}: starting now, while Ray starts (workers.early_start)", file=sys.stderr)
+    return servers
+
+
+def stop_unadopted(servers: list, everything: bool) -> None:
+    """After ``up``: stop the early servers no worker actor took over (all of them when ``up`` failed; the adopted
+    ones are then stopped by the teardown already, and their keepers end with their actors)."""
+    import sys
+
+    for s in servers:
+        if everything or not s.adopted():
+            if not everything:
+                print(f"llama-server {s.spec.name}: started early but not adopted by its worker; stopping it",
+                      file=sys.stderr)
+            s.stop()
 
 
 def start_prefetch(res):

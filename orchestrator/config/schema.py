@@ -258,6 +258,11 @@ class WorkersConfig(Section):
     where the pages must land where the workers read them (use warmup), and for a model larger than 80% of the
     available memory. Pages already cached cost nothing."""
 
+    early_start: Bool = True
+    """Start each llama-server as soon as the plan is made, while the embedded Ray head and the actors start, so
+    its load overlaps them; its worker actor then adopts it (a small keeper process holds it until then and stops
+    it if `up` or that actor dies). Only with `ray.address: local`; otherwise the worker actor starts it."""
+
     host: Host("an IP address or host name", nullable=True) = None
     """Address each llama-server listens on. null: 127.0.0.1 when the worker runs where the gateway runs,
     else the node's address."""

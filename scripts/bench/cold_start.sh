@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `up` to ready from a cold page cache, with and without workers.prefetch, against llama-server's own cold load.
+# `up` to ready from a cold page cache, with and without workers.prefetch (workers.early_start off: with it, up
+# starts llama-server itself while Ray starts and skips the prefetch), against llama-server's own cold load.
 # The model file is evicted from the page cache before every start (POSIX_FADV_DONTNEED, no root needed).
 #   bash scripts/bench/cold_start.sh TOPOLOGY MODEL.gguf [ROUNDS] [--set KEY=VALUE ...]
 set -uo pipefail
@@ -35,7 +36,7 @@ for r in $(seq 1 "$ROUNDS"); do
   for pf in false true; do
     evict
     t=$(date +%s.%N)
-    out=$(orch up "$TOPO" "${sets[@]}" --set "workers.prefetch=$pf" --detach 2>&1)
+    out=$(orch up "$TOPO" "${sets[@]}" --set "workers.prefetch=$pf" --set workers.early_start=false --detach 2>&1)
     rc=$?
     echo "round $r prefetch=$pf: up rc=$rc, ready after $(secs "$t") s -- $(grep -o 'ready in.*loaded in [0-9.]*s' <<< "$out" | head -1)"
     orch down > /dev/null 2>&1

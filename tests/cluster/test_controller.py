@@ -22,8 +22,9 @@ class Clock:
 
 class FakeWorker:
     def __init__(self, args, node_id) -> None:
-        spec, policy, node_name, log_dir, ns, resumed = args
+        spec, policy, node_name, log_dir, ns, resumed, adopt = args
         self.name, self.node_id, self.node_name, self.resumed = spec["name"], node_id, node_name, resumed
+        self.adopt = adopt
         self.state = "starting"
         self.pid = 1000
         self.dead = False
@@ -136,9 +137,9 @@ def spec(name, node=None, port=9000, alias="m", host=None):
                       resources={"GPU": 1} if node == "b" else {}, host=host)
 
 
-def make(specs, restarted=False, gateway_processes=1, **policy):
+def make(specs, restarted=False, gateway_processes=1, early=None, **policy):
     dep = Deployment(specs=tuple(specs), gateway_port=8080, plan_json={"workers": len(specs)},
-                     gateway_processes=gateway_processes,
+                     gateway_processes=gateway_processes, early=early or {},
                      restart=RestartPolicy(**{"backoff_initial_s": 1.0, "max_restarts": 2, **policy}))
     api, clock = FakeApi(NODES), Clock()
     c = Controller(dep, api, driver_node_id="id-a", clock=clock, worker_cls=FakeWorker, gateway_cls=FakeGateway,
@@ -284,6 +285,23 @@ def test_lost_worker_actor_is_recreated_with_backoff_and_marked_resumed():
     assert c.phase == READY
     st = {w["name"]: w for w in c.status()["workers"]}
     assert st["w0"]["restarts"] == 1 and st["w0"]["actor_restarts"] == 1
+
+
+def test_the_early_llama_server_goes_to_the_first_actor_only():
+    handover = {"state": "/run/w0.keeper.json", "owner": "/run/w0.owner.json"}
+    c, api, clock = make([spec("w0", port=9000), spec("w1", port=9001)], early={"w0": handover})
+    tick(c, clock)
+    ws = {w.name: w for w in workers(api)}
+    assert ws["w0"].adopt == handover and ws["w1"].adopt is None      # w1 had no early server
+    ws["w0"].state = ws["w1"].state = "ready"
+    tick(c, clock, 2)
+    ws["w0"].dead = True                 # its keeper stops the adopted server with it: nothing left to adopt
+    tick(c, clock, 6)
+    new = [w for w in workers(api) if w.name == "w0"][-1]
+    assert new is not ws["w0"] and new.adopt is None
+    restarted, api2, clock2 = make([spec("w0", port=9000)], restarted=True, early={"w0": handover})
+    tick(restarted, clock2)
+    assert workers(api2)[0].adopt is None                 # a restarted controller: the first actor is long gone
 
 
 def test_lost_worker_actors_give_up_after_the_bound():

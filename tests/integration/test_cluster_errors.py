@@ -273,6 +273,7 @@ def test_cli_up_reads_the_model_ahead_while_ray_starts_and_can_be_told_not_to(is
         gw_port = S.free_port()
         topo = tmp_path / f"p-{prefetch}.yaml"
         topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  prefetch: {prefetch}\n"
+                        "  early_start: false\n"
                         f"gateway:\n  port: {gw_port}\nray:\n  address: local\n  dashboard_port: {S.free_port()}\n"
                         f"  namespace: prefetch-{prefetch}\n")
         res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
@@ -285,3 +286,81 @@ def test_cli_up_reads_the_model_ahead_while_ray_starts_and_can_be_told_not_to(is
         finally:
             subprocess.run([sys.executable, "-m", "orchestrator", "down", "-n", f"prefetch-{prefetch}"], env=env,
                            capture_output=True, text=True, timeout=180)
+
+
+def _ours(pattern: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if str(pattern) in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _status(env, ns):
+    res = subprocess.run([sys.executable, "-m", "orchestrator", "status", "-n", ns, "--json"], env=env,
+                         capture_output=True, text=True, timeout=60)      # exit 1 while a worker is not ready
+    assert res.stdout.strip(), res.stderr
+    return {w["name"]: w for w in json.loads(res.stdout)["workers"]}
+
+
+@pytest.mark.slow
+def test_cli_up_starts_llama_server_while_ray_starts_and_the_worker_adopts_it(iso, tmp_path):
+    """workers.early_start (the default with an embedded head): `up` starts llama-server before Ray is up, under a
+    keeper; the worker actor adopts it (status says so). kill -9 of that server: the worker restarts its own,
+    with the cause. `down`: no llama-server and no keeper left."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
+    gw_port = S.free_port()
+    topo = tmp_path / "early.yaml"
+    topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
+                    f"gateway:\n  port: {gw_port}\nray:\n  address: local\n  dashboard_port: {S.free_port()}\n"
+                    "  namespace: early-cli\n")
+    res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
+                         capture_output=True, text=True, timeout=240)
+    try:
+        assert res.returncode == 0, res.stderr
+        assert "starting now, while Ray starts (workers.early_start)" in res.stderr
+        assert "spawned by up at +" in res.stderr and "adopted healthy at +" in res.stderr, res.stderr
+        (name, w), = _status(env, "early-cli").items()
+        assert w["state"] == "ready" and w["adopted"] is True
+        server = psutil.Process(w["pid"])
+        assert "orchestrator.cluster.keeper" in " ".join(server.parent().cmdline())
+        with urllib.request.urlopen(f"http://127.0.0.1:{gw_port}/v1/models", timeout=10) as r:
+            assert r.status == 200
+        server.kill()                                             # kill -9 of the adopted llama-server
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            w = _status(env, "early-cli")[name]
+            if w["state"] == "ready" and w["pid"] != server.pid:
+                break
+            time.sleep(0.5)
+        assert w["state"] == "ready" and w["restarts"] == 1 and "SIGKILL" in w["last_error"], w
+        assert w["adopted"] is False
+        assert psutil.Process(w["pid"]).parent().name().startswith("ray::WorkerActor")
+    finally:
+        down = subprocess.run([sys.executable, "-m", "orchestrator", "down", "-n", "early-cli"], env=env,
+                              capture_output=True, text=True, timeout=180)
+    assert down.returncode == 0, down.stderr
+    assert _ours("orchestrator.cluster.keeper") == []
+    assert [p for p in _ours(iso["model"]) if p.name() == "llama-server"] == []
+
+
+@pytest.mark.slow
+def test_cli_up_failing_after_the_early_start_stops_that_llama_server(iso, tmp_path):
+    """The early llama-server is already loading when `up` fails (here: the API key variable is unset): exit 1
+    with the one-line reason, and neither the server nor its keeper is left."""
+    env = {k: v for k, v in os.environ.items() if k != "ORCH_TEST_NO_SUCH_KEY"}
+    env.update({"PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]})
+    topo = tmp_path / "fail.yaml"
+    topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
+                    f"gateway:\n  port: {S.free_port()}\n  api_key_env: ORCH_TEST_NO_SUCH_KEY\n"
+                    f"ray:\n  address: local\n  dashboard_port: {S.free_port()}\n  namespace: early-fail\n")
+    res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode != 0
+    assert "starting now, while Ray starts" in res.stderr
+    assert "ORCH_TEST_NO_SUCH_KEY is not set" in res.stderr and "Traceback" not in res.stderr
+    assert _ours("orchestrator.cluster.keeper") == []
+    assert [p for p in _ours(iso["model"]) if p.name() == "llama-server"] == []
