@@ -13,25 +13,7 @@ secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]
 plan=$(mktemp)
 orch plan "$TOPO" "${sets[@]}" --json > "$plan" || exit 1
 evict
-python3 - "$plan" <<'PY'
-import json, os, subprocess, sys, time, urllib.request
-w = json.load(open(sys.argv[1]))["workers"][0]
-t0 = time.monotonic()
-p = subprocess.Popen(w["argv"], env={**os.environ, **w["env"]}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)
-while True:
-    try:
-        if urllib.request.urlopen(f"http://{w['host']}:{w['port']}/health", timeout=2).status == 200:
-            break
-    except Exception:
-        pass
-    if p.poll() is not None:
-        sys.exit(f"llama-server exited {p.returncode}")
-    time.sleep(0.1)
-print(f"llama-server alone, cold: {time.monotonic() - t0:.1f} s to /health")
-os.killpg(p.pid, 15)
-p.wait(timeout=60)
-PY
+python3 scripts/bench/direct_load.py "$plan" --label ", cold" || exit 1
 for r in $(seq 1 "$ROUNDS"); do
   for pf in false true; do
     evict

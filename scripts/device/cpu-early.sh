@@ -3,14 +3,7 @@
 # carried in .devcpu/ (see cpu-up.sh) and a 12-layer Qwen3-30B-A3B-shaped model read with --no-mmap (a load of
 # seconds). carry [".devbundle", ".devcpu"]; ends itself after ${1:-240} s.
 set -uo pipefail
-source .devbundle/on-device.sh .devbundle >/dev/null
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ORCHESTRATOR_CACHE=/root/.cache/orchestrator
-O=${OUT:-/tmp}/early
-mkdir -p "$O" models /root/bin
-t0=$(date +%s); log() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-xz -dc .devcpu/llama-server.xz > /root/bin/llama-server && chmod +x /root/bin/llama-server
-export LLAMA_SERVER=/root/bin/llama-server
-( time python3 -m compileall -q -j 16 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1; log "bytecode"
+source scripts/device/cpu-setup.sh early
 python3 -m orchestrator synth-model models/q30-12l.gguf --like qwen3-30b-a3b --layers 12 > "$O/synth.log" 2>&1
 log "model rc=$?"
 timeout $(( ${1:-240} - $(date +%s) + t0 )) bash scripts/bench/up_ready.sh topologies/demo.yaml models/q30-12l.gguf 3 \

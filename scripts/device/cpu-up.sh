@@ -5,14 +5,7 @@
 #   mkdir -p .devcpu && xz -c ~/.cache/orchestrator/llama.cpp/mainline-cpu-*/bin/llama-server > .devcpu/llama-server.xz
 #   bash scripts/device/cpu-up.sh          # on the device
 set -uo pipefail
-source .devbundle/on-device.sh .devbundle >/dev/null
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 ORCHESTRATOR_CACHE=/root/.cache/orchestrator
-O=${OUT:-/tmp}/cpu
-mkdir -p "$O" models /root/bin
-t0=$(date +%s); log() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-xz -dc .devcpu/llama-server.xz > /root/bin/llama-server && chmod +x /root/bin/llama-server
-export LLAMA_SERVER=/root/bin/llama-server
-( time python3 -m compileall -q -j 8 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1; log "bytecode"
+source scripts/device/cpu-setup.sh cpu
 python3 -m orchestrator synth-model models/demo-moe.gguf --like qwen3-30b-a3b --scale 0.125 --quant q8_0 \
   > "$O/synth.log" 2>&1; log "demo model rc=$?"
 for run in 1 2; do
