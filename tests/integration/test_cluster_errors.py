@@ -364,3 +364,31 @@ def test_cli_up_failing_after_the_early_start_stops_that_llama_server(iso, tmp_p
     assert "ORCH_TEST_NO_SUCH_KEY is not set" in res.stderr and "Traceback" not in res.stderr
     assert _ours("orchestrator.cluster.keeper") == []
     assert [p for p in _ours(iso["model"]) if p.name() == "llama-server"] == []
+
+
+@pytest.mark.slow
+def test_cli_up_interrupted_before_the_handover_stops_the_early_llama_server(iso, tmp_path):
+    """SIGTERM to `up` while the early llama-server loads and Ray still starts: exit 130, and neither that server,
+    its keeper nor the Ray head is left."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
+    topo = tmp_path / "int.yaml"
+    topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
+                    f"gateway:\n  port: {S.free_port()}\nray:\n  address: local\n  dashboard_port: {S.free_port()}\n"
+                    "  namespace: early-int\n")
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(topo)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if "while Ray starts" in line:
+            break
+    time.sleep(1.0)
+    assert _ours("orchestrator.cluster.keeper"), "".join(seen)     # it is running now, before any actor
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=180)
+    assert p.returncode == 130, "".join(seen) + out
+    assert "Traceback" not in out
+    assert _ours("orchestrator.cluster.keeper") == []
+    assert [q for q in _ours(iso["model"]) if q.name() == "llama-server"] == []
+    state = Path(os.environ["ORCHESTRATOR_STATE"]) / "cluster" / "early-int.json"
+    assert not state.exists()
