@@ -35,7 +35,7 @@ from pathlib import Path
 
 from orchestrator.launch.spec import LaunchSpec
 
-POLL_S = 0.1
+POLL_S = 0.25         # owner and server checks: about 0.3% of a core
 
 
 def _write_json(path: Path, data: dict) -> None:
