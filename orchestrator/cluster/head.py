@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from orchestrator.errors import ClusterError
 
@@ -95,8 +96,11 @@ def _log_cause(path: Path) -> str:
 
 
 def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, dashboard_port: int,
-               metrics_port: int | None, log_dir: Path, timeout: float = 120.0) -> HeadInfo:
-    """Start the head and wait until its GCS answers; ClusterError with Ray's own reason when it does not."""
+               metrics_port: int | None, log_dir: Path, timeout: float = 120.0,
+               on_spawn: Callable[[HeadInfo], None] | None = None) -> HeadInfo:
+    """Start the head and wait until its GCS answers; ClusterError with Ray's own reason when it does not.
+    ``on_spawn`` is called with the head's identity as soon as its process exists (to record it, so that a
+    ``down`` finds it even if the caller dies while the head is still starting)."""
     import psutil
 
     host = "127.0.0.1"
@@ -131,19 +135,27 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
     info = HeadInfo(pid=p.pid, create_time=create_time, address=f"{host}:{gcs_port}", temp_dir=temp_dir,
                     log_path=str(log_path), dashboard_url=f"http://{dashboard_host}:{dashboard_port}",
                     metrics_port=metrics_port, auth_mode=mode)
+    if on_spawn is not None:
+        try:
+            on_spawn(info)
+        except BaseException:
+            stop_head(info.pid, info.create_time, temp_dir)
+            raise
     deadline = time.monotonic() + timeout
-    while True:
-        code = p.poll()
-        if code is not None:
-            stop_head(info.pid, info.create_time, temp_dir)
-            raise ClusterError(f"ray: the embedded Ray head exited ({code}) while starting: {_log_cause(log_path)} "
-                               f"(log: {log_path})")
-        if _started(log_path) and _connects(host, gcs_port):
-            return info
-        if time.monotonic() > deadline:
-            stop_head(info.pid, info.create_time, temp_dir)
-            raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path})")
-        time.sleep(0.25)
+    try:
+        while True:
+            code = p.poll()
+            if code is not None:
+                raise ClusterError(f"ray: the embedded Ray head exited ({code}) while starting: "
+                                   f"{_log_cause(log_path)} (log: {log_path})")
+            if _started(log_path) and _connects(host, gcs_port):
+                return info
+            if time.monotonic() > deadline:
+                raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path})")
+            time.sleep(0.25)
+    except BaseException:       # failed, or Ctrl-C while it starts: nothing of it stays
+        stop_head(info.pid, info.create_time, temp_dir)
+        raise
 
 
 def _started(log_path: Path) -> bool:

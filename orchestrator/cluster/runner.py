@@ -113,15 +113,17 @@ class EarlyHead:
         self._thread.start()
 
     def _run(self, kw: dict, gateway_url: str) -> None:
-        try:
-            info = headmod.start_head(**kw)
-            self.info = info
+        def record(info: headmod.HeadInfo) -> None:
             statemod.write(statemod.ClusterState(
                 namespace=self.namespace, ray_address=info.address, embedded=True, up_pid=os.getpid(),
                 started_at=time.time(), head_pid=info.pid, head_create_time=info.create_time,
                 head_temp_dir=info.temp_dir, head_log=info.log_path, dashboard_url=info.dashboard_url,
                 metrics_url=f"http://127.0.0.1:{info.metrics_port}/metrics", auth_mode=info.auth_mode,
                 gateway_url=gateway_url))
+
+        try:
+            # recorded as soon as the head's process exists: a `down` after this process died finds it
+            self.info = headmod.start_head(**kw, on_spawn=record)
         except BaseException as e:  # handed to up(), which raises it
             self.error = e
         finally:
@@ -217,9 +219,14 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
         elif dep.embedded:
             node_name = _embedded_node_name(dep)
             say(f"starting the Ray head (dashboard on {dep.dashboard_host}:{dep.dashboard_port}) ...")
+            def record(info: headmod.HeadInfo) -> None:    # as soon as it exists: `down` finds it if up dies
+                st.ray_address, st.head_pid, st.head_create_time = info.address, info.pid, info.create_time
+                st.head_temp_dir, st.head_log, st.auth_mode = info.temp_dir, info.log_path, info.auth_mode
+                statemod.write(st)
+
             head = headmod.start_head(node_name=node_name, gcs_port=dep.ray_port, dashboard_host=dep.dashboard_host,
                                       dashboard_port=dep.dashboard_port, metrics_port=dep.metrics_export_port,
-                                      log_dir=_log_dir(dep.log_dir, dep.namespace))
+                                      log_dir=_log_dir(dep.log_dir, dep.namespace), on_spawn=record)
         if dep.embedded:
             st.ray_address, st.head_pid, st.head_create_time = head.address, head.pid, head.create_time
             st.head_temp_dir, st.head_log, st.auth_mode = head.temp_dir, head.log_path, head.auth_mode
@@ -251,7 +258,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
             say("interrupted: stopping everything up started ...")
         if head is None and early is not None and early.taken:
             early.taken = False          # interrupted while waiting for it: the wrapper's abandon() stops it
-        _teardown(api, ctrl, st if head is not None else None, dep)
+        _teardown(api, ctrl, st if (head is not None or st.head_pid) else None, dep)
         statemod.remove(ns)
         raise
     took = time.monotonic() - t0

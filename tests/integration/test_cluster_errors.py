@@ -392,3 +392,45 @@ def test_cli_up_interrupted_before_the_handover_stops_the_early_llama_server(iso
     assert [q for q in _ours(iso["model"]) if q.name() == "llama-server"] == []
     state = Path(os.environ["ORCHESTRATOR_STATE"]) / "cluster" / "early-int.json"
     assert not state.exists()
+
+
+@pytest.mark.slow
+def test_up_killed_while_the_head_starts_leaves_what_down_can_clean_up(iso, tmp_path):
+    """kill -9 of `up` while its Ray head is still starting (its GCS runs, `ray start` has not finished): the early
+    llama-server stops with its owner (the keeper sees `up` gone), and the head, recorded as soon as its process
+    existed, is stopped by `down` with every process it had. (Recorded only once started, it was left running.)"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
+    dash = S.free_port()
+    topo = tmp_path / "kill.yaml"
+    topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
+                    f"gateway:\n  port: {S.free_port()}\nray:\n  address: local\n  dashboard_port: {dash}\n"
+                    "  namespace: early-kill\n")
+    state = Path(os.environ["ORCHESTRATOR_STATE"]) / "cluster" / "early-kill.json"
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(topo)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def gcs_of_our_head():
+        for q in _ours("--dashboard-port"):
+            cmd = q.cmdline()
+            if str(dash) in cmd and "--temp-dir" in cmd:
+                temp = cmd[cmd.index("--temp-dir") + 1]
+                return temp if any("gcs_server" in " ".join(r.cmdline()) for r in S.ray_processes_of(temp)) else None
+        return None
+
+    try:
+        temp = S.wait_for(gcs_of_our_head, timeout=60, interval=0.05)
+        p.kill()                                   # while `ray start` still brings up the rest
+        p.wait()
+        assert state.exists(), "the head was not recorded while it started"
+        assert json.loads(state.read_text())["head_temp_dir"] == temp
+        deadline = time.monotonic() + 10
+        while _ours("orchestrator.cluster.keeper") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ours("orchestrator.cluster.keeper") == []
+        assert [q for q in _ours(iso["model"]) if q.name() == "llama-server"] == []
+    finally:
+        p.kill()
+        res = subprocess.run([sys.executable, "-m", "orchestrator", "down", "-n", "early-kill"], env=env,
+                             capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert S.ray_processes_of(temp) == [] and not state.exists()
