@@ -8,6 +8,15 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pythonpath_with_package(current: str | None = None) -> str:
+    """A PYTHONPATH that starts with the folder holding this orchestrator package, so a child process (Ray's
+    workers, the keeper, a probe, the ballast) imports this very copy, installed or not; ``current`` (default:
+    this process's PYTHONPATH) follows, without that folder again."""
+    root = str(REPO_ROOT)
+    cur = os.environ.get("PYTHONPATH", "") if current is None else current
+    return os.pathsep.join([root] + [p for p in cur.split(os.pathsep) if p and p != root])
+
+
 def cache_dir() -> Path:
     """``$ORCHESTRATOR_CACHE`` or ``$XDG_CACHE_HOME/orchestrator`` or ``~/.cache/orchestrator``."""
     env = os.environ.get("ORCHESTRATOR_CACHE")

@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from orchestrator.errors import HardwareError
@@ -284,12 +283,6 @@ def child_main(argv: Sequence[str] | None = None) -> int:
 
 # --- the parent side -------------------------------------------------------------------------------------------
 
-def _package_root() -> str:
-    import orchestrator
-
-    return str(Path(orchestrator.__file__).resolve().parent.parent)
-
-
 class VramBallast:
     """Holds ballast on ``gpus`` (machine indexes; default all) so that ``budget`` bytes stay free on each."""
 
@@ -321,8 +314,9 @@ class VramBallast:
 
     def start(self) -> "VramBallast":
         gpus = self._resolve_gpus()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [_package_root()] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        from orchestrator.paths import pythonpath_with_package
+
+        env = {**os.environ, "PYTHONPATH": pythonpath_with_package()}
         env.pop("CUDA_VISIBLE_DEVICES", None)     # GPUs are named by NVML index / PCI bus id: all must be visible
         try:
             for g in gpus:

@@ -123,9 +123,9 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
             "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
             "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port())]
     # Ray workers (our actors) must import this very orchestrator, installed or not
-    pkg_parent = str(Path(__file__).resolve().parents[2])
-    pypath = [pkg_parent] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != pkg_parent]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(pypath), RAY_AUTH_MODE=mode, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+    from orchestrator.paths import pythonpath_with_package
+
+    env = dict(os.environ, PYTHONPATH=pythonpath_with_package(), RAY_AUTH_MODE=mode, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
                RAY_metrics_report_interval_ms=os.environ.get("RAY_metrics_report_interval_ms", "5000"))
     with open(log_path, "wb") as log:  # one head per namespace: this run's log only
         p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -31,7 +31,7 @@ from typing import Callable
 
 from orchestrator.errors import HardwareError
 from orchestrator.hardware.topology import Bandwidth, FrozenMap, Machine
-from orchestrator.paths import REPO_ROOT, cache_dir, native_dir
+from orchestrator.paths import cache_dir, native_dir, pythonpath_with_package
 from orchestrator.units import format_cpulist
 
 PROBE_VERSION = 1
@@ -372,7 +372,7 @@ def _probe_gpus(m: Machine, nbytes: int, reps: int, backend: str, alloc: str, re
             return False, msgs + ["GPUs present but neither nvcc nor libcudart was found: GPU bandwidth not "
                                   "measured (install the CUDA toolkit or `pip install nvidia-cuda-runtime-cu12`)"]
         argv = [sys.executable, "-m", "orchestrator.hardware.cudart_probe", *args]
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = pythonpath_with_package(env.get("PYTHONPATH", ""))
         backends["gpu"] = "cudart_probe (ctypes)"
     if argv is None:
         return False, msgs + [f"GPU probe backend {backend!r} is not available here"]
