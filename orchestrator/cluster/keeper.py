@@ -30,10 +30,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.launch.spec import LaunchSpec
+from orchestrator.paths import pythonpath_with_package
 
 POLL_S = 0.25         # owner and server checks: about 0.3% of a core
 
@@ -78,29 +78,19 @@ def alive(ident: dict | None) -> bool:
 # --- the keeper process ------------------------------------------------------------------------------------------
 
 def keep(spec: LaunchSpec, log_path: Path, state_path: Path, owner_path: Path, grace: float) -> int:
-    from orchestrator.cluster.procs import GUARD, RAY_INJECTED_ENV, resolve_executable
+    from orchestrator.cluster.procs import RAY_INJECTED_ENV, LocalLauncher
     from orchestrator.errors import LaunchError
-    from orchestrator.launch.process import start
-    from orchestrator.launch.wrappers import localize_argv
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
-    me = process_identity(os.getpid())
-    state = {"keeper": me, "name": spec.name, "argv": list(spec.argv), "log": str(log_path), "grace": grace}
-    argv = localize_argv(spec.argv)
-    env = {k: v for k, v in os.environ.items() if k not in RAY_INJECTED_ENV}
-    env.update(spec.env)
-    if resolve_executable(argv[0], env) is None:            # as the worker actor's own launcher says it
-        _write_json(state_path, {**state, "error": f"cannot run {argv[0]!r}: not found or not executable"})
-        return 1
-    run = replace(spec, argv=(sys.executable, "-I", "-S", "-c", GUARD, str(os.getpid()), *argv))
-    try:
-        wp = start(run, log_path, drop_env=RAY_INJECTED_ENV, check_port=False, cwd=log_path.parent)
+    state = {"keeper": process_identity(os.getpid()), "name": spec.name, "argv": list(spec.argv),
+             "log": str(log_path), "grace": grace}
+    try:    # exactly as a worker actor starts it; the exec guard TERMs it when this keeper dies
+        wp = LocalLauncher(drop_env=RAY_INJECTED_ENV).start(spec, log_path).wp
     except LaunchError as e:
         _write_json(state_path, {**state, "error": str(e)})
         return 1
-    wp.argv = tuple(argv)
     state.update({"pid": wp.pid, "log_offset": wp.log_offset, "started_wall": time.time(),
                   "started_monotonic": time.monotonic(), "exit": None})
     _write_json(state_path, state)
@@ -158,7 +148,7 @@ class EarlyServer:
                 [sys.executable, "-m", "orchestrator.cluster.keeper", json.dumps(self.spec.to_dict()),
                  str(self.log_path), str(self.state_path), str(self.owner_path), str(self.grace)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                close_fds=True, env=_keeper_env())
+                close_fds=True, env={**os.environ, "PYTHONPATH": pythonpath_with_package()})
         # reap the keeper as soon as it exits (this process is its parent while `up` runs in the foreground)
         threading.Thread(target=self.popen.wait, name=f"reap-{self.spec.name}", daemon=True).start()
         return self
@@ -189,13 +179,6 @@ class EarlyServer:
                 from orchestrator.launch.process import _killpg
 
                 _killpg(int(st["pid"]), signal.SIGKILL)
-
-
-def _keeper_env() -> dict:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])     # this checkout first, as the actors import it
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 # --- the worker actor's side ---------------------------------------------------------------------------------

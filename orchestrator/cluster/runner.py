@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -210,6 +211,13 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
     ctrl = None
     head = None
     head_s = None
+
+    def record(info: headmod.HeadInfo) -> None:     # the embedded head, in the state file for `down`
+        st.ray_address, st.head_pid, st.head_create_time = info.address, info.pid, info.create_time
+        st.head_temp_dir, st.head_log, st.auth_mode = info.temp_dir, info.log_path, info.auth_mode
+        st.dashboard_url, st.metrics_url = info.dashboard_url, f"http://127.0.0.1:{info.metrics_port}/metrics"
+        statemod.write(st)
+
     try:
         if dep.embedded and early is not None:
             say(f"waiting for the Ray head started during planning (dashboard on {dep.dashboard_host}:"
@@ -219,20 +227,13 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
         elif dep.embedded:
             node_name = _embedded_node_name(dep)
             say(f"starting the Ray head (dashboard on {dep.dashboard_host}:{dep.dashboard_port}) ...")
-            def record(info: headmod.HeadInfo) -> None:    # as soon as it exists: `down` finds it if up dies
-                st.ray_address, st.head_pid, st.head_create_time = info.address, info.pid, info.create_time
-                st.head_temp_dir, st.head_log, st.auth_mode = info.temp_dir, info.log_path, info.auth_mode
-                statemod.write(st)
-
+            # recorded as soon as its process exists: `down` finds it even if this process dies while it starts
             head = headmod.start_head(node_name=node_name, gcs_port=dep.ray_port, dashboard_host=dep.dashboard_host,
                                       dashboard_port=dep.dashboard_port, metrics_port=dep.metrics_export_port,
                                       log_dir=_log_dir(dep.log_dir, dep.namespace), on_spawn=record)
         if dep.embedded:
-            st.ray_address, st.head_pid, st.head_create_time = head.address, head.pid, head.create_time
-            st.head_temp_dir, st.head_log, st.auth_mode = head.temp_dir, head.log_path, head.auth_mode
-            st.dashboard_url, st.metrics_url = head.dashboard_url, f"http://127.0.0.1:{head.metrics_port}/metrics"
             os.environ.setdefault("RAY_AUTH_MODE", head.auth_mode)
-            statemod.write(st)
+            record(head)
             head_s = time.monotonic() - t0
         api = RayApi.connect(st.ray_address, ns)
         if not dep.embedded:
@@ -410,8 +411,6 @@ def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_d
             problems.append(str(e))
     res = _teardown(api, None, st, None)
     res.namespace = namespace
-    import shutil
-
     from orchestrator.paths import state_dir
 
     shutil.rmtree(state_dir() / "run" / namespace, ignore_errors=True)   # the keepers' hand-over files
