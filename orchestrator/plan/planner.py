@@ -164,7 +164,6 @@ def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor
 def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine,
               flavor="mainline"):
     """Place the model for micro-batch ``ub`` and predict its speed."""
-    n_ctx = req.context
     overhead = M.cuda_overhead(model, ub)
 
     def budgets_for(staging: int) -> tuple[list[GpuBudget], tuple[int, ...]]:

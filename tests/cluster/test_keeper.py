@@ -11,7 +11,6 @@ with real processes: a stand-in server (a Python process) under a real keeper pr
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

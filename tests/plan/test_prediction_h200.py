@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from planfixtures import backend, shape_model, with_gpu_free
+from planfixtures import backend, with_gpu_free
 
 from orchestrator.hardware.dump import load_machine
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
