@@ -288,6 +288,16 @@ def test_cli_up_reads_the_model_ahead_while_ray_starts_and_can_be_told_not_to(is
                            capture_output=True, text=True, timeout=180)
 
 
+def _one_worker_topology(iso, path: Path, namespace: str, gateway_port: int | None = None,
+                         dashboard_port: int | None = None, gateway_extra: str = "") -> Path:
+    """A topology file: the tiny model, one CPU replica, an embedded head, free ports (the CLI tests' deployment)."""
+    path.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
+                    f"gateway:\n  port: {gateway_port or S.free_port()}\n{gateway_extra}"
+                    f"ray:\n  address: local\n  dashboard_port: {dashboard_port or S.free_port()}\n"
+                    f"  namespace: {namespace}\n")
+    return path
+
+
 def _ours(pattern: str) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
@@ -313,10 +323,7 @@ def test_cli_up_starts_llama_server_while_ray_starts_and_the_worker_adopts_it(is
     with the cause. `down`: no llama-server and no keeper left."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
     gw_port = S.free_port()
-    topo = tmp_path / "early.yaml"
-    topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
-                    f"gateway:\n  port: {gw_port}\nray:\n  address: local\n  dashboard_port: {S.free_port()}\n"
-                    "  namespace: early-cli\n")
+    topo = _one_worker_topology(iso, tmp_path / "early.yaml", "early-cli", gateway_port=gw_port)
     res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
                          capture_output=True, text=True, timeout=240)
     try:
@@ -353,10 +360,8 @@ def test_cli_up_failing_after_the_early_start_stops_that_llama_server(iso, tmp_p
     with the one-line reason, and neither the server nor its keeper is left."""
     env = {k: v for k, v in os.environ.items() if k != "ORCH_TEST_NO_SUCH_KEY"}
     env.update({"PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]})
-    topo = tmp_path / "fail.yaml"
-    topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
-                    f"gateway:\n  port: {S.free_port()}\n  api_key_env: ORCH_TEST_NO_SUCH_KEY\n"
-                    f"ray:\n  address: local\n  dashboard_port: {S.free_port()}\n  namespace: early-fail\n")
+    topo = _one_worker_topology(iso, tmp_path / "fail.yaml", "early-fail",
+                                gateway_extra="  api_key_env: ORCH_TEST_NO_SUCH_KEY\n")
     res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
                          capture_output=True, text=True, timeout=240)
     assert res.returncode != 0
@@ -371,10 +376,7 @@ def test_cli_up_interrupted_before_the_handover_stops_the_early_llama_server(iso
     """SIGTERM to `up` while the early llama-server loads and Ray still starts: exit 130, and neither that server,
     its keeper nor the Ray head is left."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
-    topo = tmp_path / "int.yaml"
-    topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
-                    f"gateway:\n  port: {S.free_port()}\nray:\n  address: local\n  dashboard_port: {S.free_port()}\n"
-                    "  namespace: early-int\n")
+    topo = _one_worker_topology(iso, tmp_path / "int.yaml", "early-int")
     p = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(topo)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []
@@ -401,10 +403,7 @@ def test_up_killed_while_the_head_starts_leaves_what_down_can_clean_up(iso, tmp_
     existed, is stopped by `down` with every process it had. (Recorded only once started, it was left running.)"""
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
     dash = S.free_port()
-    topo = tmp_path / "kill.yaml"
-    topo.write_text(f"model:\n  path: {iso['model']}\n  context: 1024\nworkers:\n  replicas: 1\n"
-                    f"gateway:\n  port: {S.free_port()}\nray:\n  address: local\n  dashboard_port: {dash}\n"
-                    "  namespace: early-kill\n")
+    topo = _one_worker_topology(iso, tmp_path / "kill.yaml", "early-kill", dashboard_port=dash)
     state = Path(os.environ["ORCHESTRATOR_STATE"]) / "cluster" / "early-kill.json"
     p = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(topo)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
