@@ -49,12 +49,17 @@
 # Next session (one nvidia-h200):
 #   bash scripts/device/h200.sh r   # W1 8 GiB, why --fit generates 4-7% faster than the plan: the plan at -ub 512
 #                                   # (fit's), and the plan's 33 CPU expert layers moved to the back (15..47, as
-#                                   # --fit places them), 4 rounds; needs the build from n
+#                                   # --fit places them), 4 rounds; needs the build from n (or s); `r 12`: at 12 GiB
+#
+# The fifth session (2026-11-29, late night), one nvidia-h200, commands back to back:
+#   bash scripts/device/h200.sh s   # build + W1 model; `up` proof with the early start (default) on the CUDA build;
+#                                   # gateway overhead with the default (1 gateway process), then 4 if time is left
+#   bash scripts/device/h200.sh r   # as above; then `r 12` with what is left
 #
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
 set -uo pipefail
-PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | p | q | r}
+PHASE=${1:?phase: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | p | q | r | s}
 W=/root/work
 M=$W/models
 O=$W/out/$PHASE
@@ -437,19 +442,37 @@ q)
     --concurrency none --max-minutes 6 --out "$O/w1-8g-mem" > "$O/w1-8g-mem.log" 2>&1
   ;;
 r)
-  DEADLINE=$(( t0 + 560 ))
-  orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=8GiB --json > "$O/plan-w1-8g.json"
+  GIB=${2:-8}
+  DEADLINE=$(( t0 + ${R_SECONDS:-560} ))
+  O=$O/${GIB}g; mkdir -p "$O"
+  orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=${GIB}GiB --json > "$O/plan-w1.json"
   n=$(python3 -c "import json,re,sys; a=json.load(open(sys.argv[1]))['workers'][0]['args']; \
-print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|')))" "$O/plan-w1-8g.json")
+print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|')))" "$O/plan-w1.json")
   back=$(python3 -c "import sys; n=int(sys.argv[1]); print('|'.join(str(i) for i in range(48 - n, 48)))" "$n")
-  A=$(python3 scripts/device/plan-config.py plan-ub512 "$O/plan-w1-8g.json" --replace=-ub=512)
-  B=$(python3 scripts/device/plan-config.py plan-back "$O/plan-w1-8g.json" \
+  A=$(python3 scripts/device/plan-config.py plan-ub512 "$O/plan-w1.json" --replace=-ub=512)
+  B=$(python3 scripts/device/plan-config.py plan-back "$O/plan-w1.json" \
       --replace="-ot=blk\.($back)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU")
-  log "W1 8 GiB: plan / --fit / plan -ub 512 / plan with its $n CPU layers at the back, 4 rounds"
+  log "W1 $GIB GiB: plan / --fit / plan -ub 512 / plan with its $n CPU layers at the back, 4 rounds"
   mins=$(python3 -c "print(max(0.3, ($(left) - 12) / 60))")
   timeout $(( $(left) - 3 )) python3 -m orchestrator bench "$H200" --set "model.path=$Q30" --progress plain \
-    --vram-budget 8GiB --configs plan,fit --config "$A" --config "$B" --rounds 4 --pp 512 --pp-reps 1 --tg-depths 0 \
-    --tg-reps 3 --concurrency none --max-minutes "$mins" --out "$O/w1-8g-why" > "$O/w1-8g-why.log" 2>&1
+    --vram-budget ${GIB}GiB --configs plan,fit --config "$A" --config "$B" --rounds 4 --pp 512 --pp-reps 1 --tg-depths 0 \
+    --tg-reps 3 --concurrency none --max-minutes "$mins" --out "$O/w1-${GIB}g-why" > "$O/w1-${GIB}g-why.log" 2>&1
+  log "done"
+  ;;
+s)
+  DEADLINE=$(( t0 + 575 ))
+  log "build (background), bytecode (background), W1 model"
+  start_build
+  synth q30
+  finish_build
+  log "up / status / down on the GPU, early start on ($(left) s left)"
+  timeout 130 bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
+  for n in 1 4; do
+    [ "$(left)" -gt 100 ] || break
+    log "gateway overhead, $n gateway process(es) ($(left) s left)"
+    timeout $(( $(left) - 8 )) python3 scripts/bench/gateway_overhead.py --mode ray --rounds 10 --model "$Q30" \
+      --binary "$SERVER" --ngl 99 --threads 8 --gateway-processes $n --json > "$O/gateway-$n.txt" 2>&1
+  done
   log "done"
   ;;
 *) echo "unknown phase $PHASE" >&2; exit 2 ;;
