@@ -1,4 +1,4 @@
-"""The gateway: the pure router, and the aiohttp app over real HTTP against small upstream servers.
+"""The gateway: the pure router, and the HTTP server over real sockets against small upstream servers.
 
 The upstreams here are aiohttp servers that answer like llama-server (JSON and SSE); the end-to-end tests against
 real llama-server processes are in tests/integration/test_cluster.py.
@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+import orchestrator.cluster.gateway as gateway_mod
 from orchestrator.cluster.gateway import QUARANTINE_S, Gateway, Router
 from orchestrator.cluster.metrics import DictSink
 
@@ -394,6 +395,240 @@ def test_pooled_connections_of_a_replaced_process_are_closed():
                 async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
                     assert r.status == 200
             await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True, "pid": 100}], fn)
+        finally:
+            await up.stop()
+    run(go())
+
+
+# --- the HTTP layer itself: framing, clients that go away, replicas that die, connection reuse ----------------------
+
+class SlowStream:
+    """An upstream that streams one SSE event every ``every`` seconds until told to stop, and records when its
+    client (the gateway) went away; ``die_after``: drop the connection after that many events."""
+
+    def __init__(self, every: float = 0.05, die_after: int | None = None, events: int = 1000) -> None:
+        self.every, self.die_after, self.events = every, die_after, events
+        self.port = free_port()
+        self.server = None
+        self.connections = 0
+        self.gone = asyncio.Event()
+
+    async def _conn(self, reader, writer):
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                               if ln.lower().startswith(b"content-length:")), 0)
+                body = json.loads(await reader.readexactly(length))
+                if not body.get("stream"):
+                    out = json.dumps({"big": "x" * body.get("size", 10)}).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                                 + str(len(out)).encode() + b"\r\n\r\n" + out)
+                    await writer.drain()
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n")
+                for i in range(self.events):
+                    if self.die_after is not None and i == self.die_after:
+                        writer.transport.abort()
+                        return
+                    ev = f"data: {json.dumps({'i': i})}\n\n".encode()
+                    writer.write(b"%x\r\n%b\r\n" % (len(ev), ev))
+                    await writer.drain()
+                    await asyncio.sleep(self.every)
+                ev = b"data: [DONE]\n\n"
+                writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(ev), ev))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.gone.set()
+        writer.close()
+
+    async def start(self):
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", self.port)
+        return self
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self):
+        self.server.close()
+
+
+async def raw_exchange(port: int, request: bytes, until: bytes | None = None, timeout: float = 5.0) -> bytes:
+    """Sends raw bytes to the gateway and reads until ``until`` appears or the connection closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    data = b""
+    try:
+        async with asyncio.timeout(timeout):
+            while until is None or until not in data:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        writer.close()
+    return data
+
+
+async def with_gateway_port(rows, fn):
+    gw = Gateway(Router())
+    gw.set_replicas(rows)
+    port = free_port()
+    await gw.start("127.0.0.1", port)
+    try:
+        return await fn(port, gw)
+    finally:
+        await gw.stop()
+
+
+def test_expect_100_continue_gets_its_interim_answer():
+    """curl sends ``Expect: 100-continue`` for bodies over 1 KiB and waits a second for the interim answer."""
+    async def go():
+        up = await Upstream("u0").start()
+        try:
+            async def fn(port, gw):
+                body = json.dumps({"prompt": "x" * 4000}).encode()
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                             b"Expect: 100-continue\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+                interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+                assert interim.startswith(b"HTTP/1.1 100 Continue")
+                writer.write(body)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                assert head.startswith(b"HTTP/1.1 200 OK")
+                writer.close()
+            await with_gateway_port([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
+            assert up.seen[0]["prompt"] == "x" * 4000
+        finally:
+            await up.stop()
+    run(go())
+
+
+def test_http10_client_gets_a_close_delimited_stream_and_bad_requests_get_4xx():
+    async def go():
+        up = await SlowStream(every=0.01, events=3).start()
+        try:
+            async def fn(port, gw):
+                body = b'{"stream": true}'
+                got = await raw_exchange(port, b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                head, _, rest = got.partition(b"\r\n\r\n")
+                assert b"Transfer-Encoding" not in head and b"Connection: close" in head
+                assert rest.count(b"data:") == 4 and rest.endswith(b"data: [DONE]\n\n")   # raw events, no chunk sizes
+                got = await raw_exchange(port, b"GET /nope HTTP/1.1\r\nHost: gw\r\n\r\n", until=b"}}")
+                assert got.startswith(b"HTTP/1.1 404") and b"no route /nope" in got
+                got = await raw_exchange(port, b"GET /v1/completions HTTP/1.1\r\nHost: gw\r\n\r\n", until=b"}}")
+                assert got.startswith(b"HTTP/1.1 405")
+                got = await raw_exchange(port, b"BLAH\r\n\r\n")
+                assert got.startswith(b"HTTP/1.1 400") and b"malformed" in got
+            await with_gateway_port([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
+        finally:
+            await up.stop()
+    run(go())
+
+
+def test_a_client_that_goes_away_mid_stream_closes_the_upstream_connection():
+    """So llama-server notices and stops generating for nobody; the replica's in-flight count returns to 0."""
+    async def go():
+        up = await SlowStream(every=0.02).start()
+        try:
+            async def fn(port, gw):
+                body = b'{"stream": true}'
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                data = b""
+                while data.count(b"data:") < 3:
+                    data += await asyncio.wait_for(reader.read(4096), 5)
+                assert gw.router.replicas["w0"].inflight == 1
+                writer.transport.abort()
+                await asyncio.wait_for(up.gone.wait(), 5)
+                for _ in range(50):
+                    if gw.router.replicas["w0"].inflight == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                assert gw.router.replicas["w0"].inflight == 0
+            await with_gateway_port([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
+        finally:
+            await up.stop()
+    run(go())
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_and_mid_answer_is_502():
+    async def go():
+        up = await SlowStream(every=0.01, die_after=3).start()
+        try:
+            async def fn(s, base, gw):
+                async with s.post(base + "/v1/completions", json={"stream": True}) as r:
+                    assert r.status == 200
+                    events = [ln async for ln in r.content if ln.startswith(b"data:")]
+                assert len(events) == 3 and b"[DONE]" not in events[-1]      # ended, no [DONE]
+                async with s.post(base + "/v1/completions", json={"stream": True}) as r:   # and it serves again
+                    assert r.status == 200
+            await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
+        finally:
+            await up.stop()
+
+        class HalfAnswer(OneRequestPerConnection):
+            async def _conn(self, reader, writer):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                              if ln.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+                await writer.drain()
+                writer.transport.abort()
+
+        half = await HalfAnswer().start()
+        try:
+            async def fn2(s, base, gw):
+                async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == 502 and "failed mid-answer" in (await r.json())["error"]["message"]
+            await with_gateway([{"name": "h", "url": f"http://127.0.0.1:{half.port}", "model": "m",
+                                 "healthy": True}], fn2)
+        finally:
+            await half.stop()
+    run(go())
+
+
+def test_large_bodies_both_ways_and_one_kept_alive_upstream_connection():
+    async def go():
+        up = await SlowStream().start()
+        try:
+            async def fn(s, base, gw):
+                for size in (10, 3_000_000, 10):
+                    async with s.post(base + "/v1/completions", json={"size": size, "pad": "y" * 2_000_000}) as r:
+                        assert r.status == 200 and len((await r.json())["big"]) == size
+                assert up.connections == 1          # sequential requests reuse the pooled connection
+            await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
+        finally:
+            await up.stop()
+    run(go())
+
+
+def test_idle_upstream_connections_are_closed_before_the_server_would(monkeypatch):
+    """llama-server closes a kept-alive connection after 5 s idle; the gateway lets go of it sooner."""
+    monkeypatch.setattr(gateway_mod, "UPSTREAM_KEEPALIVE_S", 0.3)
+
+    async def go():
+        up = await Upstream("u0").start()
+        try:
+            async def fn(s, base, gw):
+                async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                    await r.read()
+                server = up.runner.server
+                assert len(server.connections) == 1
+                for _ in range(40):                  # the housekeeping pass runs every second
+                    await asyncio.sleep(0.1)
+                    if not server.connections:
+                        break
+                assert server.connections == []
+                async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:   # a fresh one
+                    assert r.status == 200
+            await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
         finally:
             await up.stop()
     run(go())
