@@ -7,12 +7,19 @@ builds it before the suite runs), numactl, Ray. A test that needs a GPU is marke
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+# A test run started in the background (`bash .ci/run &`) inherits SIGINT ignored, and so would every process the
+# tests start: the tests that press Ctrl-C (up in the foreground, synth-model mid-write, the NUMA wrapper) would
+# see nothing happen. With a handler here, children start with the default disposition again (exec resets it).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _has_nvidia_gpu() -> bool:
