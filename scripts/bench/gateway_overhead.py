@@ -14,7 +14,10 @@ Modes:
   --mode fake        the standalone gateway in front of a stand-in upstream that streams --max-tokens SSE events
                      every --token-ms (no model): the gateway's own cost without llama-server's scheduling noise.
 
-The gateway process's CPU time per streamed chunk is printed too (psutil), in every mode.
+The gateway process's CPU time per streamed chunk is printed too (psutil), in every mode. In standalone and fake
+modes --gateway-cmd measures another gateway on the same footing, e.g. the aiohttp one this project used until
+3e4fc22: `git show ae6ef30:orchestrator/cluster/gateway.py > /tmp/old_gateway.py` and
+`--gateway-cmd 'python3 /tmp/old_gateway.py --port {port} --replica bench={upstream}'`.
 
   python scripts/bench/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
 
@@ -250,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-processes", default="auto",
                     help="--mode ray: gateway processes sharing the port (auto: as `up` decides: 1)")
     ap.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
+    ap.add_argument("--gateway-cmd", default=None, metavar="ARGV",
+                    help="standalone/fake modes: measure another gateway instead, e.g. an older version of "
+                         "gateway.py: 'python3 old.py --port {port} --replica bench={upstream}' (split like a shell "
+                         "would, never run by one)")
     a = ap.parse_args(argv)
 
     from orchestrator.backend.detect import find_llama_server
@@ -290,8 +297,15 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(subprocess.Popen(up_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True, cwd=tmp))
             wait_http(direct + "/health", 120)
-            procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator.cluster.gateway", "--port", str(gw_port),
-                                           "--replica", f"bench={direct}"], cwd=REPO,
+            gw_argv = [sys.executable, "-m", "orchestrator.cluster.gateway", "--port", str(gw_port),
+                       "--replica", f"bench={direct}"]
+            if a.gateway_cmd:
+                import shlex
+
+                gw_argv = [w.replace("{port}", str(gw_port)).replace("{upstream}", direct)
+                           for w in shlex.split(a.gateway_cmd)]
+                extra["gateway_cmd"] = a.gateway_cmd
+            procs.append(subprocess.Popen(gw_argv, cwd=REPO,
                                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                               [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
                                                   os.pathsep) if p])}, start_new_session=True,

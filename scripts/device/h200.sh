@@ -54,7 +54,9 @@
 # The fifth session (2026-11-29, late night), one nvidia-h200, commands back to back:
 #   bash scripts/device/h200.sh s   # build + W1 model; `up` proof with the early start (default) on the CUDA build;
 #                                   # gateway overhead with the default (1 gateway process), then 4 if time is left
-#   bash scripts/device/h200.sh r   # as above; then `r 12` with what is left
+#   bash scripts/device/h200.sh r   # as above; then `R_SECONDS=540 ... r 12`, `R_SECONDS=400 ... r 8` (again)
+#   (then 3 x scripts/bench/gateway_overhead.py --mode ray --rounds 20 --gateway-processes 1 inline, and on a fresh
+#   machine scripts/device/gateway-cpu.sh for the new gateway: no time was left for a CUDA build)
 #
 # Needs .devbundle/ (../shared/device/make-bundle.sh + `orchestrator build --export-source
 # .devbundle/llama-src.tar.xz`) carried along. Everything a phase writes is packed into $OUT/<phase>.tgz.
