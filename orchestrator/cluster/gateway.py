@@ -161,6 +161,7 @@ class _ClientConn(asyncio.Protocol):
         self.exchange: _Exchange | None = None     # the upstream answer being relayed to this connection
         self.closed = False
         self.http10 = False
+        self.reading_paused = False
         self._reset()
 
     def _reset(self) -> None:
@@ -179,11 +180,13 @@ class _ClientConn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.respond(400, error_body("protocol upgrades are not supported", "invalid_request_error", 400),
-                         close=True)
-        except httptools.HttpParserError:
-            self.respond(400, error_body("malformed HTTP request", "invalid_request_error", 400), close=True)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            if self.task is not None:      # an answer is going out on this connection: do not write into it
+                self.transport.abort()
+                return
+            why = ("protocol upgrades are not supported" if isinstance(e, httptools.HttpParserUpgrade)
+                   else "malformed HTTP request")
+            self.respond(400, error_body(why, "invalid_request_error", 400), close=True)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
@@ -233,12 +236,15 @@ class _ClientConn(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.parser.should_upgrade():   # not served: feed_data raises HttpParserUpgrade right after
+            return
         self.http10 = self.parser.get_http_version() == "1.0"
         req = _Request(self.parser.get_method().decode("latin-1"), bytes(self._url), self._headers,
                        b"".join(self._body), self.parser.should_keep_alive(), self._too_large)
         self._reset()
         self.queue.append(req)
-        if len(self.queue) > 16:           # a client that pipelines without reading: stop reading from it
+        if len(self.queue) > 16 and not self.reading_paused:   # pipelining without reading: stop reading it
+            self.reading_paused = True
             self.transport.pause_reading()
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._serve())
@@ -251,7 +257,8 @@ class _ClientConn(asyncio.Protocol):
                 if not keep or self.closed:
                     self.close()
                     break
-                if len(self.queue) <= 16:
+                if self.reading_paused and len(self.queue) <= 16:
+                    self.reading_paused = False
                     self.transport.resume_reading()
         except asyncio.CancelledError:
             pass
@@ -406,6 +413,7 @@ class _Exchange:
         if not self.head.done():
             self.head.set_exception(_Disconnected() if not self.got_bytes else
                                     _Disconnected("closed in the middle of the answer's head"))
+            self.head.exception()          # retrieved: nobody awaits it when the client went away first
         if not self.done.done():
             self.error = self.error or "ServerDisconnectedError"
             self.done.set_result(False)

@@ -524,6 +524,9 @@ def test_http10_client_gets_a_close_delimited_stream_and_bad_requests_get_4xx():
                 assert got.startswith(b"HTTP/1.1 405")
                 got = await raw_exchange(port, b"BLAH\r\n\r\n")
                 assert got.startswith(b"HTTP/1.1 400") and b"malformed" in got
+                got = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\n"
+                                         b"Upgrade: websocket\r\n\r\n")
+                assert got.startswith(b"HTTP/1.1 400") and b"upgrades are not supported" in got
             await with_gateway_port([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
         finally:
             await up.stop()
