@@ -217,16 +217,36 @@ def test_sigterm_stops_every_compiler_and_keeps_the_partial_build(tmp_path):
     env = {**os.environ, "ORCHESTRATOR_CACHE": str(tmp_path / "cache")}
     p = subprocess.Popen([sys.executable, "-m", "orchestrator", "build", "--source", str(tree), "--cpu"],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    sleeper = None
-    while time.monotonic() < deadline and sleeper is None:
-        kids = psutil.Process(p.pid).children(recursive=True)
-        sleeper = next((k for k in kids if "sleep" in " ".join(k.cmdline())), None)
-        time.sleep(0.1)
-    assert sleeper is not None, p.stderr.read() if p.poll() is not None else "no build step started"
-    group = [k for k in psutil.Process(p.pid).children(recursive=True)]
-    p.send_signal(signal.SIGTERM)
-    _out, err = p.communicate(timeout=30)
+
+    def cmdline(k) -> str:
+        try:
+            return " ".join(k.cmdline())
+        except psutil.Error:            # a configure step that ended (a zombie) between listing and reading it
+            return ""
+
+    try:
+        deadline = time.monotonic() + 60
+        sleeper = None
+        while time.monotonic() < deadline and sleeper is None:
+            kids = psutil.Process(p.pid).children(recursive=True)
+            sleeper = next((k for k in kids if "sleep" in cmdline(k)), None)
+            time.sleep(0.1)
+        assert sleeper is not None, p.stderr.read() if p.poll() is not None else "no build step started"
+        group = [k for k in psutil.Process(p.pid).children(recursive=True)]
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:            # a failed assertion must not leave cmake running into the next tests
+            try:
+                left = psutil.Process(p.pid).children(recursive=True)
+            except psutil.Error:
+                left = []
+            for k in left + [psutil.Process(p.pid)]:
+                try:
+                    k.kill()
+                except psutil.Error:
+                    pass
+            p.wait()
     assert p.returncode == 130, err
     gone, alive = psutil.wait_procs(group, timeout=10)
     assert alive == [], [k.cmdline() for k in alive]
