@@ -87,6 +87,14 @@ def tcp_reachable(address: str, timeout: float = 3.0) -> str | None:
         return e.strerror or str(e) or type(e).__name__
 
 
+def _same_endpoint(a: str, b: str) -> bool:
+    """``host:port`` strings naming the same endpoint (localhost spelled either way)."""
+    def norm(x: str) -> tuple[str, str]:
+        host, _, port = x.rpartition(":")
+        return ("127.0.0.1" if host in ("localhost", "") else host, port)
+    return norm(a) == norm(b)
+
+
 class RayApi:
     """Thin, stateless-ish facade over Ray. One instance per process (driver or actor)."""
 
@@ -108,6 +116,15 @@ class RayApi:
         import ray
 
         if ray.is_initialized():
+            # already the driver of that cluster and namespace (a foreground `up` stopping on Ctrl-C): keep the
+            # connection. ray.shutdown() then ray.init() in one process can abort it ("The process is already
+            # initialized for core worker", seen when the Ctrl-C landed while Ray was busy)
+            try:
+                ctx = ray.get_runtime_context()
+                if ctx.namespace == namespace and _same_endpoint(ctx.gcs_address, address):
+                    return cls()
+            except Exception:
+                pass
             ray.shutdown()
         try:
             ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR",
