@@ -211,6 +211,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
     ctrl = None
     head = None
     head_s = None
+    held = _HeldInterrupt()
 
     def record(info: headmod.HeadInfo) -> None:     # the embedded head, in the state file for `down`
         st.ray_address, st.head_pid, st.head_create_time = info.address, info.pid, info.create_time
@@ -251,10 +252,14 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
         ctrl = api.create_actor(ControllerActor, dep.to_dict(), driver_node, api_key, name=CONTROLLER, namespace=ns,
                                 detached=True, node_id=driver_node, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS)
         status = _wait_ready(api, ctrl, dep, ready_timeout, say)
+        # from "running" on, a Ctrl-C means the clean foreground stop below; it is held until up has let go of
+        # Ray (a Ctrl-C that cut ray.shutdown() in half made the stop's ray.init() abort the process)
+        held.hold()
         st.phase = "running"
         st.gateway_url = status["gateway"]["url"]
         statemod.write(st)
     except BaseException as e:
+        held.release(raise_held=False)
         if isinstance(e, KeyboardInterrupt):
             say("interrupted: stopping everything up started ...")
         if head is None and early is not None and early.taken:
@@ -272,6 +277,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
         if st.auth_mode == "token" and st.dashboard_url:
             say("the dashboard asks for the Ray token: ~/.ray/auth_token (`ray get-auth-token`)")
         api.disconnect()
+        held.release()                     # raises the Ctrl-C held since "running", if there was one
         if foreground:
             _foreground_wait(ns, say)
             result.stopped = True
@@ -280,6 +286,8 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
             raise
         _stop_from_foreground(ns, say)     # Ctrl-C right after ready: the same clean stop
         result.stopped = True
+    finally:
+        held.release(raise_held=False)
     return result
 
 
@@ -378,6 +386,37 @@ def _stop_from_foreground(ns: str, say: Callable[[str], None]) -> None:
         say("stopping workers, gateway and Ray ...")
         res = down(ns, say=say)
         say(f"stopped ({len(res.workers)} worker(s)" + (", Ray head" if res.head_stopped else "") + ")")
+
+
+class _HeldInterrupt:
+    """Between ``hold()`` and ``release()`` a Ctrl-C (or the SIGTERM/SIGHUP that ``up`` treats like one) is
+    recorded instead of raised; ``release()`` raises it then, as KeyboardInterrupt. Main thread only; a signal
+    that is ignored stays ignored."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.old: dict[int, Any] = {}
+        self.got = False
+
+    def hold(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                self.old[sig] = signal.signal(sig, self._record)
+
+    def _record(self, sig, frame) -> None:
+        self.got = True
+
+    def release(self, raise_held: bool = True) -> None:
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+        self.old = {}
+        if self.got and raise_held:
+            self.got = False
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
