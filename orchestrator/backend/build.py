@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from orchestrator.backend import sources
+from orchestrator.backend import patches, sources
 from orchestrator.errors import BackendError
 from orchestrator.paths import cache_dir
 
@@ -142,6 +142,9 @@ def build_key(opts: BuildOptions, source: Path | None, *, cuda: bool, archs: tup
         "cmake": cmake_args(opts, cuda=cuda, archs=archs),
         "targets": sorted(opts.resolved_targets),
     }
+    if source is None or not source.is_dir():
+        # our own extracted copy gets the patch series (a user's tree is built as it is)
+        spec["patches"] = patches.describe(patches.series(opts.flavor))
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     return f"{opts.flavor}-{'cuda' if cuda else 'cpu'}-{key}", {**spec, "source_description": desc}
 
@@ -289,6 +292,8 @@ def build(
                     src_root = sources.extract(source, work / "src")
                 if source is None or not source.is_dir():
                     _patch_source(src_root, opts.flavor, say)  # our own extracted copy (a user's tree is left alone)
+                    if patches.applied(src_root) is None:     # an exported archive is patched already
+                        patches.apply(src_root, patches.series(opts.flavor), say, strict=source is None)
                 # from here an interrupted build (Ctrl-C, a killed shell, a lost machine) is resumed by the next
                 # `orchestrator build` with the same key: the compiled objects are kept
                 (work / "partial.json").write_text(json.dumps({"key": key, "src_root": str(src_root)}) + "\n")

@@ -59,7 +59,7 @@ SOURCES: dict[str, PinnedSource] = {
 # What a build needs from a llama.cpp tree; everything else (models, docs, tests, other GPU backends, the web UI
 # sources) is left out of exported archives so they stay small enough to carry to an air-gapped server.
 _KEEP_TOP = {"CMakeLists.txt", "cmake", "common", "include", "src", "ggml", "tools", "vendor", "licenses", "LICENSE",
-             "build-info.sh", "scripts", "examples", "pocs"}
+             "build-info.sh", "scripts", "examples", "pocs", "ORCHESTRATOR_PATCHES"}
 _DROP_GGML_BACKENDS = {"ggml-cann", "ggml-hexagon", "ggml-metal", "ggml-musa", "ggml-opencl", "ggml-openvino",
                        "ggml-sycl", "ggml-virtgpu", "ggml-vulkan", "ggml-webgpu", "ggml-zdnn", "ggml-et", "ggml-kompute",
                        "kompute"}     # ik_llama.cpp: the Kompute submodule (16 MiB) at ggml/src/kompute

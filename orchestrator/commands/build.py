@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from orchestrator.backend import build as b
-    from orchestrator.backend import sources
+    from orchestrator.backend import patches, sources
     from orchestrator.errors import BackendError
     from orchestrator.paths import cache_dir
 
@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
             archive = sources.fetch(sources.SOURCES[args.flavor], cache_dir())
             with tempfile.TemporaryDirectory() as tmp:
                 root = sources.extract(archive, Path(tmp), sources.SOURCES[args.flavor].subdir)
+                # the archive carries our patches applied (and their marker), so the air-gapped build equals this one
+                patches.apply(root, patches.series(args.flavor), lambda s: None, strict=True)
                 size = sources.export_source(root, out)
         elif args.source.is_dir():
             size = sources.export_source(args.source, out)
