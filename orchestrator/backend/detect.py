@@ -67,6 +67,7 @@ _FEATURES = {
     "cuda_params": r"--cuda-params\b",
     "offload_policy": r"--offload-policy\b",
     "no_op_offload": r"--no-op-offload\b",
+    "moe_cache": r"--moe-cache-mib\b",
     "kv_unified": r"--kv-unified\b",
 }
 

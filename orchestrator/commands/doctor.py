@@ -42,6 +42,13 @@ def _llama_checks(binary: str | None) -> list[Check]:
     out = [Check("llama-server", "ok",
                  f"{path} (from {origin}); {info.flavor} {info.version}; "
                  f"{'CUDA' if info.cuda else 'CPU-only'}; features: {feats}", required=True)]
+    if info.has("moe_cache"):
+        out.append(Check("expert cache", "ok", "--moe-cache-mib: GPU slots for the experts of host-resident expert "
+                         "layers" + ("" if info.cuda else " (this build has no GPU backend: it would stay off)")))
+    else:
+        out.append(Check("expert cache", "warn", "this llama-server has no --moe-cache-mib: generation reads every "
+                         "host-resident expert from host memory",
+                         "orchestrator build   (the pinned llama.cpp with orchestrator's patches has it)"))
     for tool, p in (("llama-bench", info.bench), ("llama-fit-params", info.fit_params)):
         out.append(Check(tool, "ok" if p else "warn", p or "not next to llama-server",
                          "" if p else "orchestrator build (builds all three)"))
