@@ -33,11 +33,11 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
 
 
 class Server:
-    def __init__(self, binary: str, model: Path, log: Path):
+    def __init__(self, binary: str, model: Path, log: Path, extra: tuple[str, ...] = ()):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", "1024",
-                "-np", "1", "-t", "2", "--no-warmup"]
+                "-np", "1", "-t", "2", "--no-warmup", *extra]
         self.log = log
         self._logf = open(log, "w")
         self.proc = subprocess.Popen(argv, stdout=self._logf, stderr=subprocess.STDOUT)

@@ -1,0 +1,151 @@
+"""The expert cache on a GPU: same greedy tokens and logits with the cache as without it, and counters that add up.
+
+Needs an NVIDIA GPU and a CUDA llama-server built with our patch series ($LLAMA_SERVER, else the suite's). On the
+device it runs without the suite's conftest (`pytest --noconftest -m gpu tests/backend/test_expert_cache_gpu.py`);
+in CI it is skipped (no GPU). Its result is recorded in docs/benchmarks.md.
+
+Three servers, all with every routed expert in host memory (`-ngl 999 --cpu-moe`), on one generated W1-shaped model:
+- cache: 24 slots per expert tensor (of 128 experts), so decoding evicts all the time; the prompt takes the
+  offload path (GGML_OP_OFFLOAD_MIN_BATCH=1), as in the next run;
+- offload: no cache, GGML_OP_OFFLOAD_MIN_BATCH=1: every batch copies its experts to the GPU and computes there.
+  The same CUDA kernels read the same expert bytes, only from another place: tokens and probabilities must match
+  exactly;
+- cpu: no cache, llama.cpp's default: decode computes the experts on the CPU. Other kernels: probabilities must
+  agree within the backends' usual tolerance until the first greedy divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from orchestrator.model import synth
+
+pytestmark = pytest.mark.gpu
+
+N_PREDICT = 256
+PROMPT = [785, 374, 138, 838, 342, 916, 279, 156, 556, 13, 576, 397, 876, 388, 208, 96]
+
+
+def _server_path() -> str:
+    path = os.environ.get("LLAMA_SERVER")
+    if not path:
+        from orchestrator.backend.detect import find_llama_server
+
+        path, _ = find_llama_server(None)
+    return path
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(server: str, model: Path, log: Path, extra: list[str], env: dict[str, str]) -> tuple[dict, dict, str]:
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
+            "-ngl", "999", "--cpu-moe", "-fa", "on", "--metrics", "--no-warmup", "-t", "8", *extra]
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "llama-server did not become healthy"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.2)
+        body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0, "n_probs": 4, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True}
+        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            metrics = {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    return out, metrics, log.read_text()
+
+
+def _probs(out: dict) -> list[list[float]]:
+    """The top probabilities of every generated step (llama-server names them by version and options)."""
+    steps = []
+    for step in out["completion_probabilities"]:
+        top = step.get("top_logprobs") or step.get("top_probs") or step.get("probs") or []
+        steps.append([math.exp(p["logprob"]) if "logprob" in p else p["prob"] for p in top])
+    assert steps and all(steps), f"no probabilities in {list(out)}"
+    return steps
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("w1") / "w1-small.gguf"
+    return synth.write_model(path, "qwen3-30b-a3b", scale=0.25, quant="q4_0", seed=21).path
+
+
+def test_cache_gives_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_path):
+    server = _server_path()
+    from orchestrator.model.reader import read_gguf
+
+    info = read_gguf(model)
+    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+    assert len({t.nbytes for t in experts}) == 1      # one slot size for every tensor
+    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
+    n_tensors = len(experts)
+    slots = 24
+    mib = -(-slots * expert_bytes * n_tensors // 2**20)     # enough for 24 slots per tensor, not 25
+    # the prompt (16 tokens, above the cache's batches) takes the offload path in both GPU runs, so that both
+    # decode from the same KV cache
+    cache, m_cache, log_cache = _run(server, model, tmp_path / "cache.log",
+                                     ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4"],
+                                     {"GGML_OP_OFFLOAD_MIN_BATCH": "1"})
+    offload, _m, _l = _run(server, model, tmp_path / "offload.log", [], {"GGML_OP_OFFLOAD_MIN_BATCH": "1"})
+    cpu, _m2, _l2 = _run(server, model, tmp_path / "cpu.log", [], {})
+
+    assert m_cache.get("moe_cache_active") == 1, log_cache[-3000:]
+    assert m_cache["moe_cache_slots"] == slots
+    assert m_cache["moe_cache_tensors"] == n_tensors
+
+    # exactly the GPU path without the cache
+    assert cache["tokens"] == offload["tokens"]
+    assert _probs(cache) == _probs(offload)
+
+    # counters: every decode step looks up 8 experts in each of the tensors; the misses upload whole experts
+    lookups, hits, misses = m_cache["moe_cache_lookups_total"], m_cache["moe_cache_hits_total"], m_cache["moe_cache_misses_total"]
+    assert lookups == hits + misses
+    assert lookups >= (N_PREDICT - 1) * 8 * n_tensors
+    assert misses > slots * n_tensors          # more misses than the slots: evictions happened
+    assert hits > 0
+    # (the page prints 6 significant digits)
+    assert m_cache["moe_cache_uploaded_bytes_total"] == pytest.approx(misses * expert_bytes, rel=1e-5)
+
+    # the CPU computes the experts with other kernels: the same distribution within tolerance until greedy diverges
+    same = 0
+    for a, b in zip(cache["tokens"], cpu["tokens"]):
+        if a != b:
+            break
+        same += 1
+    pc, pu = _probs(cache), _probs(cpu)
+    worst = max(abs(x - y) for step in range(max(1, same)) for x, y in zip(pc[step], pu[step]))
+    assert worst < 0.02, (same, worst)
+    print(f"cache vs offload: {len(cache['tokens'])} identical tokens; cache vs cpu: {same} identical tokens, "
+          f"max |dp| {worst:.2e} before divergence; hit rate {hits / lookups:.3f}")
