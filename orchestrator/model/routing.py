@@ -283,6 +283,41 @@ def measure(model: os.PathLike | str, *, lengths: tuple[int, ...] = (512, 8), se
     return parse_report(proc.stdout)
 
 
+def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
+          seed: int = 1, threads: int | None = None, ngl: int = 0, tool: Path | None = None,
+          timeout: float = 1800):
+    """Decode ``tokens`` tokens one per ``llama_decode`` (random ids, or the text of ``prompts``) and return the
+    experts each picked in each MoE layer (:class:`orchestrator.model.routing_profile.Trace`)."""
+    import tempfile
+
+    from orchestrator.model.routing_profile import parse_trace
+
+    model = Path(model)
+    if not model.is_file():
+        raise ModelError(f"{model}: model file not found")
+    if prompts is not None and not Path(prompts).is_file():
+        raise ModelError(f"{prompts}: prompts file not found")
+    if tokens < 2:
+        raise ModelError(f"--tokens {tokens}: a trace needs at least 2 tokens")
+    exe = tool or build_tool()
+    with tempfile.TemporaryDirectory(prefix="orchestrator-trace-") as tmp:
+        out = Path(tmp) / "routing.trace"
+        argv = [str(exe), str(model), "--trace", str(out), "--decode", str(tokens), "--seed", str(seed),
+                "-ngl", str(ngl)]
+        if prompts is not None:
+            argv += ["--prompts", str(prompts)]
+        if threads:
+            argv += ["-t", str(threads)]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"{TOOL} --trace on {model} took longer than {timeout:.0f}s") from None
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.splitlines()[-10:])
+            raise ModelError(f"{model}: {TOOL} --trace failed (exit {proc.returncode}): {tail}")
+        return parse_trace(out.read_bytes(), str(out))
+
+
 def format_report(report: RoutingReport) -> str:
     lines = [f"{report.model}: {report.arch}, {report.n_expert} experts, top {report.n_expert_used}"]
     head = "layer " + " ".join(f"{'distinct/' + str(r.n_tokens) + 't':>14} {'max share':>9}" for r in report.runs)
