@@ -360,6 +360,16 @@ def load_profile(model: os.PathLike | str, cache: Path | None = None):
                          f"(orchestrator model MODEL --routing)") from None
 
 
+def profile_curve(model: os.PathLike | str, policy: str = "lru-global", cache: Path | None = None):
+    """The hit-rate curve the plan uses for ``model``: the cached profile's (``lru-global`` by default: the
+    cache's slots serve any layer), else :data:`~orchestrator.model.routing_profile.DEFAULT_CURVE`, whose
+    ``source`` says that it is the default."""
+    from orchestrator.model.routing_profile import DEFAULT_CURVE
+
+    found = load_profile(model, cache)
+    return found[0].curve(policy) if found else DEFAULT_CURVE
+
+
 def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
                     seed: int = 1, threads: int | None = None, cache: Path | None = None,
                     refresh: bool = False, tool: Path | None = None):
@@ -385,9 +395,10 @@ def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os
         old = load_profile(model, cache)
         if old is not None and old[1] == settings:
             return old[0], path, True
-    source = (f"measured: {model.name}, {tokens} tokens in decode order, "
+    tr = trace(model, tokens=tokens, prompts=prompts, seed=seed, threads=threads, tool=tool)
+    source = (f"measured: {model.name}, {tr.n_tokens} tokens in decode order, "
               + (f"text of {prompts.name}" if prompts is not None else f"random token ids (seed {seed})"))
-    prof = profile(trace(model, tokens=tokens, prompts=prompts, seed=seed, threads=threads, tool=tool), source)
+    prof = profile(tr, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.part")
     try:
