@@ -11,11 +11,30 @@
 // "distinct" is the number of experts chosen at least once by any token of the prompt; "max_share" the
 // largest fraction of (token, slot) picks that went to a single expert.
 //
-// usage: expert_usage MODEL.gguf [-n TOKENS]... [--seed S] [-t THREADS] [-ngl N] [--text-ids]
-//   -n      prompt length (repeatable; default: 512 and 8)
-//   --seed  seed of the random token ids (default 1)
-//   -t      CPU threads (default: all)
-//   -ngl    layers to offload to a GPU (default 0)
+// usage: expert_usage MODEL.gguf [-n TOKENS]... [--seed S] [-t THREADS] [-ngl N]
+//        expert_usage MODEL.gguf --trace OUT.trace [--decode N] [--prompts FILE] [--seed S] [-t T] [-ngl N]
+//   -n        prompt length (repeatable; default: 512 and 8)
+//   --seed    seed of the random token ids (default 1)
+//   -t        CPU threads (default: all)
+//   -ngl      layers to offload to a GPU (default 0)
+//   --trace   decode-order routing trace instead of the usage summary: N tokens (--decode, default 1024) are
+//             evaluated ONE PER llama_decode call, as generation runs them, and the experts every token picks
+//             in every MoE layer are written to OUT.trace (via OUT.trace.part, renamed when complete). The
+//             tokens are the text of --prompts FILE (tokenized by the model, fed as they stand: a real text
+//             does not loop), else uniformly random token ids (independent: the stream never repeats a
+//             pattern, so any locality in the trace comes from the model). A summary line goes to stdout.
+//
+// Trace format (little-endian):
+//   offset 0   8 bytes   magic "EXPTRACE"
+//          8   u32       version (1)
+//         12   u32       n_expert
+//         16   u32       n_expert_used (k)
+//         20   u32       n_layers: MoE layers traced
+//         24   u32       n_tokens
+//         28   u32       reserved (0)
+//         32   i32[n_layers]                          model layer index of each traced layer, ascending
+//         ..   u16[n_tokens][n_layers][k]             expert ids: token-major (decode order), then layer, then
+//                                                     the router's top-k order
 //
 // Built on demand by orchestrator/model/routing.py against the static llama.cpp libraries that
 // `orchestrator build` keeps in its cache.
@@ -24,6 +43,7 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -38,7 +58,9 @@ namespace {
 
 struct capture {
     int n_expert = 0;
+    bool trace = false;                             // keep the ids of each layer's picks (one token per decode)
     std::map<int, std::vector<int64_t>> counts;   // layer -> picks per expert
+    std::map<int, std::vector<int32_t>> picks;    // layer -> expert ids of the current decode, router order
     std::string error;
 };
 
@@ -64,6 +86,7 @@ bool on_tensor(struct ggml_tensor * t, bool ask, void * user_data) {
     if (counts.empty()) {
         counts.assign(cap->n_expert, 0);
     }
+    auto & picks = cap->picks[layer];
     for (int64_t i3 = 0; i3 < t->ne[3]; i3++) {
         for (int64_t i2 = 0; i2 < t->ne[2]; i2++) {
             for (int64_t i1 = 0; i1 < t->ne[1]; i1++) {
@@ -76,6 +99,9 @@ bool on_tensor(struct ggml_tensor * t, bool ask, void * user_data) {
                         return false;
                     }
                     counts[e]++;
+                    if (cap->trace) {
+                        picks.push_back(e);
+                    }
                 }
             }
         }
@@ -113,8 +139,117 @@ std::string json_escape(const std::string & s) {
 }
 
 int usage(const char * argv0) {
-    std::fprintf(stderr, "usage: %s MODEL.gguf [-n TOKENS]... [--seed S] [-t THREADS] [-ngl N]\n", argv0);
+    std::fprintf(stderr, "usage: %s MODEL.gguf [-n TOKENS]... [--seed S] [-t THREADS] [-ngl N]\n"
+                         "       %s MODEL.gguf --trace OUT [--decode N] [--prompts FILE] [--seed S] [-t T] [-ngl N]\n",
+                 argv0, argv0);
     return 2;
+}
+
+bool read_file(const std::string & path, std::string & out) {
+    FILE * f = std::fopen(path.c_str(), "rb");
+    if (!f) {
+        return false;
+    }
+    char buf[65536];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) {
+        out.append(buf, n);
+    }
+    const bool ok = !std::ferror(f);
+    std::fclose(f);
+    return ok;
+}
+
+void put_u32(std::string & out, uint32_t v) {
+    for (int i = 0; i < 4; i++) {
+        out.push_back((char) ((v >> (8 * i)) & 0xff));
+    }
+}
+
+// Decode `tokens` one per llama_decode and write the trace described at the top of this file.
+int run_trace(llama_context * ctx, capture & cap, const std::vector<llama_token> & tokens, int n_used,
+              const std::string & out_path) {
+    cap.trace = true;
+    std::vector<int32_t> layers;
+    std::vector<uint16_t> ids;
+    llama_memory_clear(llama_get_memory(ctx), true);
+    llama_batch batch = llama_batch_init(1, 0, 1);
+    for (size_t i = 0; i < tokens.size(); i++) {
+        cap.picks.clear();
+        batch.token[0] = tokens[i];
+        batch.pos[0] = (llama_pos) i;
+        batch.n_seq_id[0] = 1;
+        batch.seq_id[0][0] = 0;
+        batch.logits[0] = 1;
+        batch.n_tokens = 1;
+        const int rc = llama_decode(ctx, batch);
+        if (rc != 0 || !cap.error.empty()) {
+            std::fprintf(stderr, "expert_usage: decode of token %zu failed (%d) %s\n", i, rc, cap.error.c_str());
+            llama_batch_free(batch);
+            return 1;
+        }
+        if (cap.picks.empty()) {
+            std::fprintf(stderr, "expert_usage: no ffn_moe_topk tensors seen: this llama.cpp names them differently\n");
+            llama_batch_free(batch);
+            return 1;
+        }
+        if (layers.empty()) {
+            for (const auto & kv : cap.picks) {
+                layers.push_back(kv.first);
+            }
+        }
+        if (cap.picks.size() != layers.size()) {
+            std::fprintf(stderr, "expert_usage: token %zu routed in %zu layers, token 0 in %zu\n", i,
+                         cap.picks.size(), layers.size());
+            llama_batch_free(batch);
+            return 1;
+        }
+        for (const auto & kv : cap.picks) {
+            if ((int) kv.second.size() != n_used) {
+                std::fprintf(stderr, "expert_usage: layer %d picked %zu experts for one token, expected %d\n",
+                             kv.first, kv.second.size(), n_used);
+                llama_batch_free(batch);
+                return 1;
+            }
+            for (int32_t e : kv.second) {
+                ids.push_back((uint16_t) e);
+            }
+        }
+    }
+    llama_batch_free(batch);
+
+    std::string head = "EXPTRACE";
+    put_u32(head, 1);
+    put_u32(head, (uint32_t) cap.n_expert);
+    put_u32(head, (uint32_t) n_used);
+    put_u32(head, (uint32_t) layers.size());
+    put_u32(head, (uint32_t) tokens.size());
+    put_u32(head, 0);
+    for (int32_t l : layers) {
+        put_u32(head, (uint32_t) l);
+    }
+    std::string body;
+    body.reserve(ids.size() * 2);
+    for (uint16_t e : ids) {
+        body.push_back((char) (e & 0xff));
+        body.push_back((char) (e >> 8));
+    }
+    const std::string part = out_path + ".part";
+    FILE * f = std::fopen(part.c_str(), "wb");
+    bool ok = f != nullptr;
+    if (ok) {
+        ok = std::fwrite(head.data(), 1, head.size(), f) == head.size() &&
+             std::fwrite(body.data(), 1, body.size(), f) == body.size();
+        ok = (std::fclose(f) == 0) && ok;
+    }
+    if (!ok || std::rename(part.c_str(), out_path.c_str()) != 0) {
+        std::remove(part.c_str());
+        std::fprintf(stderr, "expert_usage: %s: cannot write the trace: %s\n", out_path.c_str(), std::strerror(errno));
+        return 1;
+    }
+    std::printf("{\"trace\": \"%s\", \"n_tokens\": %zu, \"n_layers\": %zu, \"n_expert\": %d, \"n_expert_used\": %d}\n",
+                json_escape(out_path).c_str(), tokens.size(), layers.size(), cap.n_expert, n_used);
+    return 0;
 }
 
 }  // namespace
@@ -128,6 +263,9 @@ int main(int argc, char ** argv) {
     unsigned seed = 1;
     int threads = (int) std::thread::hardware_concurrency();
     int ngl = 0;
+    std::string trace_path;
+    std::string prompts_path;
+    int n_decode = 1024;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
         auto next = [&](void) -> const char * {
@@ -145,6 +283,12 @@ int main(int argc, char ** argv) {
             threads = std::atoi(next());
         } else if (a == "-ngl") {
             ngl = std::atoi(next());
+        } else if (a == "--trace") {
+            trace_path = next();
+        } else if (a == "--decode") {
+            n_decode = std::atoi(next());
+        } else if (a == "--prompts") {
+            prompts_path = next();
         } else if (a == "-h" || a == "--help") {
             return usage(argv[0]);
         } else if (path.empty() && a[0] != '-') {
@@ -171,6 +315,18 @@ int main(int argc, char ** argv) {
     if (threads < 1) {
         threads = 1;
     }
+    if (!trace_path.empty()) {
+        if (n_decode < 1) {
+            std::fprintf(stderr, "expert_usage: --decode must be positive\n");
+            return 2;
+        }
+        max_len = n_decode;
+    }
+    std::string prompt_text;
+    if (!prompts_path.empty() && !read_file(prompts_path, prompt_text)) {
+        std::fprintf(stderr, "expert_usage: %s: cannot read the prompts file\n", prompts_path.c_str());
+        return 2;
+    }
 
     llama_log_set(quiet_log, nullptr);
     llama_backend_init();
@@ -196,8 +352,9 @@ int main(int argc, char ** argv) {
 
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = (uint32_t) max_len + 16;
-    cp.n_batch = (uint32_t) max_len;
-    cp.n_ubatch = (uint32_t) max_len;
+    // a trace decodes one token at a time: no need for the compute buffers of a long batch
+    cp.n_batch = (uint32_t) (trace_path.empty() ? max_len : 32);
+    cp.n_ubatch = cp.n_batch;
     cp.n_seq_max = 1;
     cp.n_threads = threads;
     cp.n_threads_batch = threads;
@@ -209,7 +366,42 @@ int main(int argc, char ** argv) {
         llama_model_free(model);
         return 1;
     }
-    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+
+    if (!trace_path.empty()) {
+        std::vector<llama_token> tokens;
+        if (!prompts_path.empty()) {
+            std::vector<llama_token> all(prompt_text.size() + 16);
+            int n = llama_tokenize(vocab, prompt_text.data(), (int32_t) prompt_text.size(), all.data(),
+                                   (int32_t) all.size(), false, false);
+            if (n < 0) {
+                all.resize(-n);
+                n = llama_tokenize(vocab, prompt_text.data(), (int32_t) prompt_text.size(), all.data(),
+                                   (int32_t) all.size(), false, false);
+            }
+            if (n < 2) {
+                std::fprintf(stderr, "expert_usage: %s: fewer than 2 tokens of text\n", prompts_path.c_str());
+                llama_free(ctx);
+                llama_model_free(model);
+                return 2;
+            }
+            all.resize(n < n_decode ? n : n_decode);
+            tokens = all;
+        } else {
+            std::mt19937 trng(seed);
+            std::uniform_int_distribution<int> tpick(0, n_vocab - 1);
+            tokens.resize(n_decode);
+            for (auto & t : tokens) {
+                t = tpick(trng);
+            }
+        }
+        const int rc = run_trace(ctx, cap, tokens, n_used, trace_path);
+        llama_free(ctx);
+        llama_model_free(model);
+        llama_backend_free();
+        return rc;
+    }
 
     std::mt19937 rng(seed);
     std::uniform_int_distribution<int> pick(0, n_vocab - 1);

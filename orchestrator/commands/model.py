@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-flash-attn", action="store_true", help="size for flash attention off (-fa off)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--no-tensors", action="store_true", help="leave the per-tensor list out of --json")
+    p.add_argument("--routing", action="store_true",
+                   help="measure how the model routes in decode order through llama.cpp and cache the profile "
+                        "(expert-cache hit rate by size) by the file's identity; the plan reads it")
+    p.add_argument("--prompts", metavar="FILE", help="with --routing: a text file to decode (default: random tokens)")
+    p.add_argument("--tokens", type=_positive, default=1024, help="with --routing: tokens to decode (default 1024)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,14 +53,31 @@ def run(args: argparse.Namespace) -> int:
     for w in model.warnings:
         print(f"orchestrator model: warning: {w}", file=sys.stderr)
     mem = _memory(model, args)
+    routing, routing_text = _routing(args, model) if args.routing else (None, "")
     if args.json:
         out = model.to_json(tensors=not args.no_tensors)
         out["memory"] = mem
+        if routing is not None:
+            out["routing"] = routing
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
     print(render(model, mem))
+    if routing is not None:
+        print("\n" + routing_text)
     return 0
+
+
+def _routing(args, model) -> tuple[dict, str]:
+    from orchestrator.errors import ModelError
+    from orchestrator.model.routing import measure_profile
+    from orchestrator.model.routing_profile import format_profile
+
+    if not model.n_expert:
+        raise ModelError(f"{args.path}: --routing needs a MoE model (no routed experts)")
+    prof, path, cached = measure_profile(args.path, tokens=args.tokens, prompts=args.prompts)
+    text = format_profile(prof) + f"\n{'cached' if cached else 'saved'}: {path}"
+    return {**prof.to_json(), "cache_file": str(path), "cached": cached}, text
 
 
 def _memory(model, args) -> dict:

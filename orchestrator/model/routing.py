@@ -283,6 +283,132 @@ def measure(model: os.PathLike | str, *, lengths: tuple[int, ...] = (512, 8), se
     return parse_report(proc.stdout)
 
 
+def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
+          seed: int = 1, threads: int | None = None, ngl: int = 0, tool: Path | None = None,
+          timeout: float = 1800):
+    """Decode ``tokens`` tokens one per ``llama_decode`` (random ids, or the text of ``prompts``) and return the
+    experts each picked in each MoE layer (:class:`orchestrator.model.routing_profile.Trace`)."""
+    import tempfile
+
+    from orchestrator.model.routing_profile import parse_trace
+
+    model = Path(model)
+    if not model.is_file():
+        raise ModelError(f"{model}: model file not found")
+    if prompts is not None and not Path(prompts).is_file():
+        raise ModelError(f"{prompts}: prompts file not found")
+    if tokens < 2:
+        raise ModelError(f"--tokens {tokens}: a trace needs at least 2 tokens")
+    exe = tool or build_tool()
+    with tempfile.TemporaryDirectory(prefix="orchestrator-trace-") as tmp:
+        out = Path(tmp) / "routing.trace"
+        argv = [str(exe), str(model), "--trace", str(out), "--decode", str(tokens), "--seed", str(seed),
+                "-ngl", str(ngl)]
+        if prompts is not None:
+            argv += ["--prompts", str(prompts)]
+        if threads:
+            argv += ["-t", str(threads)]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"{TOOL} --trace on {model} took longer than {timeout:.0f}s") from None
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.splitlines()[-10:])
+            raise ModelError(f"{model}: {TOOL} --trace failed (exit {proc.returncode}): {tail}")
+        return parse_trace(out.read_bytes(), str(out))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# routing profiles, cached by model file identity
+
+
+PROFILE_DIR = "routing"
+_HEADER_BYTES = 1 << 20
+
+
+def model_identity(model: os.PathLike | str) -> str:
+    """Size, modification time and a hash of the first MiB (the GGUF header): a changed file gets a new key."""
+    model = Path(model)
+    try:
+        st = model.stat()
+        with open(model, "rb") as f:
+            head = f.read(_HEADER_BYTES)
+    except OSError as e:
+        raise ModelError(f"{model}: cannot read: {e.strerror or e}") from None
+    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:".encode())
+    h.update(head)
+    return h.hexdigest()[:24]
+
+
+def profile_path(model: os.PathLike | str, cache: Path | None = None) -> Path:
+    return (cache or cache_dir()) / PROFILE_DIR / f"{model_identity(model)}.json"
+
+
+def load_profile(model: os.PathLike | str, cache: Path | None = None):
+    """The cached routing profile of ``model`` (``(profile, settings)``), or None when it was never measured
+    (or the file changed since). Reads one small JSON file: what the plan does at plan time."""
+    from orchestrator.model.routing_profile import RoutingProfile
+
+    path = profile_path(model, cache)
+    try:
+        d = json.loads(path.read_text())
+        return RoutingProfile.from_json(d["profile"]), d["settings"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"{path}: unreadable routing profile ({e}); delete it and measure again "
+                         f"(orchestrator model MODEL --routing)") from None
+
+
+def profile_curve(model: os.PathLike | str, policy: str = "lru-global", cache: Path | None = None):
+    """The hit-rate curve the plan uses for ``model``: the cached profile's (``lru-global`` by default: the
+    cache's slots serve any layer), else :data:`~orchestrator.model.routing_profile.DEFAULT_CURVE`, whose
+    ``source`` says that it is the default."""
+    from orchestrator.model.routing_profile import DEFAULT_CURVE
+
+    found = load_profile(model, cache)
+    return found[0].curve(policy) if found else DEFAULT_CURVE
+
+
+def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
+                    seed: int = 1, threads: int | None = None, cache: Path | None = None,
+                    refresh: bool = False, tool: Path | None = None):
+    """Measure ``model``'s routing profile (a decode-order trace through llama.cpp) and cache it by the file's
+    identity; a cached profile measured with the same settings is returned as it is.
+
+    Returns ``(profile, path, cached)``."""
+    from orchestrator.model.routing_profile import profile
+
+    model = Path(model)
+    if not model.is_file():
+        raise ModelError(f"{model}: model file not found")
+    settings = {"tokens": tokens, "seed": seed, "prompts": None}
+    if prompts is not None:
+        prompts = Path(prompts)
+        try:
+            text = prompts.read_bytes()
+        except OSError as e:
+            raise ModelError(f"{prompts}: cannot read the prompts file: {e.strerror or e}") from None
+        settings["prompts"] = {"path": str(prompts), "sha256": hashlib.sha256(text).hexdigest()[:16]}
+    path = profile_path(model, cache)
+    if not refresh:
+        old = load_profile(model, cache)
+        if old is not None and old[1] == settings:
+            return old[0], path, True
+    tr = trace(model, tokens=tokens, prompts=prompts, seed=seed, threads=threads, tool=tool)
+    source = (f"measured: {model.name}, {tr.n_tokens} tokens in decode order, "
+              + (f"text of {prompts.name}" if prompts is not None else f"random token ids (seed {seed})"))
+    prof = profile(tr, source)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.part")
+    try:
+        tmp.write_text(json.dumps({"model": str(model), "settings": settings, "profile": prof.to_json()}))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return prof, path, False
+
+
 def format_report(report: RoutingReport) -> str:
     lines = [f"{report.model}: {report.arch}, {report.n_expert} experts, top {report.n_expert_used}"]
     head = "layer " + " ".join(f"{'distinct/' + str(r.n_tokens) + 't':>14} {'max share':>9}" for r in report.runs)

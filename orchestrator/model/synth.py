@@ -76,6 +76,138 @@ STYLES = {
     "naive": WeightStyle("naive", tuple({**GAIN, "attn_out": 1.0}.items()), False),
 }
 
+# --------------------------------------------------------------------------------------------------------------
+# locality in time
+#
+# A trained model's consecutive tokens share many experts (an LRU holding 30% of a layer's experts hits ~89% in
+# decode); random weights route every token independently. With ``locality > 0`` (qwen3moe shapes) the weights
+# give the router a slowly varying input that comes from the context, never from the token stream:
+#
+# * dims 0..31 of the residual stream ("bias" block) carry the same value for every token (token embeddings),
+#   and nothing else writes there (attn_output and expert down rows zero);
+# * every attention head's query and key read that block through one RoPE pair at a low frequency theta; the
+#   per-head q/k norms keep only that pair, so every head's score is ``A cos(theta * distance)``: a recency
+#   window of about ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. Values do not read
+#   the bias and context blocks, so the window averages the tokens' own (independent) values;
+# * attn_output writes that window average into dims 32..63 (the "context" block; nothing else writes there):
+#   a component that changes little from one token to the next;
+# * the router reads the context block with an extra gain chosen so that about ``locality`` of its logit
+#   variance comes from it, and does not read the bias block.
+#
+# 0 leaves the weights exactly as without locality. The default is calibrated through llama.cpp (decode-order
+# traces, docs/synth.md) against the Qwen3-30B-A3B facts; measured curves are in tests/model/test_synth_locality.py.
+
+LOCALITY_WINDOW = 48.0     # sigma of the attention recency window, tokens
+_WINDOW_SCORE = 256.0      # target peak score A: sets theta = 1 / (sigma * sqrt(A)); period 2 pi / theta tokens
+_BIAS_VALUE = 1.0          # bias block value per dim (token embeddings' element RMS is 1)
+_QK_READ = 4.0             # weight with which the windowed q/k rows read each bias dim
+_CTX_GAIN = 2.0            # attn_output gain into the context block
+DEFAULT_LOCALITY = 0.82
+HIGH_LOCALITY = 0.92
+LOCALITY_LEVELS = {"off": 0.0, "default": DEFAULT_LOCALITY, "high": HIGH_LOCALITY}
+LOCALITY_ARCHS = ("qwen3moe",)
+_BIAS = slice(0, 32)
+_CTX = slice(32, 64)
+
+
+@dataclass(frozen=True)
+class LocalityPlan:
+    """The weights that make routing local in time (see above)."""
+
+    share: float          # intended share of router-logit variance from the context block
+    rope_dim: int         # NEOX pair index (dims i and i + head_dim/2) of the window
+    theta: float          # its frequency (radians per token)
+    score: float          # peak attention score A
+    norm_weight: float    # q/k norm weight on that dim (0 elsewhere)
+    window: float
+
+
+def default_locality(shape: S.ModelShape) -> float:
+    """The calibrated locality where the shape can have it (qwen3moe, n_embd >= 128), else 0."""
+    return DEFAULT_LOCALITY if shape.arch in LOCALITY_ARCHS and shape.n_embd >= 128 else 0.0
+
+
+def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
+    if locality == 0:
+        return None
+    if not (0.0 < locality < 1.0):
+        raise ModelError(f"--locality {locality}: expected 0 <= L < 1 (or off, default, high)")
+    if shape.arch not in LOCALITY_ARCHS:
+        raise ModelError(f"--locality {locality}: routing locality is generated for {', '.join(LOCALITY_ARCHS)} "
+                         f"shapes only, not {shape.like} ({shape.arch}); use --locality 0")
+    if shape.n_embd < 128:
+        raise ModelError(f"--locality needs n_embd >= 128 (bias and context blocks); {shape.like} at this scale "
+                         f"has {shape.n_embd}")
+    half = shape.head_dim // 2
+    thetas = shape.rope_freq_base ** (-2.0 * np.arange(half) / shape.head_dim)
+    want = 1.0 / (LOCALITY_WINDOW * np.sqrt(_WINDOW_SCORE))
+    i = int(np.argmin(np.abs(np.log(thetas / want))))
+    theta = float(thetas[i])
+    score = 1.0 / (theta * LOCALITY_WINDOW) ** 2
+    # q/k after the norm: norm_weight * sqrt(head_dim) on the window dim; score = q.k / sqrt(head_dim)
+    norm_weight = float(np.sqrt(score / np.sqrt(shape.head_dim)))
+    return LocalityPlan(locality, i, theta, score, norm_weight, LOCALITY_WINDOW)
+
+
+def _context_router_gain(shape: S.ModelShape, lp: LocalityPlan, layer: int) -> float:
+    """Router gain on the context block for ``layer`` so that about ``lp.share`` of the logit variance comes
+    from it: the context block holds ``layer + 1`` window averages (each of RMS ~ CTX_GAIN / sqrt(1.77 sigma))
+    against the other dims' ~1 (tokens' own embedding and expert outputs)."""
+    ctx_rms = _CTX_GAIN / np.sqrt(1.77 * lp.window) * np.sqrt(layer + 1)
+    rest = shape.n_embd - 64
+    return float(np.sqrt(lp.share / (1 - lp.share) * rest / 32) / ctx_rms)
+
+
+def _const_block(qtype: str, value: float) -> np.ndarray:
+    """One block whose 32 elements all equal ``value`` (q4_0 / q8_0)."""
+    blk, size = S.BLOCK[qtype]
+    out = np.zeros(size, np.uint8)
+    if qtype == "q4_0":
+        out[0:2] = np.array([value / 7.0], np.float16).view(np.uint8)
+        out[2:] = 0xFF    # codes 15: (15 - 8) * d
+    elif qtype == "q8_0":
+        out[0:2] = np.array([value / 31.0], np.float16).view(np.uint8)
+        out[2:] = 31
+    else:  # pragma: no cover - locality shapes use q4_0 / q8_0 for these tensors
+        raise ValueError(qtype)
+    return out
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[1]) if name.startswith("blk.") else -1
+
+
+def _patch_rows(spec: S.TensorSpec, rows: np.ndarray, row0: int, lp: LocalityPlan, shape: S.ModelShape,
+                rng: "_Rng", style: "WeightStyle") -> None:
+    """Rewrite blocks of the rows ``row0 .. row0 + len(rows)`` (``rows``: (n, blocks per row, block bytes)) of a
+    quantized tensor for routing locality."""
+    kind = spec.name.split(".")[-2] if spec.name.startswith("blk.") else spec.name.split(".")[0]
+    n = rows.shape[0]
+    if kind == "token_embd":
+        rows[:, 0] = _const_block(spec.type, _BIAS_VALUE)
+        rows[:, 1] = 0
+    elif kind in ("attn_q", "attn_k"):
+        hd = shape.head_dim
+        r = np.arange(row0, row0 + n)
+        win = (r % hd) == lp.rope_dim
+        rows[win] = 0
+        rows[win, 0] = _const_block(spec.type, _QK_READ)
+    elif kind == "attn_v":
+        rows[:, 0:2] = 0
+    elif kind == "attn_output":
+        r = np.arange(row0, row0 + n)
+        rows[(r >= _BIAS.start) & (r < _BIAS.stop)] = 0
+        ctx = (r >= _CTX.start) & (r < _CTX.stop)
+        k = int(ctx.sum())
+        if k:
+            rms = _CTX_GAIN / np.sqrt(S.fan_in(spec))
+            rows[ctx] = make_blocks(spec.type, k * rows.shape[1], rms, rng, signed=style.signed
+                                    ).reshape(k, rows.shape[1], -1)
+
+
+_PATCHED = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output")
+
+
 # RMS of the integer codes of each block format (before scaling)
 _Q4_0_RMS = float(np.sqrt(np.mean((np.arange(16) - 8.0) ** 2)))                      # 4.637
 _Q8_0_RMS = float(np.sqrt(np.mean(np.arange(-32, 32, dtype=np.float64) ** 2)))      # 18.5 (codes -32..31)
@@ -96,6 +228,7 @@ class SynthResult:
     n_tensors: int
     bytes: int
     seconds: float
+    locality: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -241,12 +374,21 @@ def make_blocks(qtype: str, n_blocks: int, rms: float, rng: _Rng, *, signed: boo
     return raw
 
 
-def _f32_data(spec: S.TensorSpec, rng: _Rng, style: WeightStyle) -> np.ndarray:
+def _f32_data(spec: S.TensorSpec, rng: _Rng, style: WeightStyle, lp: LocalityPlan | None = None,
+              mshape: S.ModelShape | None = None) -> np.ndarray:
     shape = spec.ne[::-1]
     if spec.role == "norm":
-        return np.ones(shape, np.float32)
+        w = np.ones(shape, np.float32)
+        if lp is not None and spec.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            w[:] = 0.0
+            w[lp.rope_dim] = lp.norm_weight
+        return w
     if spec.role == "router":
-        return rng.gen.standard_normal(shape, dtype=np.float32) * np.float32(_scale_for(spec, style))
+        w = rng.gen.standard_normal(shape, dtype=np.float32) * np.float32(_scale_for(spec, style))
+        if lp is not None:
+            w[:, _BIAS] = 0.0
+            w[:, _CTX] *= np.float32(_context_router_gain(mshape, lp, _layer_of(spec.name)))
+        return w
     if spec.role in ("bias", "router_bias"):
         return rng.gen.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
     if spec.role == "sinks":
@@ -306,9 +448,10 @@ def _pad(n: int) -> int:
     return (-n) % ALIGNMENT
 
 
-def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: WeightStyle) -> int:
+def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: WeightStyle,
+                  lp: LocalityPlan | None = None, mshape: S.ModelShape | None = None) -> int:
     if spec.type == "f32":
-        data = _f32_data(spec, rng, style)
+        data = _f32_data(spec, rng, style, lp, mshape)
         return _write_all(fd, [data, bytes(_pad(data.nbytes))])
     blk, size = S.BLOCK[spec.type]
     rms = _scale_for(spec, style)
@@ -318,9 +461,14 @@ def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: 
         pool = pools.get(spec.type, rms, nbytes)
         per_expert = nbytes // spec.ne[2]
         n_pool_blocks = len(pool) // size
+        # with locality, expert outputs leave the bias and context blocks alone (rows 0..63 of down)
+        quiet = 64 * (spec.ne[0] // blk) * size if (lp is not None and spec.role == "exp_down") else 0
+        zeros = np.zeros(quiet, np.uint8)
         bufs = []
         for _ in range(spec.ne[2]):
-            left = per_expert
+            if quiet:
+                bufs.append(zeros)
+            left = per_expert - quiet
             while left:
                 off = int(rng.gen.integers(0, n_pool_blocks)) * size
                 take = min(left, len(pool) - off)
@@ -331,12 +479,20 @@ def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: 
                 bufs = []
         written += _write_all(fd, bufs)
     else:
+        bpr = spec.ne[0] // blk
+        patch = lp is not None and (spec.name.split(".")[-2] if spec.name.startswith("blk.")
+                                    else spec.name.split(".")[0]) in _PATCHED
         blocks_per_chunk = max(1, CHUNK_BYTES // size)
+        if patch:   # whole rows per chunk
+            blocks_per_chunk = max(bpr, blocks_per_chunk // bpr * bpr)
         n_blocks = nbytes // size
         done = 0
         while done < n_blocks:
             k = min(blocks_per_chunk, n_blocks - done)
-            written += _write_all(fd, [make_blocks(spec.type, k, rms, rng, signed=style.signed)])
+            data = make_blocks(spec.type, k, rms, rng, signed=style.signed)
+            if patch:
+                _patch_rows(spec, data.reshape(k // bpr, bpr, size), done // bpr, lp, mshape, rng, style)
+            written += _write_all(fd, [data])
             done += k
     assert written == nbytes, (spec.name, written, nbytes)
     return written + _write_all(fd, [bytes(_pad(nbytes))])
@@ -344,7 +500,8 @@ def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: 
 
 def write_data(fd: int, specs: list[S.TensorSpec], *, seed: int = 0, pool_bytes: int = POOL_BYTES,
                style: str = "realistic", progress: Callable[[int, int], None] | None = None,
-               rng: _Rng | None = None) -> int:
+               rng: _Rng | None = None, locality: LocalityPlan | None = None,
+               shape: S.ModelShape | None = None) -> int:
     """Write the tensor data of ``specs`` (each padded to the alignment) to ``fd``; returns the bytes written.
 
     Also used on its own by scripts/bench/synth_write.py to time the generator against /dev/null.
@@ -355,7 +512,7 @@ def write_data(fd: int, specs: list[S.TensorSpec], *, seed: int = 0, pool_bytes:
     total = S.total_bytes(specs, ALIGNMENT)
     done = 0
     for sp in specs:
-        done += _write_tensor(fd, sp, rng, pools, wstyle)
+        done += _write_tensor(fd, sp, rng, pools, wstyle, locality, shape)
         if progress:
             progress(done, total)
     return done
@@ -437,12 +594,19 @@ def write_model(
     fsync: bool = True,
     style: str = "realistic",
     progress: Callable[[int, int], None] | None = None,
+    locality: float | None = None,
 ) -> SynthResult:
-    """Write the synthetic model to ``out`` (via ``out.part``, renamed when complete)."""
+    """Write the synthetic model to ``out`` (via ``out.part``, renamed when complete).
+
+    ``locality``: share of the router's input that comes from a slowly varying context component (0: every
+    token routes independently; None: :func:`default_locality` of the shape)."""
     out = Path(out)
     if style not in STYLES:
         raise ModelError(f"weight style {style!r}: expected one of {', '.join(STYLES)}")
     shape, specs = plan(like, scale=scale, quant=quant, layers=layers)
+    if locality is None:
+        locality = default_locality(shape) if style == "realistic" else 0.0
+    lp = locality_plan(shape, locality)
     quant = quant or shape.default_quant
     data_bytes = S.total_bytes(specs, ALIGNMENT)
     parent = out.parent if str(out.parent) else Path(".")
@@ -469,7 +633,8 @@ def write_model(
             raise ModelError(f"{out}: needs {_human(len(header) + data_bytes)} but {parent} has only "
                              f"{_human(free_bytes)} free (use --scale or --layers for a smaller model)")
         _write_all(fd, [header])
-        write_data(fd, specs, seed=seed, pool_bytes=pool_bytes, style=style, progress=progress, rng=rng)
+        write_data(fd, specs, seed=seed, pool_bytes=pool_bytes, style=style, progress=progress, rng=rng,
+                   locality=lp, shape=shape)
         if fsync:
             os.fsync(fd)
         os.close(fd)
@@ -493,4 +658,4 @@ def write_model(
             except OSError:
                 pass
     seconds = time.monotonic() - t0
-    return SynthResult(out, shape, quant, len(specs), out.stat().st_size, seconds)
+    return SynthResult(out, shape, quant, len(specs), out.stat().st_size, seconds, locality)

@@ -86,3 +86,77 @@ def test_tool_is_built_once(tool):
     t0 = time.monotonic()
     assert routing.build_tool() == tool
     assert time.monotonic() - t0 < 1.0  # cached: no compiler run
+
+
+# --------------------------------------------------------------------------------------------------------------
+# locality in time: decode-order traces (one token per llama_decode, random non-repeating token ids)
+
+QWEN3_FACTS = {0.15: 0.74, 0.30: 0.89, 0.50: 0.96}
+
+
+def _demo(tmp_path, locality, seed=11):
+    return synth.write_model(tmp_path / "demo.gguf", "qwen3-30b-a3b", scale=0.125, quant="q8_0", seed=seed,
+                             locality=locality, fsync=False)
+
+
+def test_default_locality_hits_like_qwen3_through_llama_cpp(tmp_path, tool):
+    from orchestrator.model import routing_profile as R
+
+    res = _demo(tmp_path, None)
+    tr = routing.trace(res.path, tokens=1024, threads=THREADS, tool=tool)
+    assert tr.n_tokens == 1024 and tr.layers == tuple(res.shape.moe_layers()) and tr.ids.shape[2] == 8
+    assert len({tuple(x) for x in tr.ids[:, 0, :].tolist()}) > 900      # not a loop
+    p = R.profile(tr)
+    for f, want in QWEN3_FACTS.items():
+        assert R.hit_rate(p.curve(), f) == pytest.approx(want, abs=0.05), R.format_profile(p)
+    # and the spread of a trained model stays: most experts over 512 tokens
+    assert routing.check(routing.measure(res.path, lengths=(512, 8), threads=THREADS, tool=tool)) == []
+
+
+def test_locality_zero_routes_independently_through_llama_cpp(tmp_path, tool):
+    from orchestrator.model import routing_profile as R
+
+    res = _demo(tmp_path, 0.0)
+    p = R.profile(routing.trace(res.path, tokens=512, threads=THREADS, tool=tool))
+    for f in (0.15, 0.30, 0.50):
+        assert R.hit_rate(p.curve(), f) == pytest.approx(f, abs=0.04), R.format_profile(p)
+
+
+def test_trace_of_a_text_file_and_bad_arguments(tmp_path, tool):
+    res = _demo(tmp_path, None)
+    text = tmp_path / "prompts.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    tr = routing.trace(res.path, tokens=4096, prompts=text, threads=THREADS, tool=tool)
+    assert 8 < tr.n_tokens < 4096          # the text's own tokens, fed in order
+    with pytest.raises(ModelError, match="at least 2 tokens"):
+        routing.trace(res.path, tokens=1, tool=tool)
+    with pytest.raises(ModelError, match="missing.txt"):
+        routing.trace(res.path, prompts=tmp_path / "missing.txt", tool=tool)
+
+
+def test_model_routing_command_measures_once_and_caches(tmp_path, tool):
+    import json
+
+    res = _demo(tmp_path, None)
+    cache_file = routing.profile_path(res.path)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    argv = [sys.executable, "-m", "orchestrator", "model", str(res.path), "--routing", "--tokens", "256", "--json",
+            "--no-tensors"]
+    try:
+        first = subprocess.run(argv, capture_output=True, text=True, env=env)
+        assert first.returncode == 0, first.stderr
+        r = json.loads(first.stdout)["routing"]
+        assert r["cached"] is False and r["n_tokens"] == 256 and r["cache_file"] == str(cache_file)
+        assert len(r["curves"]["lru-layer"]["hits"]) == 129 and len(r["layers"]) == res.shape.n_layer
+        again = subprocess.run(argv, capture_output=True, text=True, env=env)
+        assert json.loads(again.stdout)["routing"]["cached"] is True
+        prof, settings = routing.load_profile(res.path)
+        assert settings["tokens"] == 256
+        assert prof.curve().hits == pytest.approx(r["curves"]["lru-layer"]["hits"], abs=1e-4)
+        text = subprocess.run(argv[:-2], capture_output=True, text=True, env=env)
+        assert "per-layer LRU" in text.stdout and "cached:" in text.stdout
+        # a changed file is another model: no profile until measured
+        res.path.write_bytes(res.path.read_bytes() + b"\0" * 32)
+        assert routing.load_profile(res.path) is None
+    finally:
+        cache_file.unlink(missing_ok=True)

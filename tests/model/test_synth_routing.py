@@ -128,3 +128,48 @@ def test_a_failing_link_reports_the_linker_and_leaves_no_binary(tmp_path):
     assert "failed" in str(e.value) and "llama.h" in str(e.value)
     left = [p.name for p in (tmp_path / "native").iterdir() if not p.name.startswith(".")]
     assert left == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# routing profiles cached by file identity (the measurement itself: tests/integration/test_routing.py)
+
+
+def _cached_profile(cache, model):
+    from orchestrator.model import routing_profile as R
+
+    ids = [[[0, 1], [2, 3]], [[1, 0], [3, 2]], [[2, 3], [0, 1]]]
+    import numpy as np
+
+    prof = R.profile(R.Trace(4, 2, (0, 1), np.asarray(ids, np.int32)), "recorded")
+    path = routing.profile_path(model, cache)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"model": str(model), "settings": {"tokens": 3}, "profile": prof.to_json()}))
+    return prof, path
+
+
+def test_profile_cache_is_keyed_by_file_identity(tmp_path):
+    from orchestrator.model.routing_profile import DEFAULT_CURVE
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\1" * 100)
+    assert routing.load_profile(model, tmp_path) is None
+    assert routing.profile_curve(model, cache=tmp_path) is DEFAULT_CURVE      # no profile: the stated default
+    prof, _ = _cached_profile(tmp_path, model)
+    got, settings = routing.load_profile(model, tmp_path)
+    assert settings == {"tokens": 3} and got.curve("lru-global").hits == prof.curve("lru-global").hits
+    assert routing.profile_curve(model, cache=tmp_path).source == "recorded"
+    model.write_bytes(b"GGUF" + b"\2" * 100)                                   # same size, other content
+    assert routing.load_profile(model, tmp_path) is None
+
+
+def test_a_damaged_profile_says_what_to_do(tmp_path):
+    from orchestrator.errors import ModelError
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    _, path = _cached_profile(tmp_path, model)
+    path.write_text("{not json")
+    with pytest.raises(ModelError, match="--routing"):
+        routing.load_profile(model, tmp_path)
+    with pytest.raises(ModelError, match="not found"):
+        routing.measure_profile(tmp_path / "missing.gguf", cache=tmp_path)

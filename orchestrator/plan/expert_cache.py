@@ -1,0 +1,204 @@
+"""Split the VRAM left for routed experts between whole expert layers and an expert cache (pure).
+
+After the always-used weights, the KV cache and the buffers, ``vram_free`` bytes remain for routed experts.
+Whole expert layers on the GPU serve every batch without copies (prompt processing); cache slots
+(``--moe-cache-mib``) hold the experts that decode is using now, for the layers whose experts stay in host
+memory. For each candidate -- ``k`` whole layers on the GPU, the rest of ``vram_free`` as cache -- the routed
+experts' time per generated token is predicted from the routing profile's hit-rate curve:
+
+    t = GPU-resident expert bytes / GPU bw                          (k layers, n_expert_used experts each)
+      + cache hits / GPU bw                                         (host layers' picks found in the cache)
+      + misses / PCIe bw + misses / GPU bw        (miss mode "upload": copied into a slot, then read)
+        or misses / host bw                       (miss mode "cpu": computed on the CPU where they lie)
+
+and, without a cache, t = GPU-resident bytes / GPU bw + every host layer's picks / host bw (the CPU computes
+them). The time of everything else a token reads (attention, norms, the output head) is ``base_seconds``, the
+same for every candidate. The CPU and GPU parts are summed (no overlap counted): a conservative estimate.
+
+Prompt processing is kept as a proxy: time per micro-batch for the expert weights = host-resident expert bytes /
+PCIe bw (copied in for big batches) + GPU-resident expert bytes / GPU bw.
+
+Objectives: ``generation`` (default) takes the best predicted generation within 3% of the best, then the most
+whole layers (prompt speed); ``prompt`` takes the most whole layers, then the best generation; ``balanced``
+maximises the geometric mean of generation and prompt speed, each relative to its best candidate. A cache is
+chosen only where it is predicted to beat the same VRAM as whole layers alone (slow link, little locality:
+no cache).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from orchestrator.model.routing_profile import HitCurve, hit_rate
+
+OBJECTIVES = ("generation", "balanced", "prompt")
+MISS_MODES = ("upload", "cpu")
+GENERATION_TOLERANCE = 0.03   # "within 3% of the best generation"
+MIN_GAIN = 0.01               # a cache must win by more than this to be worth its complexity
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CacheInputs:
+    curve: HitCurve
+    layer_expert_bytes: int      # routed-expert bytes of one MoE layer (all its experts)
+    n_expert: int
+    n_expert_used: int
+    n_moe_layers: int
+    vram_free: int               # VRAM left after always-used weights, KV and buffers
+    pcie_bw: float               # measured host->device bytes/s (pinned)
+    host_bw: float               # host memory bytes/s that CPU expert compute reads at
+    gpu_bw: float                # GPU memory bytes/s
+    base_seconds: float = 0.0    # per-token time of everything but the routed experts
+    cpu_misses: bool = True      # the backend can compute cache misses on the CPU
+
+
+@dataclass(frozen=True)
+class CacheCandidate:
+    gpu_layers: int              # whole expert layers on the GPU
+    host_layers: int
+    cache_bytes: int             # 0: no cache
+    slots: int                   # experts the cache holds
+    fraction: float              # slots / host-resident experts
+    hit_rate: float
+    miss_mode: str               # "upload", "cpu", or "none" without a cache
+    gpu_resident_bytes: float    # per token: experts of GPU layers
+    cache_hit_bytes: float       # per token: host layers' picks served from the cache
+    host_read_bytes: float       # per token: read from host memory by CPU expert compute
+    pcie_bytes: float            # per token: uploaded over PCIe
+    expert_seconds: float        # routed experts' time per generated token
+    tokens_per_s: float          # 1 / (base_seconds + expert_seconds)
+    prompt_seconds: float        # expert weights' time per prompt micro-batch (proxy)
+
+    @property
+    def cache_mib(self) -> int:
+        return self.cache_bytes // MIB
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    chosen: CacheCandidate
+    no_cache: CacheCandidate     # the most whole layers that fit, no cache
+    candidates: tuple[CacheCandidate, ...]
+    objective: str
+    curve_source: str
+    reason: str
+
+    @property
+    def use_cache(self) -> bool:
+        return self.chosen.cache_bytes > 0
+
+    def arithmetic(self) -> list[str]:
+        """The prediction at the chosen point, for ``plan`` to print."""
+        c, n = self.chosen, self.no_cache
+        gb = 1e9
+        lines = [f"expert cache: {self.reason}",
+                 f"  hit-rate curve: {self.curve_source}"]
+        if c.cache_bytes:
+            lines.append(f"  {c.gpu_layers} expert layers on the GPU, {c.host_layers} in host memory; cache "
+                         f"{c.cache_mib} MiB = {c.slots} experts = {c.fraction:.1%} of the host-resident ones "
+                         f"-> predicted hit rate {c.hit_rate:.1%}; misses {c.miss_mode}")
+        else:
+            lines.append(f"  {c.gpu_layers} expert layers on the GPU, {c.host_layers} in host memory; no cache")
+        lines.append(f"  per token: {c.gpu_resident_bytes / gb:.3f} GB GPU-resident experts + "
+                     f"{c.cache_hit_bytes / gb:.3f} GB from the cache + {c.host_read_bytes / gb:.3f} GB from "
+                     f"host memory + {c.pcie_bytes / gb:.3f} GB over PCIe -> {c.expert_seconds * 1e3:.2f} ms "
+                     f"-> {c.tokens_per_s:.1f} tok/s predicted")
+        if c is not n:
+            lines.append(f"  without a cache ({n.gpu_layers} layers on the GPU): {n.expert_seconds * 1e3:.2f} ms "
+                         f"-> {n.tokens_per_s:.1f} tok/s; prompt proxy {c.prompt_seconds * 1e3:.1f} ms vs "
+                         f"{n.prompt_seconds * 1e3:.1f} ms per micro-batch")
+        return lines
+
+    def to_json(self) -> dict:
+        def cand(c: CacheCandidate) -> dict:
+            return {"gpu_layers": c.gpu_layers, "host_layers": c.host_layers, "cache_mib": c.cache_mib,
+                    "cache_bytes": c.cache_bytes, "slots": c.slots, "fraction": round(c.fraction, 5),
+                    "hit_rate": round(c.hit_rate, 5), "miss_mode": c.miss_mode,
+                    "bytes_per_token": {"gpu_resident": round(c.gpu_resident_bytes), "cache_hits":
+                                        round(c.cache_hit_bytes), "host_memory": round(c.host_read_bytes),
+                                        "pcie": round(c.pcie_bytes)},
+                    "expert_seconds_per_token": c.expert_seconds, "tokens_per_s": c.tokens_per_s,
+                    "prompt_seconds_per_ubatch": c.prompt_seconds}
+        return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
+                "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
+                "candidates": [cand(c) for c in self.candidates]}
+
+
+def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCandidate:
+    expert = inp.layer_expert_bytes / inp.n_expert
+    per_layer_token = inp.n_expert_used * expert
+    h = inp.n_moe_layers - k
+    gpu_resident = k * per_layer_token
+    host_picks = h * per_layer_token
+    prompt = h * inp.layer_expert_bytes / inp.pcie_bw + k * inp.layer_expert_bytes / inp.gpu_bw
+    if cache_bytes <= 0 or h == 0:
+        t = gpu_resident / inp.gpu_bw + host_picks / inp.host_bw
+        return CacheCandidate(k, h, 0, 0, 0.0, 0.0, "none", gpu_resident, 0.0, host_picks, 0.0, t,
+                              1.0 / (inp.base_seconds + t), prompt)
+    slots = min(int(cache_bytes // expert), h * inp.n_expert)
+    fraction = slots / (h * inp.n_expert)
+    hit = hit_rate(inp.curve, fraction)
+    hits, misses = hit * host_picks, (1.0 - hit) * host_picks
+    if mode == "upload":
+        t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw
+        host_read, pcie = 0.0, misses
+    else:
+        t = (gpu_resident + hits) / inp.gpu_bw + misses / inp.host_bw
+        host_read, pcie = misses, 0.0
+    return CacheCandidate(k, h, int(cache_bytes), slots, fraction, hit, mode, gpu_resident, hits, host_read, pcie,
+                          t, 1.0 / (inp.base_seconds + t), prompt)
+
+
+def candidates(inp: CacheInputs) -> tuple[CacheCandidate, ...]:
+    """One candidate per number of whole layers (0 .. as many as fit), the rest of the VRAM as cache, with the
+    faster miss mode; plus the no-cache split (most whole layers)."""
+    free = max(0, int(inp.vram_free))
+    k_max = min(inp.n_moe_layers, free // inp.layer_expert_bytes) if inp.layer_expert_bytes > 0 else 0
+    modes = ("upload", "cpu") if inp.cpu_misses else ("upload",)
+    out = []
+    for k in range(k_max + 1):
+        rest = free - k * inp.layer_expert_bytes
+        rest = rest // MIB * MIB
+        if rest < inp.layer_expert_bytes / inp.n_expert or k == inp.n_moe_layers:
+            continue
+        out.append(min((_candidate(inp, k, rest, m) for m in modes), key=lambda c: c.expert_seconds))
+    out.append(_candidate(inp, k_max, 0, "none"))
+    return tuple(out)
+
+
+def plan_expert_cache(inp: CacheInputs, objective: str = "generation") -> CachePlan:
+    """Pick the split of ``inp.vram_free`` between whole expert layers and the cache by ``objective``."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}: expected one of {OBJECTIVES}")
+    for name in ("pcie_bw", "host_bw", "gpu_bw"):
+        if not getattr(inp, name) > 0:
+            raise ValueError(f"{name} must be positive")
+    cands = candidates(inp)
+    no_cache = cands[-1]
+    if inp.n_moe_layers == 0 or no_cache.host_layers == 0:
+        return CachePlan(no_cache, no_cache, cands, objective, inp.curve.source,
+                         "every expert layer fits on the GPU: no cache needed")
+    best_tg = max(c.tokens_per_s for c in cands)
+    best_pp = min(c.prompt_seconds for c in cands)
+    if objective == "generation":
+        near = [c for c in cands if c.tokens_per_s >= (1 - GENERATION_TOLERANCE) * best_tg]
+        pick = max(near, key=lambda c: (c.gpu_layers, c.tokens_per_s))
+        why = f"best generation within {GENERATION_TOLERANCE:.0%} of the best, then the most whole layers"
+    elif objective == "prompt":
+        pick = max(cands, key=lambda c: (c.gpu_layers, c.tokens_per_s))
+        why = "the most whole layers (prompt speed), then the best generation"
+    else:
+        pick = max(cands, key=lambda c: math.sqrt(c.tokens_per_s / best_tg * best_pp / c.prompt_seconds))
+        why = "best geometric mean of generation and prompt speed"
+    if pick.cache_bytes and pick.tokens_per_s <= no_cache.tokens_per_s * (1 + MIN_GAIN):
+        return CachePlan(no_cache, no_cache, cands, objective, inp.curve.source,
+                         f"no cache: predicted not to beat {no_cache.gpu_layers} whole layers "
+                         f"({pick.tokens_per_s:.1f} vs {no_cache.tokens_per_s:.1f} tok/s)")
+    if not pick.cache_bytes:
+        return CachePlan(pick, no_cache, cands, objective, inp.curve.source, f"no cache ({why})")
+    gain = pick.tokens_per_s / no_cache.tokens_per_s
+    return CachePlan(pick, no_cache, cands, objective, inp.curve.source,
+                     f"{pick.cache_mib} MiB cache, {pick.gpu_layers} whole layers: {why}; predicted "
+                     f"{gain:.2f}x the generation of {no_cache.gpu_layers} whole layers without a cache")

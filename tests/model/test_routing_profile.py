@@ -1,0 +1,126 @@
+"""Trace -> hit-rate curves (pure): checked against a literal LRU cache simulated pick by pick."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from orchestrator.errors import ModelError
+from orchestrator.model import routing_profile as R
+
+
+def _trace(ids, n_expert, layers=None):
+    ids = np.asarray(ids, np.int32)
+    return R.Trace(n_expert, ids.shape[2], tuple(layers or range(ids.shape[1])), ids)
+
+
+def _literal_lru(trace, slots, policy):
+    """Count hits of real LRU caches: per layer (``slots`` each) or one global cache (``slots`` in all)."""
+    caches = {}
+    hits = total = 0
+    for t in range(trace.n_tokens):
+        for li in range(len(trace.layers)):
+            key = li if policy == "lru-layer" else 0
+            cache = caches.setdefault(key, OrderedDict())
+            picks = [(li, int(e)) for e in trace.ids[t, li]]
+            hits += sum(p in cache for p in picks)
+            total += len(picks)
+            for p in picks:
+                cache.pop(p, None)
+                cache[p] = True
+                while len(cache) > slots:
+                    cache.popitem(last=False)
+    return hits / total
+
+
+def _random_trace(seed, t=60, nl=3, e=16, k=3, local=True):
+    rng = np.random.default_rng(seed)
+    ids = np.empty((t, nl, k), np.int32)
+    for li in range(nl):
+        hot = rng.choice(e, 6, replace=False)
+        for i in range(t):
+            pool = hot if (local and rng.random() < 0.7) else np.arange(e)
+            ids[i, li] = rng.choice(pool, k, replace=False)
+            if local and rng.random() < 0.1:
+                hot = rng.choice(e, 6, replace=False)
+    return _trace(ids, e)
+
+
+@pytest.mark.parametrize("policy", R.POLICIES)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_distances_match_a_literal_lru_at_every_size(policy, seed):
+    tr = _random_trace(seed)
+    d = R.lru_distances(tr, policy)
+    nl = len(tr.layers)
+    sizes = range(0, tr.n_expert + 1) if policy == "lru-layer" else range(0, nl * tr.n_expert + 1, 2)
+    for s in sizes:
+        assert (d < s).mean() == pytest.approx(_literal_lru(tr, s, policy)), s
+
+
+def test_profile_curves_and_coverage():
+    # one layer, 4 experts, top-2: tokens pick {0,1}, {0,1}, {2,3}, {0,1}
+    tr = _trace([[[0, 1]], [[1, 0]], [[2, 3]], [[0, 1]]], 4, layers=[7])
+    p = R.profile(tr, "test")
+    (ls,) = p.layers
+    assert ls.layer == 7
+    # 2 slots: token 1 hits both; token 3 misses (2,3 evicted 0,1). 4 slots: tokens 1 and 3 hit
+    assert ls.hits[2] == pytest.approx(2 / 8) and ls.hits[4] == pytest.approx(4 / 8)
+    assert ls.hits[0] == 0.0
+    assert ls.experts_for_90 == 4      # counts 3,3,1,1 of 8: three experts cover 7/8 < 90%
+    assert ls.consecutive_overlap == pytest.approx((1 + 0 + 0) / 3)
+    assert p.global_hits == ls.hits    # one layer: the global cache is the layer's
+    c = p.curve("lru-layer")
+    assert c.fractions[2] == 0.5 and R.hit_rate(c, 0.5) == pytest.approx(0.25)
+
+
+def test_independent_routing_hits_in_proportion_to_size():
+    rng = np.random.default_rng(0)
+    ids = np.array([[rng.choice(64, 4, replace=False) for _ in range(2)] for _ in range(3000)])
+    p = R.profile(_trace(ids, 64))
+    for policy in R.POLICIES:
+        c = p.curve(policy)
+        for f in (0.25, 0.5, 0.75):
+            assert R.hit_rate(c, f) == pytest.approx(f, abs=0.03), (policy, f)
+
+
+def test_default_curve_and_interpolation():
+    c = R.DEFAULT_CURVE
+    for f, h in ((0.05, 0.37), (0.15, 0.74), (0.30, 0.89), (0.50, 0.96)):
+        assert R.hit_rate(c, f) == pytest.approx(h)
+    grid = np.linspace(0, 1, 401)
+    vals = [R.hit_rate(c, f) for f in grid]
+    assert all(b >= a - 1e-12 for a, b in zip(vals, vals[1:]))      # monotone
+    assert 0.37 < R.hit_rate(c, 0.1) < 0.74
+    assert R.hit_rate(c, -1) == 0.0 and R.hit_rate(c, 2) == 1.0
+    with pytest.raises(ValueError):
+        R.HitCurve((0, 0.5, 0.4), (0, 0.5, 0.6), "bad")
+    with pytest.raises(ValueError):
+        R.HitCurve((0, 0.5), (0.5, 0.4), "bad")
+
+
+def test_trace_round_trip_and_bad_files():
+    tr = _random_trace(4, t=5)
+    data = R.trace_bytes(tr)
+    back = R.parse_trace(data)
+    assert back.layers == tr.layers and (back.ids == tr.ids).all() and back.n_expert == tr.n_expert
+    with pytest.raises(ModelError, match="x.trace: not a routing trace"):
+        R.parse_trace(b"NOTATRACE" + data[9:], "x.trace")
+    with pytest.raises(ModelError, match="header says"):
+        R.parse_trace(data[:-2], "x.trace")
+    with pytest.raises(ModelError, match="too short"):
+        R.parse_trace(b"EXP", "x.trace")
+    bad = bytearray(data)
+    bad[-2:] = (999).to_bytes(2, "little")
+    with pytest.raises(ModelError, match="out of range"):
+        R.parse_trace(bytes(bad), "x.trace")
+
+
+def test_profile_json_round_trip_and_text():
+    p = R.profile(_random_trace(5), "measured")
+    q = R.RoutingProfile.from_json(p.to_json())
+    assert q.curve("lru-global") == p.curve("lru-global")
+    assert q.curve("lru-layer").hits == pytest.approx(p.curve("lru-layer").hits, abs=1e-5)
+    text = R.format_profile(p)
+    assert "per-layer LRU" in text and len(text.splitlines()) == 3 + 5 + 1 + 3

@@ -1,0 +1,103 @@
+"""synth-model --locality: the weights that make routing local in time (read back from the written file).
+The routing they produce is measured through llama.cpp in tests/integration/test_routing.py and recorded in
+tests/model/test_routing_calibration.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.errors import ModelError
+from orchestrator.model import shapes as S
+from orchestrator.model import synth
+
+gguf = pytest.importorskip("gguf")
+
+
+def _tensors(path):
+    r = gguf.GGUFReader(str(path))
+    return {t.name: t for t in r.tensors}
+
+
+def _q8_values(t, n_embd):
+    """Dequantize a Q8_0 tensor's raw blocks: (rows, n_embd)."""
+    raw = np.asarray(t.data, np.uint8).reshape(-1, 34)
+    d = raw[:, :2].copy().view(np.float16).astype(np.float32)
+    q = raw[:, 2:].view(np.int8).astype(np.float32)
+    return (q * d).reshape(-1, n_embd)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loc")
+    out = {}
+    for name, loc in (("default", None), ("off", 0.0)):
+        out[name] = synth.write_model(d / f"{name}.gguf", "qwen3-30b-a3b", scale=0.125, quant="q8_0", seed=2,
+                                      locality=loc, fsync=False)
+    return out
+
+
+def test_default_locality_writes_the_window_and_the_context_block(models):
+    res = models["default"]
+    assert res.locality == synth.DEFAULT_LOCALITY
+    shape = res.shape
+    lp = synth.locality_plan(shape, res.locality)
+    t = _tensors(res.path)
+    emb = _q8_values(t["token_embd.weight"], shape.n_embd)
+    assert np.allclose(emb[:, :32], emb[0, :32]) and emb[0, 0] > 0.5          # bias block: same for every token
+    assert not emb[:, 32:64].any()                                              # context block: nothing
+    qn = np.asarray(t["blk.0.attn_q_norm.weight"].data)
+    assert qn[lp.rope_dim] == pytest.approx(lp.norm_weight) and np.count_nonzero(qn) == 1
+    q = _q8_values(t["blk.0.attn_q.weight"], shape.n_embd)
+    win = q[lp.rope_dim::shape.head_dim]
+    assert win.shape[0] == shape.n_head and not win[:, 32:].any() and (win[:, :32] > 0).all()
+    v = _q8_values(t["blk.3.attn_v.weight"], shape.n_embd)
+    assert not v[:, :64].any() and v[:, 64:].any()
+    o = _q8_values(t["blk.3.attn_output.weight"], shape.n_head * shape.head_dim)   # rows: residual dims
+    assert not o[:32].any() and o[32:64].std() > 2 * o[64:].std()
+    router = np.asarray(t["blk.5.ffn_gate_inp.weight"].data)                        # (n_expert, n_embd)
+    assert not router[:, :32].any() and router[:, 32:64].std() > 3 * router[:, 64:].std()
+    down = np.asarray(t["blk.2.ffn_down_exps.weight"].data, np.uint8).reshape(shape.n_expert, shape.n_embd, -1)
+    assert not down[:, :64].any() and down[:, 64:].any()
+    # the window: a Gaussian of about LOCALITY_WINDOW tokens that does not come back within 4096 tokens
+    assert 2 * np.pi / lp.theta > 4096
+    assert 1 / (lp.theta * np.sqrt(lp.score)) == pytest.approx(synth.LOCALITY_WINDOW)
+
+
+def test_locality_zero_is_the_independent_generator(models):
+    t = _tensors(models["off"].path)
+    n = models["off"].shape.n_embd
+    assert (np.asarray(t["blk.0.attn_q_norm.weight"].data) == 1).all()
+    emb = _q8_values(t["token_embd.weight"], n)
+    assert emb[:, 32:64].any() and not np.allclose(emb[:, :32], emb[0, :32])
+    # same size either way: locality changes values, never the tensors
+    assert models["off"].bytes == models["default"].bytes
+
+
+def test_locality_levels_and_limits():
+    qwen = S.scaled(S.get("qwen3-30b-a3b"), 0.125)
+    assert synth.default_locality(qwen) == synth.DEFAULT_LOCALITY
+    assert synth.default_locality(S.scaled(S.get("deepseek-v3"), 0.05)) == 0.0
+    assert synth.locality_plan(qwen, 0.0) is None
+    with pytest.raises(ModelError, match="qwen3moe shapes only"):
+        synth.locality_plan(S.scaled(S.get("gpt-oss-20b"), 0.1), 0.5)
+    with pytest.raises(ModelError, match="0 <= L < 1"):
+        synth.locality_plan(qwen, 1.0)
+    # more locality: more router gain on the context block, in every layer
+    lo, hi = synth.locality_plan(qwen, 0.5), synth.locality_plan(qwen, 0.9)
+    for layer in (0, 5):
+        assert synth._context_router_gain(qwen, hi, layer) > synth._context_router_gain(qwen, lo, layer)
+
+
+def test_cli_rejects_a_locality_the_shape_cannot_have(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "m.gguf"
+    res = subprocess.run([sys.executable, "-m", "orchestrator", "synth-model", str(out), "--like", "deepseek-v3",
+                          "--scale", "0.05", "--locality", "high"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 2 and "qwen3moe shapes only" in res.stderr and "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []

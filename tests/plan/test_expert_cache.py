@@ -1,0 +1,103 @@
+"""Whole expert layers versus the expert cache: the pure split decision, on recorded and stated inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from orchestrator.model.routing_profile import DEFAULT_CURVE, HitCurve
+from orchestrator.plan import expert_cache as X
+
+GiB = 1 << 30
+# Qwen3-30B-A3B q4_0: 48 MoE layers of 128 experts, 3 x 2048 x 768 weights each at 4.5 bits
+LAYER = 128 * 3 * 2048 * 768 * 18 // 32
+# routing with no locality at all: a cache of f of the host experts hits f
+UNIFORM = HitCurve((0.0, 1.0), (0.0, 1.0), "independent routing")
+
+
+def _inputs(**kw):
+    base = dict(curve=DEFAULT_CURVE, layer_expert_bytes=LAYER, n_expert=128, n_expert_used=8, n_moe_layers=48,
+                vram_free=4 * GiB, pcie_bw=50e9, host_bw=100e9, gpu_bw=4e12, base_seconds=0.002)
+    base.update(kw)
+    return X.CacheInputs(**base)
+
+
+def test_candidates_cover_every_whole_layer_count_and_the_arithmetic_adds_up():
+    inp = _inputs()
+    cands = X.candidates(inp)
+    k_max = 4 * GiB // LAYER
+    assert [c.gpu_layers for c in cands] == list(range(k_max + 1)) + [k_max]
+    expert = LAYER / 128
+    for c in cands:
+        assert c.gpu_layers + c.host_layers == 48
+        assert c.gpu_resident_bytes == pytest.approx(c.gpu_layers * 8 * expert)
+        host = c.host_layers * 8 * expert
+        if c.cache_bytes:
+            assert c.gpu_layers * LAYER + c.cache_bytes <= 4 * GiB
+            assert c.slots == c.cache_bytes // int(expert) or c.slots == int(c.cache_bytes // expert)
+            assert c.cache_hit_bytes == pytest.approx(c.hit_rate * host)
+            assert c.host_read_bytes + c.pcie_bytes == pytest.approx((1 - c.hit_rate) * host)
+        else:
+            assert c.host_read_bytes == pytest.approx(host)
+        assert c.tokens_per_s == pytest.approx(1 / (0.002 + c.expert_seconds))
+
+
+def test_fast_link_and_local_routing_choose_a_cache():
+    plan = X.plan_expert_cache(_inputs())
+    c = plan.chosen
+    assert plan.use_cache and c.cache_bytes > 0
+    # 0 whole layers and 4 GiB of cache: ~25% of the host experts -> ~86% hits by the default curve
+    assert c.tokens_per_s > 1.5 * plan.no_cache.tokens_per_s
+    assert 0.8 < c.hit_rate < 0.95
+    text = "\n".join(plan.arithmetic())
+    assert "predicted hit rate" in text and "over PCIe" in text and "without a cache" in text
+    js = plan.to_json()
+    assert js["use_cache"] and js["chosen"]["cache_mib"] == c.cache_mib
+    assert js["chosen"]["bytes_per_token"]["host_memory"] + js["chosen"]["bytes_per_token"]["pcie"] > 0
+
+
+def test_cpu_misses_are_used_when_the_cpu_reads_faster_than_the_link():
+    fast_host = X.plan_expert_cache(_inputs(host_bw=100e9, pcie_bw=40e9)).chosen
+    assert fast_host.miss_mode == "cpu" and fast_host.pcie_bytes == 0
+    no_cpu = X.plan_expert_cache(_inputs(host_bw=100e9, pcie_bw=40e9, cpu_misses=False)).chosen
+    assert no_cpu.miss_mode == "upload"
+    assert no_cpu.tokens_per_s <= fast_host.tokens_per_s
+
+
+def test_no_cache_where_it_is_predicted_to_lose():
+    # independent routing: hits only in proportion to the size, and a PCIe 3.0 x4 link
+    plan = X.plan_expert_cache(_inputs(curve=UNIFORM, pcie_bw=3e9, cpu_misses=False))
+    assert not plan.use_cache
+    assert plan.chosen is plan.no_cache and plan.chosen.gpu_layers == 4 * GiB // LAYER
+    assert plan.reason.startswith("no cache")
+
+
+def test_generation_objective_takes_the_most_layers_within_3_percent():
+    inp = _inputs(vram_free=12 * GiB)
+    plan = X.plan_expert_cache(inp)
+    best = max(c.tokens_per_s for c in plan.candidates)
+    assert plan.chosen.tokens_per_s >= 0.97 * best
+    more_layers = [c for c in plan.candidates if c.gpu_layers > plan.chosen.gpu_layers]
+    assert all(c.tokens_per_s < 0.97 * best for c in more_layers)
+
+
+def test_prompt_objective_keeps_the_most_whole_layers():
+    plan = X.plan_expert_cache(_inputs(vram_free=12 * GiB), "prompt")
+    assert plan.chosen.gpu_layers == 12 * GiB // LAYER
+    gen = X.plan_expert_cache(_inputs(vram_free=12 * GiB), "generation")
+    assert plan.chosen.prompt_seconds <= gen.chosen.prompt_seconds
+    bal = X.plan_expert_cache(_inputs(vram_free=12 * GiB), "balanced")
+    assert gen.chosen.gpu_layers <= bal.chosen.gpu_layers <= plan.chosen.gpu_layers
+
+
+def test_everything_fits_needs_no_cache():
+    plan = X.plan_expert_cache(_inputs(vram_free=49 * LAYER))
+    assert not plan.use_cache and plan.chosen.host_layers == 0 and "no cache needed" in plan.reason
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="objective"):
+        X.plan_expert_cache(_inputs(), "fastest")
+    with pytest.raises(ValueError, match="pcie_bw"):
+        X.plan_expert_cache(dataclasses.replace(_inputs(), pcie_bw=0))
