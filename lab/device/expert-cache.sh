@@ -7,8 +7,8 @@
 #                                            # `orchestrator build --export-source`), W1 models at routing locality
 #                                            # default and 0, the GPU correctness test
 #   bash lab/device/expert-cache.sh w1-12g LOCALITY [ROUNDS]   # W1 at 12 GiB: plan (19 CPU expert layers) /
-#                                            # plan + 4, 8, 12 layers whose VRAM goes to the cache / --fit on
-#                                            # --load-mode none / plan again (A/A)
+#                                            # plan + 4, 8, 12 layers whose VRAM goes to the cache / plan + 8
+#                                            # without the cache / --fit on --load-mode none / plan again (A/A)
 #   bash lab/device/expert-cache.sh w1-budget GIB PLAN_LAYERS LOCALITY GRID   # the same at another budget
 #
 # Everything a step writes is packed into $OUT/<step>.tgz.
@@ -79,7 +79,7 @@ w1-12g)
   MODEL=$(model "${2:?locality}")
   log "W1 12 GiB, locality $2"
   python3 lab/device/expert_cache_bench.py --server "$BIN/llama-server" --model "$MODEL" --label "W1 locality $2" \
-    --budget-gib 12 --plan-layers 19 --grid 4,8,12 --rounds "${3:-2}" --deadline "$DEADLINE" --out "$O" \
+    --budget-gib 12 --plan-layers 19 --grid 4,8,12 --bare 8 --rounds "${3:-2}" --deadline "$DEADLINE" --out "$O" \
     2>&1 | tee "$O/bench.txt"
   ;;
 w1-budget)

@@ -240,6 +240,8 @@ def main() -> int:
     ap.add_argument("--budget-gib", type=float, required=True, help="VRAM the configurations may use (ballast)")
     ap.add_argument("--plan-layers", type=int, required=True, help="the plan's CPU expert layers at this budget")
     ap.add_argument("--grid", default="4,8,12", help="extra CPU expert layers whose VRAM goes to the cache")
+    ap.add_argument("--bare", default="", help="extra CPU expert layers also run without the cache (the same "
+                    "placement, for prompt speed)")
     ap.add_argument("--ub", type=int, default=2048)
     ap.add_argument("--threshold", type=int, default=24, help="GGML_OP_OFFLOAD_MIN_BATCH")
     ap.add_argument("--max-batch", type=int, default=8)
@@ -263,6 +265,8 @@ def main() -> int:
     for extra in (int(x) for x in a.grid.split(",") if x):
         mib = int(extra * LAYER_EXPERT_MIB) - 64
         configs.append(plan_config(a.model, a.plan_layers + extra, mib, a.ub, a.threshold, a.max_batch))
+    for extra in (int(x) for x in a.bare.split(",") if x):
+        configs.append(plan_config(a.model, a.plan_layers + extra, 0, a.ub, a.threshold, a.max_batch))
     if not a.no_fit:
         configs.append(fit_pinned(a.model))
     configs.append(control)
