@@ -366,10 +366,10 @@ def load_profile(model: os.PathLike | str, cache: Path | None = None):
                          f"(orchestrator model MODEL --routing)") from None
 
 
-def profile_curve(model: os.PathLike | str, policy: str = "lru-global", cache: Path | None = None):
-    """The hit-rate curve the plan uses for ``model``: the cached profile's (``lru-global`` by default: the
-    cache's slots serve any layer), else :data:`~orchestrator.model.routing_profile.DEFAULT_CURVE`, whose
-    ``source`` says that it is the default."""
+def profile_curve(model: os.PathLike | str, policy: str = "lru-layer", cache: Path | None = None):
+    """The hit-rate curve the plan uses for ``model``: the cached profile's (``lru-layer`` by default: our
+    cache gives every host-resident expert tensor its own bank of slots, the same count for all), else
+    :data:`~orchestrator.model.routing_profile.DEFAULT_CURVE`, whose ``source`` says that it is the default."""
     from orchestrator.model.routing_profile import DEFAULT_CURVE
 
     found = load_profile(model, cache)
