@@ -12,7 +12,8 @@
 // largest fraction of (token, slot) picks that went to a single expert.
 //
 // usage: expert_usage MODEL.gguf [-n TOKENS]... [--seed S] [-t THREADS] [-ngl N]
-//        expert_usage MODEL.gguf --trace OUT.trace [--decode N] [--prompts FILE] [--seed S] [-t T] [-ngl N]
+//        expert_usage MODEL.gguf --trace OUT.trace [--decode N] [--prompts FILE] [--sample T] [--seed S] [-t T]
+//                     [-ngl N]
 //   -n        prompt length (repeatable; default: 512 and 8)
 //   --seed    seed of the random token ids (default 1)
 //   -t        CPU threads (default: all)
@@ -22,7 +23,10 @@
 //             in every MoE layer are written to OUT.trace (via OUT.trace.part, renamed when complete). The
 //             tokens are the text of --prompts FILE (tokenized by the model, fed as they stand: a real text
 //             does not loop), else uniformly random token ids (independent: the stream never repeats a
-//             pattern, so any locality in the trace comes from the model). A summary line goes to stdout.
+//             pattern, so any locality in the trace comes from the model). --sample T: after the text (or one
+//             random token), the tokens are sampled from the model at temperature T (seeded by --seed), as
+//             a server generates them; never greedy (a random-weight model's greedy output loops). A summary
+//             line goes to stdout.
 //
 // Trace format (little-endian):
 //   offset 0   8 bytes   magic "EXPTRACE"
@@ -45,6 +49,7 @@
 
 #include <cerrno>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -140,7 +145,7 @@ std::string json_escape(const std::string & s) {
 
 int usage(const char * argv0) {
     std::fprintf(stderr, "usage: %s MODEL.gguf [-n TOKENS]... [--seed S] [-t THREADS] [-ngl N]\n"
-                         "       %s MODEL.gguf --trace OUT [--decode N] [--prompts FILE] [--seed S] [-t T] [-ngl N]\n",
+                         "       %s MODEL.gguf --trace OUT [--decode N] [--prompts FILE] [--sample T] [--seed S] [-t T] [-ngl N]\n",
                  argv0, argv0);
     return 2;
 }
@@ -166,15 +171,32 @@ void put_u32(std::string & out, uint32_t v) {
     }
 }
 
-// Decode `tokens` one per llama_decode and write the trace described at the top of this file.
-int run_trace(llama_context * ctx, capture & cap, const std::vector<llama_token> & tokens, int n_used,
-              const std::string & out_path) {
+// Sample a token from the last logits at `temperature` (softmax over the whole vocabulary).
+llama_token sample_token(llama_context * ctx, int n_vocab, float temperature, std::mt19937 & rng) {
+    const float * logits = llama_get_logits_ith(ctx, -1);
+    float top = logits[0];
+    for (int v = 1; v < n_vocab; v++) {
+        top = logits[v] > top ? logits[v] : top;
+    }
+    std::vector<double> w(n_vocab);
+    for (int v = 0; v < n_vocab; v++) {
+        w[v] = std::exp((double) (logits[v] - top) / temperature);
+    }
+    std::discrete_distribution<int> pick(w.begin(), w.end());
+    return (llama_token) pick(rng);
+}
+
+// Decode `n_total` tokens one per llama_decode -- `prefix` first, then (temperature > 0) tokens sampled from
+// the model -- and write the trace described at the top of this file.
+int run_trace(llama_context * ctx, capture & cap, std::vector<llama_token> tokens, int n_total, int n_used,
+              int n_vocab, float temperature, unsigned seed, const std::string & out_path) {
+    std::mt19937 srng(seed ^ 0x5eed5eedu);
     cap.trace = true;
     std::vector<int32_t> layers;
     std::vector<uint16_t> ids;
     llama_memory_clear(llama_get_memory(ctx), true);
     llama_batch batch = llama_batch_init(1, 0, 1);
-    for (size_t i = 0; i < tokens.size(); i++) {
+    for (size_t i = 0; i < (size_t) n_total; i++) {
         cap.picks.clear();
         batch.token[0] = tokens[i];
         batch.pos[0] = (llama_pos) i;
@@ -215,6 +237,9 @@ int run_trace(llama_context * ctx, capture & cap, const std::vector<llama_token>
                 ids.push_back((uint16_t) e);
             }
         }
+        if (i + 1 >= tokens.size() && i + 1 < (size_t) n_total) {
+            tokens.push_back(sample_token(ctx, n_vocab, temperature, srng));
+        }
     }
     llama_batch_free(batch);
 
@@ -223,7 +248,7 @@ int run_trace(llama_context * ctx, capture & cap, const std::vector<llama_token>
     put_u32(head, (uint32_t) cap.n_expert);
     put_u32(head, (uint32_t) n_used);
     put_u32(head, (uint32_t) layers.size());
-    put_u32(head, (uint32_t) tokens.size());
+    put_u32(head, (uint32_t) n_total);
     put_u32(head, 0);
     for (int32_t l : layers) {
         put_u32(head, (uint32_t) l);
@@ -247,8 +272,8 @@ int run_trace(llama_context * ctx, capture & cap, const std::vector<llama_token>
         std::fprintf(stderr, "expert_usage: %s: cannot write the trace: %s\n", out_path.c_str(), std::strerror(errno));
         return 1;
     }
-    std::printf("{\"trace\": \"%s\", \"n_tokens\": %zu, \"n_layers\": %zu, \"n_expert\": %d, \"n_expert_used\": %d}\n",
-                json_escape(out_path).c_str(), tokens.size(), layers.size(), cap.n_expert, n_used);
+    std::printf("{\"trace\": \"%s\", \"n_tokens\": %d, \"n_layers\": %zu, \"n_expert\": %d, \"n_expert_used\": %d}\n",
+                json_escape(out_path).c_str(), n_total, layers.size(), cap.n_expert, n_used);
     return 0;
 }
 
@@ -266,6 +291,7 @@ int main(int argc, char ** argv) {
     std::string trace_path;
     std::string prompts_path;
     int n_decode = 1024;
+    float temperature = 0.0f;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
         auto next = [&](void) -> const char * {
@@ -289,6 +315,12 @@ int main(int argc, char ** argv) {
             n_decode = std::atoi(next());
         } else if (a == "--prompts") {
             prompts_path = next();
+        } else if (a == "--sample") {
+            temperature = std::strtof(next(), nullptr);
+            if (!(temperature > 0.0f)) {
+                std::fprintf(stderr, "expert_usage: --sample needs a temperature > 0\n");
+                return 2;
+            }
         } else if (a == "-h" || a == "--help") {
             return usage(argv[0]);
         } else if (path.empty() && a[0] != '-') {
@@ -391,12 +423,13 @@ int main(int argc, char ** argv) {
         } else {
             std::mt19937 trng(seed);
             std::uniform_int_distribution<int> tpick(0, n_vocab - 1);
-            tokens.resize(n_decode);
+            tokens.resize(temperature > 0.0f ? 1 : n_decode);
             for (auto & t : tokens) {
                 t = tpick(trng);
             }
         }
-        const int rc = run_trace(ctx, cap, tokens, n_used, trace_path);
+        const int n_total = temperature > 0.0f ? n_decode : (int) tokens.size();
+        const int rc = run_trace(ctx, cap, tokens, n_total, n_used, n_vocab, temperature, seed, trace_path);
         llama_free(ctx);
         llama_model_free(model);
         llama_backend_free();

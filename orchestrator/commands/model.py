@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(expert-cache hit rate by size) by the file's identity; the plan reads it")
     p.add_argument("--prompts", metavar="FILE", help="with --routing: a text file to decode (default: random tokens)")
     p.add_argument("--tokens", type=_positive, default=1024, help="with --routing: tokens to decode (default 1024)")
+    p.add_argument("--sample", type=float, metavar="T",
+                   help="with --routing: after the prompt, sample the tokens from the model at temperature T")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +77,7 @@ def _routing(args, model) -> tuple[dict, str]:
 
     if not model.n_expert:
         raise ModelError(f"{args.path}: --routing needs a MoE model (no routed experts)")
-    prof, path, cached = measure_profile(args.path, tokens=args.tokens, prompts=args.prompts)
+    prof, path, cached = measure_profile(args.path, tokens=args.tokens, prompts=args.prompts, sample=args.sample)
     text = format_profile(prof) + f"\n{'cached' if cached else 'saved'}: {path}"
     return {**prof.to_json(), "cache_file": str(path), "cached": cached}, text
 

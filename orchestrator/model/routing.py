@@ -284,10 +284,12 @@ def measure(model: os.PathLike | str, *, lengths: tuple[int, ...] = (512, 8), se
 
 
 def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
-          seed: int = 1, threads: int | None = None, ngl: int = 0, tool: Path | None = None,
-          timeout: float = 1800):
-    """Decode ``tokens`` tokens one per ``llama_decode`` (random ids, or the text of ``prompts``) and return the
-    experts each picked in each MoE layer (:class:`orchestrator.model.routing_profile.Trace`)."""
+          sample: float | None = None, seed: int = 1, threads: int | None = None, ngl: int = 0,
+          tool: Path | None = None, timeout: float = 1800):
+    """Decode ``tokens`` tokens one per ``llama_decode`` and return the experts each picked in each MoE layer
+    (:class:`orchestrator.model.routing_profile.Trace`). The tokens are random ids, or the text of ``prompts``;
+    with ``sample`` (a temperature > 0), after the text (or one random token) they are sampled from the model,
+    seeded, as a server generates them."""
     import tempfile
 
     from orchestrator.model.routing_profile import parse_trace
@@ -299,6 +301,8 @@ def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike 
         raise ModelError(f"{prompts}: prompts file not found")
     if tokens < 2:
         raise ModelError(f"--tokens {tokens}: a trace needs at least 2 tokens")
+    if sample is not None and not sample > 0:
+        raise ModelError(f"--sample {sample}: the temperature must be > 0 (greedy decoding loops)")
     exe = tool or build_tool()
     with tempfile.TemporaryDirectory(prefix="orchestrator-trace-") as tmp:
         out = Path(tmp) / "routing.trace"
@@ -306,6 +310,8 @@ def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike 
                 "-ngl", str(ngl)]
         if prompts is not None:
             argv += ["--prompts", str(prompts)]
+        if sample is not None:
+            argv += ["--sample", repr(float(sample))]
         if threads:
             argv += ["-t", str(threads)]
         try:
@@ -360,10 +366,10 @@ def load_profile(model: os.PathLike | str, cache: Path | None = None):
                          f"(orchestrator model MODEL --routing)") from None
 
 
-def profile_curve(model: os.PathLike | str, policy: str = "lru-global", cache: Path | None = None):
-    """The hit-rate curve the plan uses for ``model``: the cached profile's (``lru-global`` by default: the
-    cache's slots serve any layer), else :data:`~orchestrator.model.routing_profile.DEFAULT_CURVE`, whose
-    ``source`` says that it is the default."""
+def profile_curve(model: os.PathLike | str, policy: str = "lru-layer", cache: Path | None = None):
+    """The hit-rate curve the plan uses for ``model``: the cached profile's (``lru-layer`` by default: our
+    cache gives every host-resident expert tensor its own bank of slots, the same count for all), else
+    :data:`~orchestrator.model.routing_profile.DEFAULT_CURVE`, whose ``source`` says that it is the default."""
     from orchestrator.model.routing_profile import DEFAULT_CURVE
 
     found = load_profile(model, cache)
@@ -371,7 +377,7 @@ def profile_curve(model: os.PathLike | str, policy: str = "lru-global", cache: P
 
 
 def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
-                    seed: int = 1, threads: int | None = None, cache: Path | None = None,
+                    sample: float | None = None, seed: int = 1, threads: int | None = None, cache: Path | None = None,
                     refresh: bool = False, tool: Path | None = None):
     """Measure ``model``'s routing profile (a decode-order trace through llama.cpp) and cache it by the file's
     identity; a cached profile measured with the same settings is returned as it is.
@@ -382,7 +388,7 @@ def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os
     model = Path(model)
     if not model.is_file():
         raise ModelError(f"{model}: model file not found")
-    settings = {"tokens": tokens, "seed": seed, "prompts": None}
+    settings = {"tokens": tokens, "seed": seed, "prompts": None, "sample": sample}
     if prompts is not None:
         prompts = Path(prompts)
         try:
@@ -395,9 +401,10 @@ def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os
         old = load_profile(model, cache)
         if old is not None and old[1] == settings:
             return old[0], path, True
-    tr = trace(model, tokens=tokens, prompts=prompts, seed=seed, threads=threads, tool=tool)
+    tr = trace(model, tokens=tokens, prompts=prompts, sample=sample, seed=seed, threads=threads, tool=tool)
+    start = f"text of {prompts.name}" if prompts is not None else "random token ids"
     source = (f"measured: {model.name}, {tr.n_tokens} tokens in decode order, "
-              + (f"text of {prompts.name}" if prompts is not None else f"random token ids (seed {seed})"))
+              + (f"{start} then sampled at temperature {sample:g}" if sample else start) + f" (seed {seed})")
     prof = profile(tr, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.part")

@@ -95,7 +95,8 @@ STYLES = {
 #   variance comes from it, and does not read the bias block.
 #
 # 0 leaves the weights exactly as without locality. The default is calibrated through llama.cpp (decode-order
-# traces, docs/synth.md) against the Qwen3-30B-A3B facts; measured curves are in tests/model/test_synth_locality.py.
+# traces, docs/synth.md) against the Qwen3-30B-A3B facts; recorded traces are checked in
+# tests/model/test_routing_calibration.py.
 
 LOCALITY_WINDOW = 48.0     # sigma of the attention recency window, tokens
 _WINDOW_SCORE = 256.0      # target peak score A: sets theta = 1 / (sigma * sqrt(A)); period 2 pi / theta tokens
@@ -128,6 +129,8 @@ def default_locality(shape: S.ModelShape) -> float:
 
 
 def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
+    """The window and gains for ``locality`` on ``shape`` (None for 0); a shape that cannot have it is a
+    :class:`ModelError` naming it."""
     if locality == 0:
         return None
     if not (0.0 < locality < 1.0):

@@ -3,7 +3,8 @@
 After the always-used weights, the KV cache and the buffers, ``vram_free`` bytes remain for routed experts.
 Whole expert layers on the GPU serve every batch without copies (prompt processing); cache slots
 (``--moe-cache-mib``) hold the experts that decode is using now, for the layers whose experts stay in host
-memory. For each candidate -- ``k`` whole layers on the GPU, the rest of ``vram_free`` as cache -- the routed
+memory: the cache is split evenly into one bank of slots per host-resident layer (an LRU per layer, the curve's
+``lru-layer`` policy), and a bank smaller than one token's picks cannot serve decode (no such candidate). For each candidate -- ``k`` whole layers on the GPU, the rest of ``vram_free`` as cache -- the routed
 experts' time per generated token is predicted from the routing profile's hit-rate curve:
 
     t = GPU-resident expert bytes / GPU bw                          (k layers, n_expert_used experts each)
@@ -59,7 +60,8 @@ class CacheCandidate:
     gpu_layers: int              # whole expert layers on the GPU
     host_layers: int
     cache_bytes: int             # 0: no cache
-    slots: int                   # experts the cache holds
+    slots: int                   # experts the cache holds (all layers' banks)
+    slots_per_layer: int
     fraction: float              # slots / host-resident experts
     hit_rate: float
     miss_mode: str               # "upload", "cpu", or "none" without a cache
@@ -97,7 +99,8 @@ class CachePlan:
                  f"  hit-rate curve: {self.curve_source}"]
         if c.cache_bytes:
             lines.append(f"  {c.gpu_layers} expert layers on the GPU, {c.host_layers} in host memory; cache "
-                         f"{c.cache_mib} MiB = {c.slots} experts = {c.fraction:.1%} of the host-resident ones "
+                         f"{c.cache_mib} MiB = {c.slots_per_layer} experts per layer = {c.fraction:.1%} of the "
+                         f"host-resident ones "
                          f"-> predicted hit rate {c.hit_rate:.1%}; misses {c.miss_mode}")
         else:
             lines.append(f"  {c.gpu_layers} expert layers on the GPU, {c.host_layers} in host memory; no cache")
@@ -114,7 +117,8 @@ class CachePlan:
     def to_json(self) -> dict:
         def cand(c: CacheCandidate) -> dict:
             return {"gpu_layers": c.gpu_layers, "host_layers": c.host_layers, "cache_mib": c.cache_mib,
-                    "cache_bytes": c.cache_bytes, "slots": c.slots, "fraction": round(c.fraction, 5),
+                    "cache_bytes": c.cache_bytes, "slots": c.slots, "slots_per_layer": c.slots_per_layer,
+                    "fraction": round(c.fraction, 5),
                     "hit_rate": round(c.hit_rate, 5), "miss_mode": c.miss_mode,
                     "bytes_per_token": {"gpu_resident": round(c.gpu_resident_bytes), "cache_hits":
                                         round(c.cache_hit_bytes), "host_memory": round(c.host_read_bytes),
@@ -135,10 +139,11 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     prompt = h * inp.layer_expert_bytes / inp.pcie_bw + k * inp.layer_expert_bytes / inp.gpu_bw
     if cache_bytes <= 0 or h == 0:
         t = gpu_resident / inp.gpu_bw + host_picks / inp.host_bw
-        return CacheCandidate(k, h, 0, 0, 0.0, 0.0, "none", gpu_resident, 0.0, host_picks, 0.0, t,
+        return CacheCandidate(k, h, 0, 0, 0, 0.0, 0.0, "none", gpu_resident, 0.0, host_picks, 0.0, t,
                               1.0 / (inp.base_seconds + t), prompt)
-    slots = min(int(cache_bytes // expert), h * inp.n_expert)
-    fraction = slots / (h * inp.n_expert)
+    per_layer = min(int(cache_bytes // (h * expert)), inp.n_expert)
+    slots = per_layer * h
+    fraction = per_layer / inp.n_expert
     hit = hit_rate(inp.curve, fraction)
     hits, misses = hit * host_picks, (1.0 - hit) * host_picks
     if mode == "upload":
@@ -147,8 +152,8 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     else:
         t = (gpu_resident + hits) / inp.gpu_bw + misses / inp.host_bw
         host_read, pcie = misses, 0.0
-    return CacheCandidate(k, h, int(cache_bytes), slots, fraction, hit, mode, gpu_resident, hits, host_read, pcie,
-                          t, 1.0 / (inp.base_seconds + t), prompt)
+    return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
+                          host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt)
 
 
 def candidates(inp: CacheInputs) -> tuple[CacheCandidate, ...]:
@@ -158,10 +163,14 @@ def candidates(inp: CacheInputs) -> tuple[CacheCandidate, ...]:
     k_max = min(inp.n_moe_layers, free // inp.layer_expert_bytes) if inp.layer_expert_bytes > 0 else 0
     modes = ("upload", "cpu") if inp.cpu_misses else ("upload",)
     out = []
+    expert = inp.layer_expert_bytes / inp.n_expert if inp.n_expert else 0
     for k in range(k_max + 1):
         rest = free - k * inp.layer_expert_bytes
         rest = rest // MIB * MIB
-        if rest < inp.layer_expert_bytes / inp.n_expert or k == inp.n_moe_layers:
+        h = inp.n_moe_layers - k
+        # the cache splits evenly into one bank of slots per host-resident layer; a bank must hold at least one
+        # token's picks, or the cache cannot serve decode at all
+        if h == 0 or rest < h * inp.n_expert_used * expert:
             continue
         out.append(min((_candidate(inp, k, rest, m) for m in modes), key=lambda c: c.expert_seconds))
     out.append(_candidate(inp, k_max, 0, "none"))

@@ -122,6 +122,20 @@ def test_locality_zero_routes_independently_through_llama_cpp(tmp_path, tool):
         assert R.hit_rate(p.curve(), f) == pytest.approx(f, abs=0.04), R.format_profile(p)
 
 
+def test_sampled_generation_routes_like_the_random_stream(tmp_path, tool):
+    """Tokens sampled from the model (temperature 1, seeded: what a server generates) hit the cache as the
+    random-id stream does: the locality is the model's, not the stream's."""
+    from orchestrator.model import routing_profile as R
+
+    res = _demo(tmp_path, None)
+    sampled = R.profile(routing.trace(res.path, tokens=768, sample=1.0, seed=4, threads=THREADS, tool=tool))
+    plain = R.profile(routing.trace(res.path, tokens=768, seed=4, threads=THREADS, tool=tool))
+    for f in (0.05, 0.15, 0.30, 0.50):
+        assert R.hit_rate(sampled.curve(), f) == pytest.approx(R.hit_rate(plain.curve(), f), abs=0.03)
+    with pytest.raises(ModelError, match="temperature must be > 0"):
+        routing.trace(res.path, tokens=8, sample=0.0, tool=tool)
+
+
 def test_trace_of_a_text_file_and_bad_arguments(tmp_path, tool):
     res = _demo(tmp_path, None)
     text = tmp_path / "prompts.txt"

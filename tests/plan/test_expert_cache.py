@@ -27,15 +27,21 @@ def test_candidates_cover_every_whole_layer_count_and_the_arithmetic_adds_up():
     inp = _inputs()
     cands = X.candidates(inp)
     k_max = 4 * GiB // LAYER
-    assert [c.gpu_layers for c in cands] == list(range(k_max + 1)) + [k_max]
     expert = LAYER / 128
+    # every whole-layer count whose leftover still gives each host layer a bank of one token's 8 picks
+    fits = [k for k in range(k_max + 1) if (4 * GiB - k * LAYER) // (1 << 20) * (1 << 20) >= (48 - k) * 8 * expert]
+    assert fits == list(range(len(fits))) and 0 < len(fits) < k_max + 1
+    assert [c.gpu_layers for c in cands] == fits + [k_max]
+    assert cands[-1].cache_bytes == 0
     for c in cands:
         assert c.gpu_layers + c.host_layers == 48
         assert c.gpu_resident_bytes == pytest.approx(c.gpu_layers * 8 * expert)
         host = c.host_layers * 8 * expert
         if c.cache_bytes:
             assert c.gpu_layers * LAYER + c.cache_bytes <= 4 * GiB
-            assert c.slots == c.cache_bytes // int(expert) or c.slots == int(c.cache_bytes // expert)
+            assert c.slots_per_layer == int(c.cache_bytes // (c.host_layers * expert))
+            assert c.slots == c.slots_per_layer * c.host_layers and c.slots_per_layer >= 8
+            assert c.fraction == c.slots_per_layer / 128
             assert c.cache_hit_bytes == pytest.approx(c.hit_rate * host)
             assert c.host_read_bytes + c.pcie_bytes == pytest.approx((1 - c.hit_rate) * host)
         else:
@@ -94,6 +100,16 @@ def test_prompt_objective_keeps_the_most_whole_layers():
 def test_everything_fits_needs_no_cache():
     plan = X.plan_expert_cache(_inputs(vram_free=49 * LAYER))
     assert not plan.use_cache and plan.chosen.host_layers == 0 and "no cache needed" in plan.reason
+
+
+def test_a_bank_smaller_than_one_tokens_picks_is_no_candidate():
+    # 48 host layers x 8 picks x one expert = 1.0 GiB is the least a cache can be; 0.9 GiB gives no candidate
+    expert = LAYER / 128
+    inp = _inputs(vram_free=int(48 * 8 * expert * 0.9))
+    cands = X.candidates(inp)
+    assert [c.cache_bytes for c in cands] == [0]
+    assert not X.plan_expert_cache(inp).use_cache
+    assert any(c.cache_bytes for c in X.candidates(_inputs(vram_free=int(48 * 9 * expert) + (1 << 20))))
 
 
 def test_bad_inputs():
