@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator.backend.detect import BackendInfo, detect_backend, find_llama_server
+from orchestrator.backend.detect import detect_backend, find_llama_server
+from orchestrator.backend.info import BackendInfo, nominal_backend
 from orchestrator.config import Topology, load_topology
 from orchestrator.errors import BackendError, ConfigError, PlanError
 from orchestrator.hardware import Machine
@@ -17,19 +18,6 @@ from orchestrator.launch.spec import LaunchSpec
 from orchestrator.model import ModelInfo
 from orchestrator.plan import Plan
 from orchestrator.plan.from_topology import request_from_topology
-
-# What the pinned mainline llama-server offers, for planning a recorded machine where no binary is at hand.
-NOMINAL_FEATURES = {
-    "mainline": frozenset({"fit", "fit_target", "n_cpu_moe", "cpu_moe", "override_tensor", "load_mode", "numa",
-                           "flash_attn", "metrics", "no_host", "cpu_range", "threads_batch", "no_op_offload",
-                           "kv_unified", "sm_none", "sm_layer", "sm_row", "sm_tensor"}),
-    "ik_llama.cpp": frozenset({"fit", "fit_margin", "n_cpu_moe", "cpu_moe", "override_tensor", "no_mmap", "mlock",
-                               "numa", "flash_attn", "metrics", "threads_batch", "mla", "merge_qkv",
-                               "attn_max_batch", "graph_reuse", "split_mode_graph_scheduling", "cuda_params",
-                               "offload_policy", "sm_none", "sm_layer", "sm_graph"}),
-}
-SPLIT_MODES = {"mainline": ("none", "layer", "row", "tensor"), "ik_llama.cpp": ("none", "layer", "graph")}
-
 
 @dataclass(frozen=True)
 class Resolved:
@@ -84,11 +72,6 @@ def load_machines(topo: Topology) -> tuple[dict[str, Machine], list[str]]:
             machines[n.name] = load_machine(str(n.machine))
             notes.append(f"node {n.name}: recorded machine {n.machine}")
     return machines, notes
-
-
-def nominal_backend(flavor: str, cuda: bool) -> BackendInfo:
-    return BackendInfo(server="llama-server", flavor=flavor, version="(planned without a binary)", cuda=cuda,
-                       gpu_offload=True, features=NOMINAL_FEATURES[flavor], split_modes=SPLIT_MODES[flavor])
 
 
 def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendInfo, list[str]]:

@@ -11,7 +11,7 @@ def render_args(*, backend: BackendInfo, model_path: str, n_ctx: int, parallel: 
                 n_ubatch: int, flash_attn: str, type_k: str, type_v: str, load_mode: str, numa_flag: str,
                 op_offload_min_batch: int | None, host: str, port: int, alias: str,
                 extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    ik = backend.flavor == "ik_llama.cpp"
+    ik = backend.ik
     a: list[str] = ["-m", model_path, "--alias", alias, "--host", host, "--port", str(port),
                     "-c", str(n_ctx), "-np", str(parallel)]
     if n_gpus:

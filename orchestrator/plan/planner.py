@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from orchestrator.backend.detect import BackendInfo
+from orchestrator.backend.info import BackendInfo, Flavor
 from orchestrator.errors import PlanError
 from orchestrator.hardware import Machine
 from orchestrator.model import ModelInfo
@@ -47,7 +47,8 @@ class _Candidate:
     speed: SpeedInputs
 
 
-def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on", flavor: str = "mainline"
+def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on",
+                flavor: Flavor = Flavor.MAINLINE
                ) -> list[int]:
     return M.kv_by_layer(model, n_ctx=req.context, n_parallel=req.parallel, type_k=req.type_k, type_v=req.type_v,
                          n_ubatch=ub, n_batch=_n_batch(req, ub), flash_attn=fa != "off", flavor=flavor)
@@ -70,7 +71,7 @@ def _split_mode(req: PlanRequest, backend: BackendInfo, model: ModelInfo, n_gpus
             raise PlanError(f"workers.split_mode: {mode!r} is not offered by {backend.server} ({backend.flavor}; "
                             f"it offers {', '.join(backend.split_modes) or 'none'}): choose one of those or 'auto'")
         return mode, "set by the topology"
-    if backend.flavor == "ik_llama.cpp" and backend.has("sm_graph"):
+    if backend.ik and backend.has("sm_graph"):
         return "graph", "ik_llama.cpp -sm graph: every GPU works on every layer; -ot only for CPU overflow"
     if backend.has("sm_tensor"):
         blockers = []
@@ -146,7 +147,7 @@ def _place(costs, kv_layer, budgets, mode, req):
     return place_layer_split(costs, kv_layer, budgets)
 
 
-def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor: str, mode: str, n_gpus: int,
+def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor: Flavor, mode: str, n_gpus: int,
                  staging: int) -> tuple[int, ...]:
     """Compute buffer of each GPU of a worker (CUDA0, CUDA1, ...). ``staging``: room to copy in a host-resident
     expert tensor for an offloaded batch. An offloaded op runs on the first GPU backend that takes it (ggml's
@@ -162,7 +163,7 @@ def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor
 
 
 def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine,
-              flavor="mainline"):
+              flavor=Flavor.MAINLINE):
     """Place the model for micro-batch ``ub`` and predict its speed."""
     overhead = M.cuda_overhead(model, ub)
 
@@ -406,7 +407,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         decisions.append(Decision("warning", "weights exceed RAM",
                                   f"{fmt_bytes(host.total)} in host memory vs {fmt_bytes(avail_host)} available: "
                                   f"weights will be re-read from disk (slow)"))
-    if threshold is not None and backend.flavor == "mainline" and not (
+    if threshold is not None and backend.flavor is Flavor.MAINLINE and not (
             threshold >= OFFLOAD_NEVER and backend.has("no_op_offload")):
         env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
     ot = cpu_expert_override(

@@ -241,3 +241,17 @@ def test_batch_and_gpu_groups_and_never_offload_follow_the_topology(models):
         assert "--no-op-offload" in w.args and "GGML_OP_OFFLOAD_MIN_BATCH" not in w.env
     with pytest.raises(PlanError, match="gpu_group_size: 3 does not divide"):
         plan1(m, q235, layout="gpu-group", gpu_group_size=3)
+
+
+def test_ik_llama_cpp_plans_with_its_own_kv_layout(models):
+    """ik_llama.cpp keeps one unified KV stream: 8000 cells pad to 8192, where mainline gives each of the 3
+    sequences its own stream of pad256(8192 / 3) = 2816 cells (8448 in all)."""
+    from orchestrator.model.memory import kv_bytes_per_token
+
+    q30 = models("qwen3-30b-a3b")
+    m = machine("1socket-1gpu-24g")
+    per_cell = kv_bytes_per_token(q30)
+    ik = plan1(m, q30, b=backend("ik_llama.cpp"), context=8000, parallel=3)
+    main = plan1(m, q30, context=8000, parallel=3)
+    assert main.model["kv_bytes"] == 8448 * per_cell
+    assert ik.model["kv_bytes"] == 8192 * per_cell
