@@ -15,9 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from orchestrator.errors import ConfigError
 
-OFFLOAD_ENV = "GGML_OP_OFFLOAD_MIN_BATCH"
-OFFLOAD_DEFAULT = 32                # llama.cpp's default when the variable is unset
-OFFLOAD_NEVER = 1_000_000_000       # larger than any batch: CPU-resident weights are never copied to the GPU
+from orchestrator.launch.llama_args import OFFLOAD_DEFAULT, OFFLOAD_ENV, OFFLOAD_NEVER
 
 GROUPS = ("plan", "fit", "cpu-moe", "ncmoe-sweep", "offload-sweep")
 OPTIONAL_GROUPS = ("control", "threads-sweep")          # asked for by name only
@@ -226,8 +224,11 @@ def _load_mode_of(args: Sequence[str]) -> str:
 
 
 def offload_threshold_of(args: Sequence[str], env: Mapping[str, str]) -> int | None:
-    """The op-offload threshold a configuration runs with: ik_llama.cpp's ``-cuda offload-batch-size=N`` or
-    mainline's GGML_OP_OFFLOAD_MIN_BATCH; None when unset (llama.cpp's default 32 applies)."""
+    """The op-offload threshold a configuration runs with: :data:`OFFLOAD_NEVER` for ``--no-op-offload``,
+    ik_llama.cpp's ``-cuda offload-batch-size=N`` or mainline's GGML_OP_OFFLOAD_MIN_BATCH; None when unset
+    (llama.cpp's default 32 applies)."""
+    if has_flag(args, "--no-op-offload"):
+        return OFFLOAD_NEVER
     cuda = get_arg(args, "-cuda")
     if cuda:
         m = re.search(r"offload-batch-size=(\d+)", cuda)
@@ -500,8 +501,11 @@ def ncmoe_sweep(plan: BenchConfig, n_values: Sequence[int], ubatches: Sequence[i
 
 def default_offload_values(plan: BenchConfig) -> list[int]:
     """Thresholds around the plan's T: T/4, T/2, 2T, 4T, llama.cpp's default 32, and "never" (the plan's own
-    point is the plan configuration itself)."""
+    point is the plan configuration itself). A plan that never offloads sweeps around the default 32."""
     t = int(plan.params.get("op_offload_min_batch") or OFFLOAD_DEFAULT)
+    if t >= OFFLOAD_NEVER:
+        t = OFFLOAD_DEFAULT
+        return sorted({max(1, t // 4), max(1, t // 2), t, t * 2, t * 4})
     vals = sorted({max(1, t // 4), max(1, t // 2), t * 2, t * 4, OFFLOAD_DEFAULT} - {t})
     return vals + [OFFLOAD_NEVER]
 
@@ -520,12 +524,18 @@ def _other_points(values: Sequence[int], plan_value: int | None, what: str) -> l
 
 def offload_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]:
     """The plan with its op-offload threshold replaced (GGML_OP_OFFLOAD_MIN_BATCH, or ik_llama.cpp's
-    ``-cuda offload-batch-size=N`` when the plan uses that)."""
+    ``-cuda offload-batch-size=N`` when the plan uses that). A plan's ``--no-op-offload`` is "never": every
+    other point drops it, and "never" keeps it."""
     out = []
     ik = get_arg(plan.args, "-cuda")
     t_plan = int(plan.params.get("op_offload_min_batch") or OFFLOAD_DEFAULT)
+    switch = has_flag(plan.args, "--no-op-offload")
     for v in _other_points(values, t_plan, "op-offload threshold"):
-        args, env = plan.args, dict(plan.env)
+        args, env = without(plan.args, ["--no-op-offload"]), dict(plan.env)
+        if switch and v >= OFFLOAD_NEVER:
+            out.append(BenchConfig(name="offload-never", args=plan.args, env=env, group="offload-sweep",
+                                   wrapper=plan.wrapper, params={**dict(plan.params), "op_offload_min_batch": v}))
+            continue
         if ik and "offload-batch-size=" in ik:
             args = with_args(args, ("-cuda", re.sub(r"offload-batch-size=\d+", f"offload-batch-size={v}", ik)))
         else:

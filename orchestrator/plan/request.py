@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 
-OFFLOAD_NEVER = 1 << 30
+from orchestrator.launch.llama_args import OFFLOAD_NEVER  # noqa: F401  (the one "never")
 
 
 @dataclass(frozen=True)

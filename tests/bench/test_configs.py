@@ -259,3 +259,35 @@ def test_config_from_launch_spec_splits_wrappers_binary_and_flags():
     assert split_server_argv(["./server", "-m", "m"]) == ((), "./server", ("-m", "m"))
     with pytest.raises(ConfigError):
         split_server_argv(["numactl", "--"])
+
+
+def test_a_plan_that_never_offloads_is_recorded_as_never_and_the_sweep_varies_it(tmp_path):
+    """The planner renders "never offload" as --no-op-offload (no GGML_OP_OFFLOAD_MIN_BATCH): the bench must read
+    that as never, not as llama.cpp's default 32, and every other sweep point must drop the switch (a point
+    that keeps it measures "never" again under another name)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plan"))
+    from planfixtures import backend, machine, shape_model
+
+    from orchestrator.launch.llama_args import OFFLOAD_NEVER as LAUNCH_NEVER
+    from orchestrator.plan import NodeRequest, PlanRequest, make_plan
+    from orchestrator.plan.request import OFFLOAD_NEVER as PLAN_NEVER
+
+    assert OFFLOAD_NEVER == LAUNCH_NEVER == PLAN_NEVER                # one "never" in the whole code base
+    model = shape_model(tmp_path, "qwen3-30b-a3b", "q8_0")
+    req = PlanRequest(nodes=(NodeRequest(name="n", vram_limit=12 << 30),), op_offload_min_batch=OFFLOAD_NEVER)
+    plan = make_plan(machines={"n": machine("1socket-1gpu-24g")}, model=model, request=req, backend=backend())
+    w = plan.workers[0]
+    assert "--no-op-offload" in w.args and OFFLOAD_ENV not in w.env
+    for c in (config_from_worker(w), config_from_plan_json(plan.to_dict())):
+        assert c.params["op_offload_min_batch"] == OFFLOAD_NEVER
+        sweep = build_configs(c, ("offload-sweep",))
+        assert sweep and OFFLOAD_NEVER not in [s.params["op_offload_min_batch"] for s in sweep]
+        for s in sweep:
+            assert "--no-op-offload" not in s.args, s.name
+            assert s.env[OFFLOAD_ENV] == str(s.params["op_offload_min_batch"]), s.name
+    # and back: a plan at T sweeps to never with the switch the binary offers
+    plan_t = plan_config([*without(w.args, ["--no-op-offload"])], {**w.env, OFFLOAD_ENV: "64"})
+    never = next(s for s in offload_sweep(plan_t, [OFFLOAD_NEVER]))
+    assert never.name == "offload-never" and never.params["op_offload_min_batch"] == OFFLOAD_NEVER

@@ -39,12 +39,15 @@ def test_plan_package_has_no_side_effect_imports():
 
 
 def test_plan_only_imports_inward():
-    """plan reads the dataclasses of hardware, model, backend; it never imports launch, cluster, bench or cli."""
+    """plan reads the dataclasses of hardware, model, backend and launch's pure vocabulary; it never imports
+    launch's process side, cluster, bench or cli."""
     bad = []
     for f in sorted(PLAN.rglob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("orchestrator."):
                 top = node.module.split(".")[1]
+                if node.module in {"orchestrator.launch.llama_args"}:
+                    continue
                 if top in {"launch", "cluster", "bench", "cli", "commands"}:
                     bad.append(f"{f.name} imports {node.module}")
     assert not bad, bad
