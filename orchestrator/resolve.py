@@ -129,7 +129,7 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
     for w in plan.workers:
         n = by_name[w.node]
         resources = {n.ray_resource: 0.001} if n.ray_resource else None
-        spec = spec_for_worker(w, backend.server, local_node=local, resources=resources)
+        spec = spec_for_worker(w.name, w.settings, w.backend, node=w.node, local_node=local, resources=resources)
         if spec.node is not None and n.address and not n.ray_resource:
             spec = replace(spec, node=n.address)  # Ray finds a node by its name, address or host name
         specs.append(spec)

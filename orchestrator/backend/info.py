@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Mapping
 
 
 class Flavor(str, Enum):
@@ -63,6 +64,14 @@ class BackendInfo:
             "features": sorted(self.features), "split_modes": list(self.split_modes), "devices": list(self.devices),
             "bench": self.bench, "fit_params": self.fit_params,
         }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "BackendInfo":
+        return cls(server=d["server"], flavor=d.get("flavor", Flavor.MAINLINE), version=d.get("version", ""),
+                   build_info=d.get("build_info", ""), cuda=bool(d.get("cuda")),
+                   gpu_offload=bool(d.get("gpu_offload")), features=frozenset(d.get("features", ())),
+                   split_modes=tuple(d.get("split_modes", ())), devices=tuple(d.get("devices", ())),
+                   bench=d.get("bench"), fit_params=d.get("fit_params"))
 
 
 # feature name -> regex on --help text

@@ -4,9 +4,9 @@ The import-rule test (tests/plan/test_purity.py) keeps subprocess, ray, socket a
 """
 
 from orchestrator.plan.request import NodeRequest, PlanRequest
-from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, NumaPlan, Plan, Prediction, WorkerPlan
+from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, Plan, Prediction, WorkerPlan
 
-__all__ = ["NodeRequest", "PlanRequest", "Decision", "DeviceMemory", "LayerRange", "NumaPlan", "Plan", "Prediction",
+__all__ = ["NodeRequest", "PlanRequest", "Decision", "DeviceMemory", "LayerRange", "Plan", "Prediction",
            "WorkerPlan", "make_plan"]
 
 

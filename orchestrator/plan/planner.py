@@ -8,18 +8,18 @@ from typing import Mapping
 from orchestrator.backend.info import BackendInfo, Flavor
 from orchestrator.errors import PlanError
 from orchestrator.hardware import Machine
+from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
 from orchestrator.model import ModelInfo
 from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
 from orchestrator.plan.cpu import choose_cpu, node_available
-from orchestrator.plan.flags import render_args
 from orchestrator.plan.placement import (
     GpuBudget, Placement, _DoesNotFit, cpu_expert_override, place_cpu_only, place_graph_split, place_layer_split,
     place_single,
 )
 from orchestrator.plan.predict import SpeedInputs, op_offload_threshold, predict_pp, predict_tg
-from orchestrator.plan.request import OFFLOAD_NEVER, NodeRequest, PlanRequest
+from orchestrator.plan.request import NodeRequest, PlanRequest
 from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, Plan, Prediction, WorkerPlan
 from orchestrator.units import GiB, MiB, fmt_bytes
 
@@ -360,7 +360,6 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
                                    overhead=M.output_bytes(model, req.parallel)))
         pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes)
-        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in gpus)}
     else:
         placement = place_cpu_only(costs, kv_layer)
         host_bytes = placement.cpu_weights + placement.cpu_kv
@@ -386,7 +385,6 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                                           type_v=req.type_v, has_layers=True, has_output=True, flavor=flavor)
         memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
                                overhead=M.output_bytes(model, req.parallel))]
-        env = {"CUDA_VISIBLE_DEVICES": ""} if machine.gpus else {}
         gpu_names = []
     decisions.extend(cpu.decisions)
     avail_host = sum(node_available(machine, n) for n in machine.numa_nodes
@@ -407,25 +405,27 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         decisions.append(Decision("warning", "weights exceed RAM",
                                   f"{fmt_bytes(host.total)} in host memory vs {fmt_bytes(avail_host)} available: "
                                   f"weights will be re-read from disk (slow)"))
-    if threshold is not None and backend.flavor is Flavor.MAINLINE and not (
-            threshold >= OFFLOAD_NEVER and backend.has("no_op_offload")):
-        env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
-    ot = cpu_expert_override(
-        [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ""
-    args = render_args(
-        backend=backend, model_path=model.paths[0], n_ctx=n_ctx, parallel=req.parallel, placement=placement,
-        n_gpus=len(gpus), override=ot, main_gpu=(gpus.index(main) if gpus and len(gpus) > 1 else None),
-        threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=_n_batch(req, ub), n_ubatch=ub, flash_attn=fa,
-        type_k=req.type_k, type_v=req.type_v, load_mode=load_mode, numa_flag=cpu.numa.numa_flag,
-        op_offload_min_batch=threshold, host=req.host, port=port, alias=req.alias, extra=req.extra_args,
+    overrides = cpu_expert_override(
+        [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ()
+    n_layers = len(placement.layer_gpu)
+    settings = WorkerSettings(
+        model_path=model.paths[0], context=n_ctx, parallel=req.parallel, alias=req.alias, host=req.host, port=port,
+        gpus=tuple(g.index for g in gpus) if gpus else (() if machine.gpus else None),
+        n_gpu_layers=(ALL_LAYERS if placement.n_gpu_layers > n_layers else placement.n_gpu_layers) if gpus else 0,
+        split_mode=placement.split_mode if len(gpus) > 1 else None,
+        tensor_split=tuple(placement.tensor_split) if len(gpus) > 1 else (),
+        main_gpu=gpus.index(main) if len(gpus) > 1 else None,
+        tensor_overrides=overrides, fit=False, op_offload_min_batch=threshold, load_mode=load_mode,
+        numa=cpu.numa, numa_flag=cpu.numa_flag,
+        disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
+        threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=_n_batch(req, ub), n_ubatch=ub,
+        flash_attn=fa, type_k=req.type_k, type_v=req.type_v, extra_args=req.extra_args,
     )
     return WorkerPlan(
-        name=name, node=node_req.name, host=req.host, port=port, gpus=tuple(g.index for g in gpus), args=args,
-        env=env, numa=cpu.numa, disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
+        name=name, node=node_req.name, settings=settings, backend=backend,
         placement=_ranges(placement, model.n_layers, gpu_names), memory=tuple(memory), predicted=pred,
-        decisions=tuple(decisions), model_alias=req.alias,
+        decisions=tuple(decisions),
         cpu_expert_layers=tuple(i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0),
-        op_offload_min_batch=threshold, n_ubatch=ub, n_batch=_n_batch(req, ub), load_mode=load_mode,
     )
 
 
