@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.hardware import Machine
+from orchestrator.hardware.topology import Machine
 from orchestrator.launch.numa import NumaPolicy
 from orchestrator.plan.types import Decision
 from orchestrator.units import fmt_bytes, format_cpulist

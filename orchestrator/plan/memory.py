@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from orchestrator.backend.info import Flavor
-from orchestrator.model import ModelInfo, TensorClass
 from orchestrator.model import memory as mm
+from orchestrator.model.classes import TensorClass
+from orchestrator.model.info import ModelInfo
 
 
 def kv_by_layer(model: ModelInfo, *, n_ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,

@@ -7,9 +7,9 @@ from typing import Mapping
 
 from orchestrator.backend.info import BackendInfo, Flavor
 from orchestrator.errors import PlanError
-from orchestrator.hardware import Machine
+from orchestrator.hardware.topology import Machine
 from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
-from orchestrator.model import ModelInfo
+from orchestrator.model.info import ModelInfo
 from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
