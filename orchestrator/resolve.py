@@ -117,8 +117,7 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
     if backend is None:
         backend, bnotes = find_backend(topo, machines)
         notes += bnotes
-    request = request_from_topology(
-        topo, ram_totals={name: m.memory_total_bytes for name, m in machines.items()})
+    request = request_from_topology(topo)
     try:
         plan = make_plan(machines=machines, model=model, request=request, backend=backend)
     except PlanError as err:

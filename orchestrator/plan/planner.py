@@ -236,6 +236,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
                 req: PlanRequest, backend: BackendInfo, gpu_indexes: tuple[int, ...], port: int,
                 package: int | None = None, share: tuple[int, int] | None = None) -> WorkerPlan:
     decisions: list[Decision] = []
+    node_req = node_req.for_machine(machine.memory_total_bytes)
     by_index = {g.index: g for g in machine.gpus}
     gpus = [by_index[i] for i in gpu_indexes]
     has_gpu = bool(gpus) and backend.cuda
@@ -548,6 +549,7 @@ def _make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pl
     port = request.port_base
     for node_req in request.nodes:
         machine = machines[node_req.name]
+        node_req = node_req.for_machine(machine.memory_total_bytes)
         gpus = _selected_gpus(machine, node_req)
         groups, why = _layout(machine, costs, request, gpus, kv_total, node_req)
         decisions.append(Decision(f"layout {node_req.name}", why.value, why.why))
