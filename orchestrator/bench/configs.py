@@ -22,6 +22,8 @@ from orchestrator.launch.llama_args import (
     server_args, server_env, split_flags,
 )
 from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
+from orchestrator.launch.spec import LaunchSpec
+from orchestrator.plan.types import WorkerPlan
 
 GROUPS = ("plan", "fit", "cpu-moe", "ncmoe-sweep", "offload-sweep")
 OPTIONAL_GROUPS = ("control", "threads-sweep")          # asked for by name only
@@ -229,7 +231,7 @@ def plan_config(args: Sequence[str], env: Mapping[str, str] | None = None, *, na
                        predicted=dict(predicted or {}), settings=settings, backend=backend)
 
 
-def _predicted(worker) -> dict[str, Any]:
+def _predicted(worker: WorkerPlan) -> dict[str, Any]:
     predicted: dict[str, Any] = {}
     pred = worker.predicted
     predicted["pp"] = {int(k): float(v) for k, v in dict(pred.pp or {}).items()}
@@ -240,14 +242,14 @@ def _predicted(worker) -> dict[str, Any]:
     return predicted
 
 
-def config_from_worker(worker, *, wrapper: Sequence[str] = ()) -> BenchConfig:
+def config_from_worker(worker: WorkerPlan, *, wrapper: Sequence[str] = ()) -> BenchConfig:
     """The plan configuration of a planner ``WorkerPlan``: its settings rendered for its backend, its
     predictions translated to the bench's device names (``gpu<machine index>``, ``CPU``)."""
     return plan_config(worker.args, worker.env, wrapper=wrapper, cpu_expert_layers=tuple(worker.cpu_expert_layers),
                        predicted=_predicted(worker), settings=worker.settings, backend=worker.backend)
 
 
-def config_from_launch_spec(spec, worker=None) -> BenchConfig:
+def config_from_launch_spec(spec: LaunchSpec, worker: WorkerPlan | None = None) -> BenchConfig:
     """The plan configuration of a ``LaunchSpec`` (what ``up`` runs: wrappers, binary, flags, env) and the
     planner's ``WorkerPlan`` it was made from (its settings, backend and predictions)."""
     if worker is None:

@@ -62,6 +62,13 @@ _SPELLINGS = (
     ("--device", "-dev"), ("--log-verbosity", "-lv", "--verbosity"),
 )
 _LONG = {spelling: names[0] for names in _SPELLINGS for spelling in names}
+LOG_VERBOSITY = "--log-verbosity"     # how much llama-server logs (the bench reads its buffer sizes there)
+
+
+def log_verbosity_args(level: int | str) -> tuple[str, ...]:
+    return ("-lv", str(level))
+
+
 # flags that place weights without a settings field of their own
 DEVICE_FLAGS = ("-dev", "--device", "-fitt", "--fit-target")
 API_KEY_FLAGS = ("--api-key", "--api-key-file")
