@@ -296,7 +296,9 @@ def test_a_plan_that_never_offloads_is_recorded_as_never_and_the_sweep_varies_it
     plan = make_plan(machines={"n": machine("1socket-1gpu-24g")}, model=model, request=req, backend=backend())
     w = plan.workers[0]
     assert "--no-op-offload" in w.args and OFFLOAD_ENV not in w.env
-    for c in (config_from_worker(w), config_from_plan_json(plan.to_dict())):
+    as_json = {**plan.to_dict(), "backend": w.backend.to_dict()}      # what `orchestrator plan --json` writes
+    assert config_from_plan_json(as_json).settings == w.settings
+    for c in (config_from_worker(w), config_from_plan_json(plan.to_dict()), config_from_plan_json(as_json)):
         assert c.params["op_offload_min_batch"] == OFFLOAD_NEVER
         sweep = build_configs(c, ("offload-sweep",))
         assert sweep and OFFLOAD_NEVER not in [s.params["op_offload_min_batch"] for s in sweep]
