@@ -21,5 +21,5 @@ from orchestrator.launch.settings import WorkerSettings
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.launch.wrappers import wrap
 
-__all__ = ["LaunchSpec", "NumaPolicy", "format_cpulist", "numactl_argv", "parse_cpulist", "spec_for_worker", "worker_spec",
-           "wrap", "WorkerSettings"]
+__all__ = ["LaunchSpec", "NumaPolicy", "WorkerSettings", "format_cpulist", "numactl_argv", "parse_cpulist",
+           "spec_for_worker", "worker_spec", "wrap"]
