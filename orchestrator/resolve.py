@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from orchestrator.backend.detect import BackendInfo, detect_backend, find_llama_server
+from orchestrator.backend.detect import detect_backend, find_llama_server
+from orchestrator.backend.info import BackendInfo, nominal_backend
 from orchestrator.config import Topology, load_topology
 from orchestrator.errors import BackendError, ConfigError, PlanError
 from orchestrator.hardware import Machine
@@ -17,19 +18,6 @@ from orchestrator.launch.spec import LaunchSpec
 from orchestrator.model import ModelInfo
 from orchestrator.plan import Plan
 from orchestrator.plan.from_topology import request_from_topology
-
-# What the pinned mainline llama-server offers, for planning a recorded machine where no binary is at hand.
-NOMINAL_FEATURES = {
-    "mainline": frozenset({"fit", "fit_target", "n_cpu_moe", "cpu_moe", "override_tensor", "load_mode", "numa",
-                           "flash_attn", "metrics", "no_host", "cpu_range", "threads_batch", "no_op_offload",
-                           "kv_unified", "sm_none", "sm_layer", "sm_row", "sm_tensor"}),
-    "ik_llama.cpp": frozenset({"fit", "fit_margin", "n_cpu_moe", "cpu_moe", "override_tensor", "no_mmap", "mlock",
-                               "numa", "flash_attn", "metrics", "threads_batch", "mla", "merge_qkv",
-                               "attn_max_batch", "graph_reuse", "split_mode_graph_scheduling", "cuda_params",
-                               "offload_policy", "sm_none", "sm_layer", "sm_graph"}),
-}
-SPLIT_MODES = {"mainline": ("none", "layer", "row", "tensor"), "ik_llama.cpp": ("none", "layer", "graph")}
-
 
 @dataclass(frozen=True)
 class Resolved:
@@ -86,11 +74,6 @@ def load_machines(topo: Topology) -> tuple[dict[str, Machine], list[str]]:
     return machines, notes
 
 
-def nominal_backend(flavor: str, cuda: bool) -> BackendInfo:
-    return BackendInfo(server="llama-server", flavor=flavor, version="(planned without a binary)", cuda=cuda,
-                       gpu_offload=True, features=NOMINAL_FEATURES[flavor], split_modes=SPLIT_MODES[flavor])
-
-
 def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendInfo, list[str]]:
     notes = []
     all_recorded = all(n.machine != "live" for n in topo.nodes)
@@ -134,8 +117,7 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
     if backend is None:
         backend, bnotes = find_backend(topo, machines)
         notes += bnotes
-    request = request_from_topology(
-        topo, ram_totals={name: m.memory_total_bytes for name, m in machines.items()})
+    request = request_from_topology(topo)
     try:
         plan = make_plan(machines=machines, model=model, request=request, backend=backend)
     except PlanError as err:
@@ -146,7 +128,7 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
     for w in plan.workers:
         n = by_name[w.node]
         resources = {n.ray_resource: 0.001} if n.ray_resource else None
-        spec = spec_for_worker(w, backend.server, local_node=local, resources=resources)
+        spec = spec_for_worker(w.name, w.settings, w.backend, node=w.node, local_node=local, resources=resources)
         if spec.node is not None and n.address and not n.ray_resource:
             spec = replace(spec, node=n.address)  # Ray finds a node by its name, address or host name
         specs.append(spec)

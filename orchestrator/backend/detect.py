@@ -1,6 +1,7 @@
-"""Find llama-server and read what it is: flavor (mainline llama.cpp or ik_llama.cpp), version, CUDA, features.
+"""Find llama-server and probe what it is: flavor (mainline llama.cpp or ik_llama.cpp), version, CUDA, features.
 
-Everything is read from the binary itself (``--version``, ``--help``), never assumed from its path.
+Everything is read from the binary itself (``--version``, ``--help``, ``--list-devices``), never assumed from its
+path. The result is a pure :class:`~orchestrator.backend.info.BackendInfo`.
 """
 
 from __future__ import annotations
@@ -9,88 +10,10 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.backend.info import BackendInfo, parse_help
 from orchestrator.errors import BackendError
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """What a llama-server binary is and can do. Pure data: the planner reads it."""
-
-    server: str                                 # path to llama-server
-    flavor: str = "mainline"                    # "mainline" | "ik_llama.cpp"
-    version: str = ""                           # e.g. "0 (0c1e570)"; build number and commit when known
-    build_info: str = ""                        # "built with ... for ..."
-    cuda: bool = False                          # built with the CUDA backend
-    gpu_offload: bool = False                   # -ngl is offered (a GPU backend is compiled in)
-    features: frozenset[str] = field(default_factory=frozenset)
-    split_modes: tuple[str, ...] = ()           # values -sm accepts, as --help lists them
-    devices: tuple[str, ...] = ()               # `--list-devices` lines, e.g. "CUDA0: NVIDIA H200 (143156 MiB, ...)"
-    bench: str | None = None                    # llama-bench next to it, if any
-    fit_params: str | None = None               # llama-fit-params next to it, if any
-
-    def has(self, feature: str) -> bool:
-        return feature in self.features
-
-    def to_dict(self) -> dict:
-        return {
-            "server": self.server, "flavor": self.flavor, "version": self.version, "build_info": self.build_info,
-            "cuda": self.cuda, "gpu_offload": self.gpu_offload, "features": sorted(self.features),
-            "split_modes": list(self.split_modes), "devices": list(self.devices), "bench": self.bench, "fit_params": self.fit_params,
-        }
-
-
-# feature name -> regex on --help text
-_FEATURES = {
-    "fit": r"(^|\s)--fit\b",
-    "fit_target": r"--fit-target\b",
-    "fit_margin": r"--fit-margin\b",
-    "n_cpu_moe": r"--n-cpu-moe\b",
-    "cpu_moe": r"--cpu-moe\b",
-    "override_tensor": r"--override-tensor\b",
-    "load_mode": r"--load-mode\b",
-    "no_mmap": r"--no-mmap\b",
-    "mlock": r"--mlock\b",
-    "numa": r"--numa\b",
-    "flash_attn": r"--flash-attn\b",
-    "metrics": r"--metrics\b",
-    "no_host": r"--no-host\b",
-    "cpu_range": r"--cpu-range\b",
-    "threads_batch": r"--threads-batch\b",
-    "mla": r"--mla-use\b",
-    "merge_qkv": r"--merge-qkv\b",
-    "attn_max_batch": r"--attention-max-batch\b",
-    "graph_reuse": r"--graph-reuse\b",
-    "split_mode_graph_scheduling": r"--split-mode-graph-scheduling\b",
-    "cuda_params": r"--cuda-params\b",
-    "offload_policy": r"--offload-policy\b",
-    "no_op_offload": r"--no-op-offload\b",
-    "moe_cache": r"--moe-cache-mib\b",
-    "kv_unified": r"--kv-unified\b",
-}
-
-
-def parse_help(help_text: str) -> tuple[str, frozenset[str], tuple[str, ...], bool]:
-    """(flavor, features, split modes, gpu_offload) from ``llama-server --help`` output."""
-    feats = {name for name, rx in _FEATURES.items() if re.search(rx, help_text, re.M)}
-    modes: list[str] = []
-    m = re.search(r"--split-mode\s+\{([a-z,]+)\}", help_text)
-    if m:
-        modes = m.group(1).split(",")
-    else:  # ik_llama.cpp lists the modes as "  - graph: ..." lines under -sm
-        block = re.search(r"--split-mode[^\n]*\n((?:\s+.*\n){1,12})", help_text)
-        if block:
-            modes = re.findall(r"^\s+-\s+([a-z]+)(?:\s*\(default\))?\s*:", block.group(1), re.M)
-    gpu_offload = bool(re.search(r"--gpu-layers\b|--n-gpu-layers\b", help_text))
-    ik_markers = {"mla", "merge_qkv", "attn_max_batch", "graph_reuse", "cuda_params", "split_mode_graph_scheduling"}
-    flavor = "ik_llama.cpp" if (feats & ik_markers or "graph" in modes) else "mainline"
-    if flavor == "ik_llama.cpp":
-        feats.add("override_tensor")  # ik_llama.cpp's parser takes -ot/--override-tensor; its --help omits it
-    for mode in modes:
-        feats.add(f"sm_{mode}")
-    return flavor, frozenset(feats), tuple(modes), gpu_offload
 
 
 def _run(argv: list[str], timeout: float = 30.0) -> str:

@@ -1,9 +1,11 @@
-"""Benchmark configurations: the plan and the alternatives it must beat, as llama-server flags.
+"""Benchmark configurations: the plan and the alternatives it must beat, as typed settings.
 
-Pure code: every generator takes the planned worker's llama-server flags and returns new flag tuples. What stays
-the same for every configuration (so that only placement is compared): the model, the context (``-c``), the
-parallel slots (``-np``), threads (``-t``/``-tb``), KV types, flash attention, ``--numa`` and the wrapper
-(numactl ...) the plan runs under. What changes is named per generator below.
+Pure code. Every alternative is the plan's :class:`~orchestrator.launch.settings.WorkerSettings` changed with
+``dataclasses.replace`` and rendered by :mod:`orchestrator.launch.llama_args` (the one place llama-server's flags
+are spelled) for the plan's backend. What stays the same for every configuration (so that only placement is
+compared): the model, the context, the parallel slots, threads, KV types, flash attention, ``--numa`` and the
+wrapper (numactl ...) the plan runs under. What changes is named per generator below. A configuration given as
+flags (``--config NAME='...'``) runs exactly those flags; they are read into settings for its coordinates.
 """
 
 from __future__ import annotations
@@ -13,37 +15,21 @@ import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
+from orchestrator.backend.info import BackendInfo
 from orchestrator.errors import ConfigError
-
-OFFLOAD_ENV = "GGML_OP_OFFLOAD_MIN_BATCH"
-OFFLOAD_DEFAULT = 32                # llama.cpp's default when the variable is unset
-OFFLOAD_NEVER = 1_000_000_000       # larger than any batch: CPU-resident weights are never copied to the GPU
+from orchestrator.launch.llama_args import (
+    FIELD_FLAGS, OFFLOAD_DEFAULT, OFFLOAD_ENV, OFFLOAD_NEVER, backend_seen_in, canonical, long_flag, parse_server_args,
+    server_args, server_env, split_flags,
+)
+from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
+from orchestrator.launch.spec import LaunchSpec
+from orchestrator.plan.types import WorkerPlan
 
 GROUPS = ("plan", "fit", "cpu-moe", "ncmoe-sweep", "offload-sweep")
 OPTIONAL_GROUPS = ("control", "threads-sweep")          # asked for by name only
 
-# long name of every flag the generators look at (llama-server's short and long aliases)
-_ALIASES = {
-    "-m": "--model", "-c": "--ctx-size", "-np": "--parallel", "-t": "--threads", "-tb": "--threads-batch",
-    "-ngl": "--n-gpu-layers", "--gpu-layers": "--n-gpu-layers", "-ot": "--override-tensor",
-    "-ub": "--ubatch-size", "-b": "--batch-size", "-sm": "--split-mode", "-ts": "--tensor-split",
-    "-mg": "--main-gpu", "-cmoe": "--cpu-moe", "-ncmoe": "--n-cpu-moe", "-fit": "--fit", "-fitt": "--fit-target",
-    "-fitc": "--fit-ctx", "-lm": "--load-mode", "-a": "--alias", "-fa": "--flash-attn",
-}
-_NEGATIVE_NUMBER = re.compile(r"^-\d")
-
-# flags that decide where weights live, how big batches are, and how weights are loaded
-PLACEMENT_FLAGS = frozenset({
-    "--n-gpu-layers", "--override-tensor", "--cpu-moe", "--n-cpu-moe", "--split-mode", "--tensor-split",
-    "--main-gpu", "--fit", "--fit-target", "--fit-ctx", "--ubatch-size", "--batch-size", "--load-mode",
-    "--no-mmap", "--mmap", "--mlock", "-cuda", "--cuda-params", "--no-op-offload", "--op-offload",
-})
 # server identity: the runner sets these itself
-ENDPOINT_FLAGS = frozenset({"--host", "--port"})
-
-
-def canonical(flag: str) -> str:
-    return _ALIASES.get(flag, flag)
+ENDPOINT_FLAGS = FIELD_FLAGS["host"] + FIELD_FLAGS["port"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +39,7 @@ class Arg:
 
     @property
     def key(self) -> str | None:
-        return canonical(self.flag) if self.flag else None
+        return long_flag(self.flag) if self.flag else None
 
     def tokens(self) -> list[str]:
         out = [self.flag] if self.flag else []
@@ -63,33 +49,8 @@ class Arg:
 
 
 def parse_args(args: Sequence[str]) -> list[Arg]:
-    """Split llama-server flags into (flag, value) pairs.
-
-    llama-server takes no positional arguments, so a flag takes a value exactly when the next token is not a
-    flag (a negative number counts as a value). ``--flag=value`` is split.
-    """
-    out: list[Arg] = []
-    toks = list(args)
-    i = 0
-    while i < len(toks):
-        t = toks[i]
-        if t.startswith("-") and not _NEGATIVE_NUMBER.match(t):
-            if t.startswith("--") and "=" in t:
-                f, v = t.split("=", 1)
-                out.append(Arg(f, v))
-                i += 1
-                continue
-            nxt = toks[i + 1] if i + 1 < len(toks) else None
-            if nxt is not None and (not nxt.startswith("-") or _NEGATIVE_NUMBER.match(nxt)):
-                out.append(Arg(t, nxt))
-                i += 2
-            else:
-                out.append(Arg(t, None))
-                i += 1
-        else:
-            out.append(Arg(None, t))
-            i += 1
-    return out
+    """llama-server flags as (flag, value) pairs (:func:`orchestrator.launch.llama_args.split_flags`)."""
+    return [Arg(f, v) for f, v in split_flags(args)]
 
 
 def render(args: Iterable[Arg]) -> tuple[str, ...]:
@@ -100,8 +61,8 @@ def render(args: Iterable[Arg]) -> tuple[str, ...]:
 
 
 def get_arg(args: Sequence[str], flag: str) -> str | None:
-    """The value of the last occurrence of ``flag`` (any alias), "" for a switch, None when absent."""
-    key = canonical(flag)
+    """The value of the last occurrence of ``flag`` (any spelling), "" for a switch, None when absent."""
+    key = long_flag(flag)
     found = None
     for a in parse_args(args):
         if a.key == key:
@@ -114,26 +75,18 @@ def has_flag(args: Sequence[str], flag: str) -> bool:
 
 
 def without(args: Sequence[str], flags: Iterable[str]) -> tuple[str, ...]:
-    keys = {canonical(f) for f in flags}
+    keys = {long_flag(f) for f in flags}
     return render(a for a in parse_args(args) if a.key not in keys)
 
 
 def with_args(args: Sequence[str], *pairs: tuple[str, str | None]) -> tuple[str, ...]:
-    """``args`` with each (flag, value) set: earlier occurrences (any alias) removed, the new one appended."""
+    """``args`` with each (flag, value) set: earlier occurrences (any spelling) removed, the new one appended."""
     out = list(parse_args(args))
     for flag, value in pairs:
-        key = canonical(flag)
+        key = long_flag(flag)
         out = [a for a in out if a.key != key]
         out.append(Arg(flag, value))
     return render(out)
-
-
-def _int_arg(args: Sequence[str], flag: str) -> int | None:
-    v = get_arg(args, flag)
-    try:
-        return int(v) if v else None
-    except ValueError:
-        return None
 
 
 # --- the configuration ------------------------------------------------------------------------------------
@@ -148,7 +101,8 @@ class BenchConfig:
     coordinates in that family (n_cpu_moe, ubatch, load_mode, op_offload_min_batch). ``predicted``: what the plan
     predicted ({"pp": {len: t/s}, "tg": t/s, "memory": {"gpu0": bytes, "CPU": bytes}}), compared in the summary.
     ``server``: this configuration's own llama-server (another build, e.g. ik_llama.cpp beside mainline); None =
-    the run's.
+    the run's. ``settings``: what ``args``/``env`` say, typed (read from them when not given); ``backend``: the
+    binary the settings were rendered for (None: what the flags show of it), so alternatives render the same way.
     """
 
     name: str
@@ -159,6 +113,8 @@ class BenchConfig:
     wrapper: tuple[str, ...] = ()
     predicted: Mapping[str, Any] = field(default_factory=dict)
     server: str | None = None
+    settings: WorkerSettings | None = None
+    backend: BackendInfo | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+=@-]*", self.name):
@@ -166,18 +122,25 @@ class BenchConfig:
         object.__setattr__(self, "args", tuple(str(a) for a in self.args))
         object.__setattr__(self, "wrapper", tuple(str(a) for a in self.wrapper))
         object.__setattr__(self, "env", {str(k): str(v) for k, v in dict(self.env).items()})
+        if self.settings is None:
+            object.__setattr__(self, "settings", parse_server_args(self.args, self.env))
 
     @property
     def model_path(self) -> str | None:
-        return get_arg(self.args, "--model") or None
+        return self.settings.model_path or None
 
     @property
     def ctx(self) -> int | None:
-        return _int_arg(self.args, "--ctx-size")
+        return self.settings.context
 
     @property
     def parallel(self) -> int | None:
-        return _int_arg(self.args, "--parallel")
+        return self.settings.parallel
+
+    @property
+    def renders_for(self) -> BackendInfo:
+        """The backend alternatives are rendered for: the plan's, or what its flags show of it."""
+        return self.backend or backend_seen_in(self.args, self.server or "llama-server")
 
     def argv(self, server_binary: str, host: str, port: int) -> tuple[str, ...]:
         """The complete command line: wrapper, binary, flags, then our --host/--port."""
@@ -192,14 +155,18 @@ class BenchConfig:
     def to_dict(self) -> dict:
         return {"name": self.name, "group": self.group, "args": list(self.args), "env": dict(self.env),
                 "wrapper": list(self.wrapper), "params": dict(self.params), "predicted": _jsonable(self.predicted),
-                **({"server": self.server} if self.server else {})}
+                **({"server": self.server} if self.server else {}),
+                "settings": self.settings.to_dict(),
+                **({"backend": self.backend.to_dict()} if self.backend is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "BenchConfig":
         return cls(name=d["name"], args=tuple(d.get("args", ())), env=dict(d.get("env", {})),
                    group=d.get("group", "extra"), params=dict(d.get("params", {})),
                    wrapper=tuple(d.get("wrapper", ())), predicted=dict(d.get("predicted", {})),
-                   server=d.get("server") or None)
+                   server=d.get("server") or None,
+                   settings=WorkerSettings.from_dict(d["settings"]) if d.get("settings") else None,
+                   backend=BackendInfo.from_dict(d["backend"]) if d.get("backend") else None)
 
 
 def _jsonable(x: Any) -> Any:
@@ -212,47 +179,15 @@ def _jsonable(x: Any) -> Any:
 
 # --- the plan as a configuration ----------------------------------------------------------------------------
 
-def _load_mode_of(args: Sequence[str]) -> str:
-    lm = get_arg(args, "--load-mode")
-    if lm in ("none",):
-        return "pinned"
-    if lm in ("mlock", "mmap+mlock"):
-        return "mlock"
-    if lm == "mmap":
-        return "mmap"
-    if has_flag(args, "--no-mmap"):
-        return "mlock" if has_flag(args, "--mlock") else "pinned"
-    return "mmap"
-
-
-def offload_threshold_of(args: Sequence[str], env: Mapping[str, str]) -> int | None:
-    """The op-offload threshold a configuration runs with: ik_llama.cpp's ``-cuda offload-batch-size=N`` or
-    mainline's GGML_OP_OFFLOAD_MIN_BATCH; None when unset (llama.cpp's default 32 applies)."""
-    cuda = get_arg(args, "-cuda")
-    if cuda:
-        m = re.search(r"offload-batch-size=(\d+)", cuda)
-        if m:
-            return int(m.group(1))
-    v = env.get(OFFLOAD_ENV)
-    if v is not None and str(v).strip().isdigit():
-        return int(v)
-    return None
-
-
-def cpu_expert_layers_of(args: Sequence[str], max_layers: int = 1024) -> tuple[int, ...] | None:
-    """The layers whose routed experts a configuration keeps in host memory, read from its flags: ``-ot``
-    (first matching pattern wins, as llama.cpp applies them), ``--n-cpu-moe N``, or none when only ``-ngl``
-    is given. None when it cannot be told (``--cpu-moe`` without the layer count, or no GPU flags at all)."""
-    ot = get_arg(args, "--override-tensor")
-    if ot:
-        pairs = []
-        for item in ot.split(","):
-            if "=" in item:
-                rx, buft = item.rsplit("=", 1)
-                try:
-                    pairs.append((re.compile(rx), buft))
-                except re.error:
-                    return None
+def cpu_expert_layers_of(s: WorkerSettings, max_layers: int = 1024) -> tuple[int, ...] | None:
+    """The layers whose routed experts a configuration keeps in host memory: its tensor overrides (the first
+    matching pattern wins, as llama.cpp applies them), ``--n-cpu-moe N``, or none when only the GPU layers are
+    given. None when it cannot be told (``--cpu-moe`` without the layer count, or no GPU settings at all)."""
+    if s.tensor_overrides:
+        try:
+            pairs = [(re.compile(rx), buft) for rx, buft in s.tensor_overrides]
+        except re.error:
+            return None
         layers = []
         for i in range(max_layers):
             name = f"blk.{i}.ffn_up_exps.weight"
@@ -260,96 +195,93 @@ def cpu_expert_layers_of(args: Sequence[str], max_layers: int = 1024) -> tuple[i
             if buft is not None and buft.upper() == "CPU":
                 layers.append(i)
         return tuple(layers)
-    n = _int_arg(args, "--n-cpu-moe")
-    if n is not None:
-        return tuple(range(n))
-    if has_flag(args, "--cpu-moe"):
+    if s.n_cpu_moe is not None:
+        return tuple(range(s.n_cpu_moe))
+    if s.cpu_moe:
         return None
-    if has_flag(args, "--n-gpu-layers"):
+    if s.n_gpu_layers is not None:
         return ()
     return None
 
 
-def plan_config(args: Sequence[str], env: Mapping[str, str] | None = None, *, name: str = "plan",
-                wrapper: Sequence[str] = (), cpu_expert_layers: Sequence[int] | None = None,
-                predicted: Mapping[str, Any] | None = None) -> BenchConfig:
-    """The plan's own configuration (``group="plan"``), with its coordinates filled from its flags."""
-    env = dict(env or {})
+def _params(s: WorkerSettings, cpu_expert_layers: Sequence[int] | None) -> dict[str, Any]:
     params: dict[str, Any] = {
-        "ubatch": _int_arg(args, "--ubatch-size") or 512,
-        "batch": _int_arg(args, "--batch-size") or 2048,
-        "load_mode": _load_mode_of(args),
-        "op_offload_min_batch": offload_threshold_of(args, env) or OFFLOAD_DEFAULT,
+        "ubatch": s.n_ubatch or 512,
+        "batch": s.n_batch or 2048,
+        "load_mode": s.load_mode,
+        "op_offload_min_batch": s.op_offload_min_batch or OFFLOAD_DEFAULT,
     }
     if cpu_expert_layers is None:
-        cpu_expert_layers = cpu_expert_layers_of(args)
+        cpu_expert_layers = cpu_expert_layers_of(s)
     if cpu_expert_layers is not None:
         params["n_cpu_moe"] = len(cpu_expert_layers)
-    return BenchConfig(name=name, args=tuple(args), env=env, group="plan", params=params,
-                       wrapper=tuple(wrapper), predicted=dict(predicted or {}))
+    return params
 
 
-def config_from_worker(worker: Any, *, wrapper: Sequence[str] = ()) -> BenchConfig:
-    """The plan configuration of a planner ``WorkerPlan`` (duck-typed: args, env, cpu_expert_layers, predicted,
-    memory, gpus), its predictions translated to the bench's device names (``gpu<machine index>``, ``CPU``)."""
+def plan_config(args: Sequence[str], env: Mapping[str, str] | None = None, *, name: str = "plan",
+                wrapper: Sequence[str] = (), cpu_expert_layers: Sequence[int] | None = None,
+                predicted: Mapping[str, Any] | None = None, settings: WorkerSettings | None = None,
+                backend: BackendInfo | None = None) -> BenchConfig:
+    """The plan's own configuration (``group="plan"``), with its coordinates filled from its settings (read from
+    its flags when not given)."""
+    env = dict(env or {})
+    settings = settings or parse_server_args(args, env)
+    return BenchConfig(name=name, args=tuple(args), env=env, group="plan",
+                       params=_params(settings, cpu_expert_layers), wrapper=tuple(wrapper),
+                       predicted=dict(predicted or {}), settings=settings, backend=backend)
+
+
+def _predicted(worker: WorkerPlan) -> dict[str, Any]:
     predicted: dict[str, Any] = {}
-    pred = getattr(worker, "predicted", None)
-    if pred is not None:
-        predicted["pp"] = {int(k): float(v) for k, v in dict(getattr(pred, "pp", {}) or {}).items()}
-        predicted["tg"] = float(getattr(pred, "tg", 0.0) or 0.0)
-    mem: dict[str, int] = {}
-    gpus = tuple(getattr(worker, "gpus", ()) or ())
-    for m in getattr(worker, "memory", ()) or ():
-        mem[_device_key(m.device, gpus)] = int(m.total)
+    pred = worker.predicted
+    predicted["pp"] = {int(k): float(v) for k, v in dict(pred.pp or {}).items()}
+    predicted["tg"] = float(pred.tg or 0.0)
+    mem = {_device_key(m.device, worker.gpus): int(m.total) for m in worker.memory}
     if mem:
         predicted["memory"] = mem
-    return plan_config(worker.args, worker.env, wrapper=wrapper,
-                       cpu_expert_layers=tuple(getattr(worker, "cpu_expert_layers", ()) or ()),
-                       predicted=predicted)
+    return predicted
 
 
-def split_server_argv(argv: Sequence[str]) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
-    """(wrapper, binary, flags) of a complete command line: the binary is the word after the last ``--``
-    (numactl ... -- llama-server), else the first word named llama-server*, else the first word."""
-    argv = tuple(argv)
-    if not argv:
-        raise ConfigError("empty command line")
-    if "--" in argv:
-        i = len(argv) - 1 - argv[::-1].index("--") + 1
-    else:
-        i = next((k for k, a in enumerate(argv) if re.search(r"(^|/)llama-server[^/]*$", a)), 0)
-    if i >= len(argv):
-        raise ConfigError(f"no server binary after '--' in {' '.join(argv)}")
-    return argv[:i], argv[i], argv[i + 1:]
+def config_from_worker(worker: WorkerPlan, *, wrapper: Sequence[str] = ()) -> BenchConfig:
+    """The plan configuration of a planner ``WorkerPlan``: its settings rendered for its backend, its
+    predictions translated to the bench's device names (``gpu<machine index>``, ``CPU``)."""
+    return plan_config(worker.args, worker.env, wrapper=wrapper, cpu_expert_layers=tuple(worker.cpu_expert_layers),
+                       predicted=_predicted(worker), settings=worker.settings, backend=worker.backend)
 
 
-def config_from_launch_spec(spec: Any, worker: Any | None = None) -> BenchConfig:
-    """The plan configuration of a ``LaunchSpec`` (what ``up`` runs: wrappers, binary, flags, env), with the
-    planner's ``WorkerPlan`` for its predictions and CPU expert layers when given."""
-    wrapper, _binary, args = split_server_argv(spec.argv)
-    if worker is not None:
-        c = config_from_worker(worker, wrapper=wrapper)
-        return replace(c, args=args, env=dict(spec.env))
-    return plan_config(args, dict(spec.env), wrapper=wrapper)
+def config_from_launch_spec(spec: LaunchSpec, worker: WorkerPlan | None = None) -> BenchConfig:
+    """The plan configuration of a ``LaunchSpec`` (what ``up`` runs: wrappers, binary, flags, env) and the
+    planner's ``WorkerPlan`` it was made from (its settings, backend and predictions)."""
+    if worker is None:
+        raise ConfigError(f"worker {spec.name}: benchmarking a launch spec needs the planned worker it came from")
+    n = len(worker.args) + 1
+    if tuple(spec.argv[-n:]) != (worker.backend.server, *worker.args):
+        raise ConfigError(f"worker {spec.name}: its command line is not the plan's llama-server flags")
+    c = config_from_worker(worker, wrapper=spec.argv[:-n])
+    return replace(c, env=dict(spec.env))
 
 
 def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
-    """The plan configuration from ``orchestrator plan --json`` output (``workers[i]`` with ``args`` or ``argv``,
-    ``env``, ``predicted``, ``devices``/``memory``, ``gpus``, ``cpu_expert_layers``)."""
+    """The plan configuration from ``orchestrator plan --json`` output (``workers[i]`` with ``settings`` and
+    the document's ``backend``, else ``args`` or ``argv``; ``env``, ``predicted``, ``devices``/``memory``,
+    ``gpus``, ``cpu_expert_layers``)."""
     workers = data.get("workers")
     if not isinstance(workers, list) or not workers:
         raise ConfigError("plan JSON: expected a non-empty 'workers' list (the output of `orchestrator plan --json`)")
     if not 0 <= worker < len(workers):
         raise ConfigError(f"plan JSON: worker {worker} does not exist (it has {len(workers)})")
     w = workers[worker]
+    settings = backend = None
+    if w.get("settings") and data.get("backend"):
+        settings = WorkerSettings.from_dict(w["settings"])
+        backend = BackendInfo.from_dict(data["backend"])
     wrapper: tuple[str, ...] = ()
+    argv = tuple(w.get("argv") or ())
     if w.get("args"):
         args = tuple(w["args"])
-        argv = tuple(w.get("argv") or ())
-        if argv and "--" in argv:
-            wrapper = argv[: argv.index("--") + 1]
-    elif w.get("argv"):
-        argv = tuple(w["argv"])
+        if argv and argv[-len(args):] == args:
+            wrapper = argv[:-len(args) - 1]
+    elif argv:
         idx = next((i for i, a in enumerate(argv) if re.search(r"(^|/)llama-server[^/]*$", a)), None)
         if idx is None:
             raise ConfigError("plan JSON: workers[%d].argv has no llama-server binary in it" % worker)
@@ -367,7 +299,7 @@ def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
     if devices:
         predicted["memory"] = {_device_key(k, gpus): int(v) for k, v in devices.items()}
     cel = w.get("cpu_expert_layers")
-    c = plan_config(args, w.get("env") or {}, wrapper=wrapper,
+    c = plan_config(args, w.get("env") or {}, wrapper=wrapper, settings=settings, backend=backend,
                     cpu_expert_layers=tuple(cel) if cel is not None else None, predicted=predicted)
     n_layers = (data.get("model") or {}).get("n_layers")
     if isinstance(n_layers, int) and n_layers > 0:
@@ -376,7 +308,11 @@ def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
 
 
 def server_from_plan_json(data: Mapping, worker: int = 0) -> str | None:
-    """The llama-server binary in ``workers[i].argv`` of ``orchestrator plan --json`` output, if any."""
+    """The llama-server binary of ``orchestrator plan --json`` output: its backend, else the word of
+    ``workers[i].argv`` named llama-server; None when neither tells."""
+    server = (data.get("backend") or {}).get("server") if isinstance(data, Mapping) else None
+    if server:
+        return server
     try:
         argv = data["workers"][worker].get("argv") or ()
     except (KeyError, IndexError, TypeError, AttributeError):
@@ -395,57 +331,56 @@ def _device_key(device: str, gpus: Sequence[int]) -> str:
 
 # --- the alternatives ----------------------------------------------------------------------------------------
 
-def baseline_args(args: Sequence[str]) -> tuple[str, ...]:
-    """The plan's flags without any placement, batch or load-mode decision: what a user starts from."""
-    return without(args, PLACEMENT_FLAGS)
+def derive(plan: BenchConfig, name: str, group: str, settings: WorkerSettings, params: Mapping[str, Any]
+           ) -> BenchConfig:
+    """A configuration from the plan's: ``settings`` rendered for the plan's backend, the plan's variables that
+    the settings do not own kept, the plan's wrapper and server."""
+    backend = plan.renders_for
+    owned = set(server_env(plan.settings, backend)) | {OFFLOAD_ENV}
+    env = {k: v for k, v in plan.env.items() if k not in owned}
+    env.update(server_env(settings, backend))
+    return BenchConfig(name=name, args=server_args(settings, backend), env=env, group=group, params=dict(params),
+                       wrapper=plan.wrapper, server=plan.server, settings=settings, backend=plan.backend)
 
 
-def _baseline_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k != OFFLOAD_ENV}
+def baseline(s: WorkerSettings) -> WorkerSettings:
+    """The plan's settings without any placement, batch, load-mode or op-offload decision: what a user starts
+    from (llama.cpp's defaults for those)."""
+    placement = {"n_gpu_layers", "split_mode", "tensor_split", "main_gpu", "tensor_overrides", "cpu_moe",
+                 "n_cpu_moe", "fit", "fit_ctx", "n_ubatch", "n_batch", "load_mode", "op_offload_min_batch"}
+    extra = tuple(t for f, v in split_flags(s.extra_args)
+                  if not (f and (canonical(f) in placement or long_flag(f) in ("--fit-target", "--device")))
+                  for t in (f, v) if t is not None)
+    return replace(s, n_gpu_layers=None, split_mode=None, tensor_split=(), main_gpu=None, tensor_overrides=(),
+                   cpu_moe=False, n_cpu_moe=None, fit=None, fit_ctx=None, n_ubatch=None, n_batch=None,
+                   load_mode="mmap", op_offload_min_batch=None, moe_cache_mib=0, extra_args=extra)
 
 
-def _uses_fit(args: Sequence[str]) -> bool:
-    """Whether the binary knows ``--fit`` (mainline): the plan passes ``--fit off`` exactly then."""
-    return has_flag(args, "--fit")
+def baseline_args(plan: BenchConfig) -> tuple[str, ...]:
+    """The flags of the plan's :func:`baseline`."""
+    return server_args(baseline(plan.settings), plan.renders_for)
 
 
 def fit_config(plan: BenchConfig) -> BenchConfig:
     """llama.cpp's own automatic placement (``--fit on``, its defaults for -ngl/-ot/-ub/-b/load mode and the
     op-offload threshold), with the plan's context kept: ``-c`` stays explicit, which llama.cpp's fit never
-    shrinks ("context size set by user"), and ``--fit-ctx`` is set to the same value as a second guard."""
-    args = baseline_args(plan.args)
-    ctx = _int_arg(plan.args, "--ctx-size")
-    extra: list[tuple[str, str | None]] = []
-    if _uses_fit(plan.args):            # the binary has --fit (on by default): say so, and pin the context
-        extra.append(("--fit", "on"))
-        if ctx:
-            extra.append(("--fit-ctx", str(ctx)))
-    return BenchConfig(name="fit", args=with_args(args, *extra), env=_baseline_env(plan.env), group="fit",
-                       params={"op_offload_min_batch": OFFLOAD_DEFAULT}, wrapper=plan.wrapper)
+    shrinks ("context size set by user"), and ``--fit-ctx`` is set to the same value as a second guard. A binary
+    without ``--fit`` (ik_llama.cpp) gets none of it: its defaults are the baseline."""
+    s = replace(baseline(plan.settings), fit=True, fit_ctx=plan.settings.context)
+    return derive(plan, "fit", "fit", s, {"op_offload_min_batch": OFFLOAD_DEFAULT})
 
 
 def cpu_moe_config(plan: BenchConfig) -> BenchConfig:
     """The common recipe: every layer on the GPU, every routed expert in host memory (``-ngl 999 --cpu-moe``),
     llama.cpp's defaults otherwise."""
-    args = with_args(baseline_args(plan.args), ("-ngl", "999"), ("--cpu-moe", None))
-    return BenchConfig(name="cpu-moe", args=args, env=_baseline_env(plan.env), group="cpu-moe",
-                       params={"op_offload_min_batch": OFFLOAD_DEFAULT}, wrapper=plan.wrapper)
+    s = replace(baseline(plan.settings), n_gpu_layers=ALL_LAYERS, cpu_moe=True)
+    return derive(plan, "cpu-moe", "cpu-moe", s, {"op_offload_min_batch": OFFLOAD_DEFAULT})
 
 
 def control_config(plan: BenchConfig) -> BenchConfig:
     """The plan again under another name (an A/A control): ``plan/control`` should be 1.0, and how far it is
     not is the noise floor of this machine and run, against which the 0.97 targets are read."""
     return replace(plan, name="plan-control", group="control")
-
-
-def _load_mode_pairs(plan_args: Sequence[str], mode: str) -> list[tuple[str, str | None]]:
-    if has_flag(plan_args, "--load-mode") or _uses_fit(plan_args):   # a mainline that has --load-mode
-        return [("--load-mode", {"mmap": "mmap", "pinned": "none", "mlock": "mlock"}[mode])]
-    if mode == "pinned":
-        return [("--no-mmap", None)]
-    if mode == "mlock":
-        return [("--no-mmap", None), ("--mlock", None)]
-    return []
 
 
 def _unique_ints(values: Iterable[int]) -> list[int]:
@@ -472,36 +407,35 @@ def ncmoe_sweep(plan: BenchConfig, n_values: Sequence[int], ubatches: Sequence[i
                 load_modes: Sequence[str] = ("mmap", "pinned")) -> list[BenchConfig]:
     """llama.cpp's manual knobs: ``-ngl 999 --n-cpu-moe N -ub U`` × load mode (mmap or pinned host buffers).
 
-    The plan's environment (its op-offload threshold) is kept, so the sweep isolates placement, micro-batch and
-    load mode; the threshold has its own sweep. ``-b`` is max(U, the plan's -b).
+    The plan's op-offload threshold is kept, so the sweep isolates placement, micro-batch and load mode; the
+    threshold has its own sweep. ``-b`` is max(U, the plan's -b).
     """
     if ubatches is None:
         ubatches = _unique_ints([512, int(plan.params.get("ubatch", 512))])
     plan_b = int(plan.params.get("batch", 2048))
-    base = baseline_args(plan.args)
+    base = replace(baseline(plan.settings), n_gpu_layers=ALL_LAYERS,
+                   fit=False if plan.settings.fit is not None else None,
+                   op_offload_min_batch=plan.settings.op_offload_min_batch)
     out = []
     for mode in load_modes:
         if mode not in ("mmap", "pinned", "mlock"):
             raise ConfigError(f"load mode {mode!r}: expected mmap, pinned or mlock")
         for n in n_values:
             for ub in ubatches:
-                pairs: list[tuple[str, str | None]] = [("-ngl", "999"), ("--n-cpu-moe", str(n)), ("-ub", str(ub)),
-                                                       ("-b", str(max(ub, plan_b)))]
-                if _uses_fit(plan.args):
-                    pairs.append(("--fit", "off"))
-                pairs += _load_mode_pairs(plan.args, mode)
-                out.append(BenchConfig(
-                    name=f"ncmoe{n}-ub{ub}-{mode}", args=with_args(base, *pairs), env=dict(plan.env),
-                    group="ncmoe-sweep", wrapper=plan.wrapper,
-                    params={"n_cpu_moe": n, "ubatch": ub, "load_mode": mode,
-                            "op_offload_min_batch": plan.params.get("op_offload_min_batch", OFFLOAD_DEFAULT)}))
+                s = replace(base, n_cpu_moe=n, n_ubatch=ub, n_batch=max(ub, plan_b), load_mode=mode)
+                out.append(derive(plan, f"ncmoe{n}-ub{ub}-{mode}", "ncmoe-sweep", s, {
+                    "n_cpu_moe": n, "ubatch": ub, "load_mode": mode,
+                    "op_offload_min_batch": plan.params.get("op_offload_min_batch", OFFLOAD_DEFAULT)}))
     return out
 
 
 def default_offload_values(plan: BenchConfig) -> list[int]:
     """Thresholds around the plan's T: T/4, T/2, 2T, 4T, llama.cpp's default 32, and "never" (the plan's own
-    point is the plan configuration itself)."""
+    point is the plan configuration itself). A plan that never offloads sweeps around the default 32."""
     t = int(plan.params.get("op_offload_min_batch") or OFFLOAD_DEFAULT)
+    if t >= OFFLOAD_NEVER:
+        t = OFFLOAD_DEFAULT
+        return sorted({max(1, t // 4), max(1, t // 2), t, t * 2, t * 4})
     vals = sorted({max(1, t // 4), max(1, t // 2), t * 2, t * 4, OFFLOAD_DEFAULT} - {t})
     return vals + [OFFLOAD_NEVER]
 
@@ -519,26 +453,20 @@ def _other_points(values: Sequence[int], plan_value: int | None, what: str) -> l
 
 
 def offload_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]:
-    """The plan with its op-offload threshold replaced (GGML_OP_OFFLOAD_MIN_BATCH, or ik_llama.cpp's
-    ``-cuda offload-batch-size=N`` when the plan uses that)."""
+    """The plan at other op-offload thresholds, spelled as the plan's binary takes them (mainline's
+    GGML_OP_OFFLOAD_MIN_BATCH or ``--no-op-offload``, ik_llama.cpp's ``-cuda offload-batch-size=N``)."""
     out = []
-    ik = get_arg(plan.args, "-cuda")
     t_plan = int(plan.params.get("op_offload_min_batch") or OFFLOAD_DEFAULT)
     for v in _other_points(values, t_plan, "op-offload threshold"):
-        args, env = plan.args, dict(plan.env)
-        if ik and "offload-batch-size=" in ik:
-            args = with_args(args, ("-cuda", re.sub(r"offload-batch-size=\d+", f"offload-batch-size={v}", ik)))
-        else:
-            env[OFFLOAD_ENV] = str(v)
         name = "offload-never" if v >= OFFLOAD_NEVER else f"offload{v}"
-        out.append(BenchConfig(name=name, args=args, env=env, group="offload-sweep", wrapper=plan.wrapper,
-                               params={**dict(plan.params), "op_offload_min_batch": v}))
+        out.append(derive(plan, name, "offload-sweep", replace(plan.settings, op_offload_min_batch=v),
+                          {**dict(plan.params), "op_offload_min_batch": v}))
     return out
 
 
 def default_thread_values(plan: BenchConfig) -> list[int]:
     """Generation threads below the plan's T: T/4, T/2, 3T/4 and T-1 (the plan's own point is the plan)."""
-    t = _int_arg(plan.args, "-t")
+    t = plan.settings.threads
     if t is None:
         raise ConfigError("threads-sweep: the plan's flags have no -t/--threads: give the sweep's values "
                           "(--threads N,...)")
@@ -548,14 +476,12 @@ def default_thread_values(plan: BenchConfig) -> list[int]:
 def threads_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]:
     """The plan with its generation threads (``-t``) replaced; prompt threads (``-tb``) stay the plan's, so a
     plan without ``-tb`` gets the plan's ``-t`` there (llama-server would otherwise follow ``-t``)."""
-    t_plan = _int_arg(plan.args, "-t")
+    s = plan.settings
     out = []
-    for v in _other_points(values, t_plan, "threads"):
-        pairs = [("-t", str(v))]
-        if get_arg(plan.args, "-tb") is None and t_plan is not None:
-            pairs.append(("-tb", str(t_plan)))
-        out.append(BenchConfig(name=f"threads{v}", args=with_args(plan.args, *pairs), env=dict(plan.env),
-                               group="threads-sweep", wrapper=plan.wrapper, params={**dict(plan.params), "threads": v}))
+    for v in _other_points(values, s.threads, "threads"):
+        tb = s.threads_batch if s.threads_batch is not None else s.threads
+        out.append(derive(plan, f"threads{v}", "threads-sweep", replace(s, threads=v, threads_batch=tb),
+                          {**dict(plan.params), "threads": v}))
     return out
 
 
@@ -628,5 +554,5 @@ def parse_config_option(text: str, *, group: str = "extra") -> BenchConfig:
     server = env.pop("LLAMA_SERVER", None) or None
     if name == "plan":
         return replace(plan_config(words, env), server=server)
-    return replace(BenchConfig(name=name, args=tuple(words), env=env, group=group, server=server),
-                   params={"op_offload_min_batch": offload_threshold_of(words, env) or OFFLOAD_DEFAULT})
+    c = BenchConfig(name=name, args=tuple(words), env=env, group=group, server=server)
+    return replace(c, params={"op_offload_min_batch": c.settings.op_offload_min_batch or OFFLOAD_DEFAULT})

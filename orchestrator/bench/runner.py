@@ -37,6 +37,7 @@ from orchestrator.bench.sampler import Nvml, ResourceSampler, gpu_free
 from orchestrator.bench.server import Launcher, default_launcher, free_port
 from orchestrator.bench.summary import ratios, summarize
 from orchestrator.errors import BackendError, ConfigError, HardwareError, LaunchError
+from orchestrator.launch.llama_args import LOG_VERBOSITY, log_verbosity_args
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.units import MiB
 
@@ -227,14 +228,14 @@ class _Bench:
     def log_flags(self, binary: str) -> tuple[str, ...]:
         """``-lv N`` when that llama-server has the flag (asked once per binary)."""
         if binary not in self._log_flags:
-            ok = self.opt.log_verbosity is not None and binary_has_flag(binary, "--log-verbosity")
-            self._log_flags[binary] = ("-lv", str(self.opt.log_verbosity)) if ok else ()
+            ok = self.opt.log_verbosity is not None and binary_has_flag(binary, LOG_VERBOSITY)
+            self._log_flags[binary] = log_verbosity_args(self.opt.log_verbosity) if ok else ()
         return self._log_flags[binary]
 
     def argv(self, cfg: BenchConfig, port: int) -> tuple[str, ...]:
         argv = cfg.argv(self.binary, self.opt.host, port)
         flags = self.log_flags(cfg.server or self.binary)
-        if flags and not any(has_flag(cfg.args, f) for f in ("-lv", "--verbosity", "--log-verbosity")):
+        if flags and not has_flag(cfg.args, LOG_VERBOSITY):                  # any of its spellings
             argv += flags
         return argv
 

@@ -381,8 +381,8 @@ class Controller:
             w = {
                 "name": s.spec.name, "node": s.node_name or s.spec.node or "-",
                 "url": s.route_url or s.spec.connect_url,
-                "model": s.spec.model_alias, "binding": describe_binding(s.spec.argv),
-                "devices": describe_devices(s.spec.env, s.spec.argv), "argv": list(s.spec.argv),
+                "model": s.spec.model_alias, "binding": describe_binding(s.spec),
+                "devices": describe_devices(s.spec), "argv": list(s.spec.argv),
                 "env": dict(s.spec.env), **st,
             }
             w["phase"] = s.phase

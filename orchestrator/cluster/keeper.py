@@ -176,9 +176,9 @@ class EarlyServer:
             self.popen.wait()
             st = read_json(self.state_path) or {}
             if st.get("pid"):
-                from orchestrator.launch.process import _killpg
+                from orchestrator.launch.process import killpg
 
-                _killpg(int(st["pid"]), signal.SIGKILL)
+                killpg(int(st["pid"]), signal.SIGKILL)
 
 
 # --- the worker actor's side ---------------------------------------------------------------------------------
@@ -249,13 +249,13 @@ class AdoptedHandle:
             while self.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             if self.poll() is None:                 # the keeper hangs: end it and the server's group
-                from orchestrator.launch.process import _killpg
+                from orchestrator.launch.process import killpg
 
                 try:
                     os.kill(int(self.keeper["pid"]), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                _killpg(self.pid, signal.SIGKILL)
+                killpg(self.pid, signal.SIGKILL)
                 self._exit = -signal.SIGKILL
         from orchestrator.launch.process import group_members
 

@@ -1,30 +1,46 @@
-"""What ``status`` shows: binding and devices read back from a worker's argv/env, and the table itself. Pure."""
+"""What ``status`` shows: a worker's binding and devices (from the settings stored with its spec), and the table
+itself. Pure."""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
+from orchestrator.launch.llama_args import flags_of
+from orchestrator.launch.spec import LaunchSpec
 from orchestrator.units import fmt_bytes
 
-# options of llama-server that say where it computes
-_LLAMA_DEVICE_OPTS = ("-dev", "--device", "-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu",
-                      "-ngl", "--gpu-layers", "--n-gpu-layers")
-_LLAMA_CPU_OPTS = ("--numa", "-t", "--threads", "-C", "--cpu-mask", "--cpu-range")
+# options of llama-server that say where it computes, for a hand-written argv (no settings with it)
+_LLAMA_DEVICE_OPTS = flags_of("n_gpu_layers", "split_mode", "tensor_split", "main_gpu") + ("-dev", "--device")
+_LLAMA_CPU_OPTS = flags_of("numa_flag", "threads") + ("-C", "--cpu-mask", "--cpu-range")
 
 
-def _basename(a: str) -> str:
-    return os.path.basename(a)
+def describe_binding(spec: LaunchSpec) -> str:
+    """The CPU/memory binding of a worker: its NUMA policy, whether NUMA balancing is switched off, llama-server's
+    own ``--numa`` and threads; '-' when there is none. A planned worker's settings say it; a hand-written argv
+    (no settings) is read for numactl's and the wrappers' options."""
+    s = spec.settings
+    if s is None:
+        return _binding_from_argv(spec.argv)
+    parts = []
+    if s.disable_numa_balancing:
+        parts.append("numa-balancing off")
+    if s.numa.mode != "none":
+        parts.append(s.numa.describe())
+    if s.numa_flag:
+        parts.append(f"--numa {s.numa_flag}")
+    if s.threads is not None:
+        parts.append(f"-t {s.threads}" + (f" -tb {s.threads_batch}" if s.threads_batch not in (None, s.threads)
+                                          else ""))
+    return ", ".join(parts) if parts else "-"
 
 
-def describe_binding(argv: Sequence[str]) -> str:
-    """The CPU/memory binding a worker's argv asks for: numactl's options (or the socket wrapper's), whether NUMA
-    balancing is switched off, and llama-server's own ``--numa``/thread options. '-' when there is none."""
+def _binding_from_argv(argv: Sequence[str]) -> str:
     parts: list[str] = []
     i = 0
     n = len(argv)
     while i < n:
-        b = _basename(argv[i])
+        b = os.path.basename(argv[i])
         if b == "disable-numa-balancing.sh":
             parts.append("numa-balancing off")
             i += 1
@@ -57,16 +73,26 @@ def describe_binding(argv: Sequence[str]) -> str:
     return ", ".join(parts) if parts else "-"
 
 
-def describe_devices(env: Mapping[str, str], argv: Sequence[str]) -> str:
-    """``cuda:0,1`` from CUDA_VISIBLE_DEVICES (plus llama-server's device/split options), ``cpu`` when the plan
-    hides every GPU, ``-`` when it says nothing."""
+def describe_devices(spec: LaunchSpec) -> str:
+    """``cuda:0,1`` for the GPUs a worker sees (plus its layers and split), ``cpu`` when every GPU is hidden,
+    ``-`` when nothing says. From the settings of a planned worker, else from its env and argv."""
+    s = spec.settings
+    if s is not None:
+        parts = []
+        if s.gpus is not None:
+            parts.append(f"cuda:{','.join(map(str, s.gpus))}" if s.gpus else "cpu")
+        for flag, value in (("-ngl", s.n_gpu_layers), ("-sm", s.split_mode),
+                            ("-ts", ",".join(f"{x:g}" for x in s.tensor_split) or None), ("-mg", s.main_gpu)):
+            if value is not None:
+                parts.append(f"{flag} {value}")
+        return ", ".join(parts) if parts else "-"
     parts = []
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    cvd = spec.env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
         parts.append(f"cuda:{cvd}" if cvd.strip() not in ("", "-1") else "cpu")
-    for k, a in enumerate(argv):
-        if a in _LLAMA_DEVICE_OPTS and k + 1 < len(argv):
-            parts.append(f"{a} {argv[k + 1]}")
+    for k, a in enumerate(spec.argv):
+        if a in _LLAMA_DEVICE_OPTS and k + 1 < len(spec.argv):
+            parts.append(f"{a} {spec.argv[k + 1]}")
     return ", ".join(parts) if parts else "-"
 
 

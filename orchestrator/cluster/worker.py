@@ -81,7 +81,7 @@ class WorkerActor:
                 snap["state"] = "starting"
         snap.update({
             "node": self.node_name, "hostname": socket.gethostname(), "actor_pid": os.getpid(),
-            "binding": describe_binding(self.spec.argv), "devices": describe_devices(self.spec.env, self.spec.argv),
+            "binding": describe_binding(self.spec), "devices": describe_devices(self.spec),
             "metrics": dict(self.sampler.last), "loop_error": self._loop_error, "adopt_note": self.adopt_note,
         })
         return snap

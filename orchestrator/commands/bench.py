@@ -163,7 +163,7 @@ def _plan_from_topology(args: argparse.Namespace):
     given (every node's vram_limit), and take the worker's LaunchSpec as the plan configuration."""
     from dataclasses import replace
 
-    from orchestrator.bench.configs import config_from_launch_spec, split_server_argv
+    from orchestrator.bench.configs import config_from_launch_spec
     from orchestrator.errors import ConfigError
 
     try:
@@ -194,7 +194,7 @@ def _plan_from_topology(args: argparse.Namespace):
     if isinstance(n_layers, int):
         plan = replace(plan, params={**dict(plan.params), "n_layers": n_layers})
     if not args.server:
-        args.server = split_server_argv(spec.argv)[1]
+        args.server = res.backend.server
     if args.gpus is None and worker.gpus:
         args.gpus = tuple(worker.gpus)
     return plan

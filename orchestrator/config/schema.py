@@ -11,10 +11,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from orchestrator.config.keys import display_key, split_key
 from orchestrator.config.types import (
     AUTO, Alias, ArgList, AutoBool, AutoInt, AutoSize, AutoSizeList, Bool, Choice, Duration, EnvVarName,
     FilePath, GpuSelection, Host, Int, Name, Namespace, Port, RayAddress, Text, TiB, fail, is_auto,
 )
+from orchestrator.launch.llama_args import API_KEY_FLAGS, DEVICE_FLAGS, flags_of
 from orchestrator.units import MiB
 
 # KV cache types llama.cpp accepts for -ctk/-ctv (common/arg.cpp kv_cache_types); q6_0 and q8_KV are
@@ -25,27 +27,26 @@ KV_TYPES_UNQUANTIZED = ("f32", "f16", "bf16")
 
 # llama-server flags that topology keys own: giving them in workers.extra_args would fight the plan.
 OWNED_FLAGS: dict[str, str] = {
-    **dict.fromkeys(("-m", "--model"), "model.path"),
-    **dict.fromkeys(("-c", "--ctx-size"), "model.context"),
-    **dict.fromkeys(("-np", "--parallel"), "model.parallel"),
-    **dict.fromkeys(("-ctk", "--cache-type-k"), "model.cache_type_k"),
-    **dict.fromkeys(("-ctv", "--cache-type-v"), "model.cache_type_v"),
-    **dict.fromkeys(("-fa", "--flash-attn"), "model.flash_attn"),
-    **dict.fromkeys(("-a", "--alias"), "model.alias"),
-    **dict.fromkeys(("-t", "--threads"), "workers.threads"),
-    **dict.fromkeys(("-tb", "--threads-batch"), "workers.threads_batch"),
-    **dict.fromkeys(("-b", "--batch-size"), "workers.batch"),
-    **dict.fromkeys(("-ub", "--ubatch-size"), "workers.ubatch"),
-    **dict.fromkeys(("-sm", "--split-mode"), "workers.split_mode"),
-    **dict.fromkeys(("--numa",), "workers.numa"),
-    **dict.fromkeys(("-lm", "--load-mode", "--mmap", "--no-mmap", "--mlock"), "workers.load_mode"),
+    **dict.fromkeys(flags_of("model_path"), "model.path"),
+    **dict.fromkeys(flags_of("context"), "model.context"),
+    **dict.fromkeys(flags_of("parallel"), "model.parallel"),
+    **dict.fromkeys(flags_of("type_k"), "model.cache_type_k"),
+    **dict.fromkeys(flags_of("type_v"), "model.cache_type_v"),
+    **dict.fromkeys(flags_of("flash_attn"), "model.flash_attn"),
+    **dict.fromkeys(flags_of("alias"), "model.alias"),
+    **dict.fromkeys(flags_of("threads"), "workers.threads"),
+    **dict.fromkeys(flags_of("threads_batch"), "workers.threads_batch"),
+    **dict.fromkeys(flags_of("n_batch"), "workers.batch"),
+    **dict.fromkeys(flags_of("n_ubatch"), "workers.ubatch"),
+    **dict.fromkeys(flags_of("split_mode"), "workers.split_mode"),
+    **dict.fromkeys(flags_of("numa_flag"), "workers.numa"),
+    **dict.fromkeys(flags_of("load_mode"), "workers.load_mode"),
     **dict.fromkeys(("--op-offload", "--no-op-offload"), "workers.op_offload_min_batch"),
-    **dict.fromkeys(("--host",), "workers.host"),
-    **dict.fromkeys(("--port",), "workers.port_base"),
-    **dict.fromkeys(("--api-key", "--api-key-file"), "gateway.api_key_env"),
-    **dict.fromkeys(("-ot", "--override-tensor", "-ngl", "--gpu-layers", "--n-gpu-layers", "-cmoe", "--cpu-moe",
-                     "-ncmoe", "--n-cpu-moe", "-ts", "--tensor-split", "-mg", "--main-gpu", "-dev", "--device",
-                     "-fit", "--fit", "-fitt", "--fit-target"), "nodes[].gpus / nodes[].vram_limit"),
+    **dict.fromkeys(flags_of("host"), "workers.host"),
+    **dict.fromkeys(flags_of("port"), "workers.port_base"),
+    **dict.fromkeys(API_KEY_FLAGS, "gateway.api_key_env"),
+    **dict.fromkeys(flags_of("tensor_overrides", "n_gpu_layers", "cpu_moe", "n_cpu_moe", "tensor_split",
+                             "main_gpu", "fit") + DEVICE_FLAGS, "nodes[].gpus / nodes[].vram_limit"),
 }
 
 MACHINE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar", ".json")
@@ -500,7 +501,7 @@ class Topology(Section):
 
     def where(self, key: str | tuple) -> str:
         """``FILE:LINE`` of a dotted key (``"nodes.0.gpus"``) or of its nearest ancestor the file spells out."""
-        path = _split_key(key)
+        path = split_key(key)
         line = self._locations.line_of(path) if self._locations is not None else None
         src = self._source or "<topology>"
         return f"{src}:{line}" if line else src
@@ -511,7 +512,7 @@ class Topology(Section):
         "GPU 3 does not exist (the machine has GPUs 0-1)")``."""
         from orchestrator.errors import ConfigError
 
-        return ConfigError(f"{self.where(key)}: {display_key(_split_key(key))}: {message}")
+        return ConfigError(f"{self.where(key)}: {display_key(split_key(key))}: {message}")
 
     def check_files(self) -> None:
         """Raise ConfigError for the first file the topology names that does not exist (the model, a recorded
@@ -536,7 +537,7 @@ class Topology(Section):
         """A new Topology with dotted keys changed (``{"nodes.0.vram_limit": "12GiB", "workers.threads": 8}``),
         validated exactly like the file: for bench sweeps and command-line overrides. Keys the file left out
         stay decided by the plan. Raises ConfigError naming the key."""
-        from orchestrator.config.loader import validate_changes
+        from orchestrator.config.validation import validate_changes
 
         return validate_changes(self, changes)
 
@@ -554,23 +555,6 @@ class Topology(Section):
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def _split_key(key: str | tuple) -> tuple:
-    if isinstance(key, tuple):
-        return key
-    return tuple(int(p) if p.isdigit() else p for p in key.split(".") if p)
-
-
-def display_key(path: tuple) -> str:
-    """``("nodes", 0, "gpus")`` → ``nodes[0].gpus``."""
-    out = ""
-    for p in path:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        else:
-            out += ("." if out else "") + str(p)
-    return out
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orchestrator.hardware.pci import PCI_DIR, norm_pci, pci_locality
 from orchestrator.hardware.rootfs import RootFS
 from orchestrator.hardware.topology import Gpu
 
@@ -70,7 +71,6 @@ def _opt(fn, *args):
 
 
 def _read(pynvml, fs: RootFS) -> NvmlResult:
-    from orchestrator.hardware.sysfs import PCI_DIR, _norm_pci, pci_locality
 
     driver = _s(pynvml.nvmlSystemGetDriverVersion())
     n = pynvml.nvmlDeviceGetCount()
@@ -78,7 +78,7 @@ def _read(pynvml, fs: RootFS) -> NvmlResult:
     gpus = []
     for i, h in enumerate(handles):
         pci_info = pynvml.nvmlDeviceGetPciInfo(h)
-        pci = _norm_pci(_s(pci_info.busId))
+        pci = norm_pci(_s(pci_info.busId))
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
         cc = _opt(pynvml.nvmlDeviceGetCudaComputeCapability, h)
         node, local = pci_locality(fs, f"{PCI_DIR}/{pci}")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.errors import HardwareError
+from orchestrator.hardware.pci import norm_pci
 from orchestrator.hardware.topology import Bandwidth, FrozenMap, Machine
 from orchestrator.paths import cache_dir, native_dir, pythonpath_with_package
 from orchestrator.units import format_cpulist
@@ -270,12 +271,6 @@ def _run_lines(argv: list[str], env: dict | None, timeout: float) -> tuple[list[
     return recs, res.returncode, res.stderr.strip()
 
 
-def _norm_pci(addr: str) -> str:
-    from orchestrator.hardware.sysfs import _norm_pci as norm
-
-    return norm(addr)
-
-
 def run_probe(m: Machine, *, refresh: bool = False, host: bool = True, gpu: bool = True,
               host_bytes: int | None = None, host_reps: int = HOST_REPS, gpu_bytes: int = GPU_BYTES,
               gpu_reps: int = GPU_REPS, gpu_backend: str = "auto", gpu_alloc: str = "register", save: bool = True,
@@ -426,7 +421,7 @@ def ingest_gpu(m: Machine, recs: list[dict], h2d: dict, d2h: dict, msgs: list[st
             continue
         if r.get("kind") != "gpu":
             continue
-        gi = by_pci.get(_norm_pci(str(r.get("pci", ""))), r.get("device"))
+        gi = by_pci.get(norm_pci(str(r.get("pci", ""))), r.get("device"))
         r["gpu"] = gi
         node = int(r["node"])
         if not _placement_ok(r, node, f"GPU {gi}, host buffer on node {node}", msgs):

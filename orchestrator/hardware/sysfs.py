@@ -24,9 +24,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.errors import HardwareError
+from orchestrator.hardware.pci import PCI_DIR, pci_locality
+from orchestrator.hardware.pci import norm_pci as _norm_pci
 from orchestrator.hardware.rootfs import RootFS
 from orchestrator.hardware.topology import (
     Core,
+    FieldReader,
     Gpu,
     HugePages,
     Machine,
@@ -38,7 +41,6 @@ from orchestrator.units import format_cpulist, parse_cpulist, parse_cpumask
 
 CPU_DIR = "sys/devices/system/cpu"
 NODE_DIR = "sys/devices/system/node"
-PCI_DIR = "sys/bus/pci/devices"
 NVML_RECORD = "orchestrator/nvml.json"        # what NVML said, stored in dumps saved with --save
 
 GPU_VENDORS = {"0x10de": "nvidia", "0x1002": "amd"}
@@ -500,16 +502,6 @@ def _cgroup_cpuset(fs: RootFS):
 # ---- PCI ------------------------------------------------------------------------------------------------
 
 
-def _norm_pci(addr: str) -> str:
-    """``00000000:18:00.0`` / ``0000:18:00.0`` → ``0000:18:00.0``; wider domains kept (``10000:00:04.0``)."""
-    addr = addr.strip().lower()
-    m = re.fullmatch(r"([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", addr)
-    if not m:
-        return addr
-    dom = m.group(1).lstrip("0").rjust(4, "0")
-    return f"{dom}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
-
-
 def _pcie_gen(speed: str | None) -> int | None:
     if not speed:
         return None
@@ -536,23 +528,6 @@ def _nvidia_gpu_memory_nodes(fs: RootFS) -> dict[int, str]:
         if m and int(m.group(1)) >= 0:
             out[int(m.group(1))] = _norm_pci(name)
     return out
-
-
-def pci_locality(fs: RootFS, d: str) -> tuple[int, tuple[int, ...]]:
-    """(numa_node or -1, local CPUs) of a PCI device directory."""
-    node = _int_or_none(fs.read_line(f"{d}/numa_node"))
-    text = fs.read_line(f"{d}/local_cpus")
-    local: tuple[int, ...] = ()
-    if text is not None:
-        try:
-            local = parse_cpumask(text)
-        except ValueError:
-            local = ()
-    else:
-        text = fs.read_line(f"{d}/local_cpulist")
-        if text is not None and _is_list(text):
-            local = parse_cpulist(text)
-    return (node if node is not None and node >= 0 else -1), local
 
 
 def _pci_gpus(fs: RootFS) -> tuple[list[Gpu], list[PciDevice]]:
@@ -626,9 +601,7 @@ def _recorded_nvml(text: str, sysfs_gpus: list[Gpu], fs: RootFS, notes: list[str
     """GPUs as NVML described them when the dump was saved (orchestrator/nvml.json)."""
     try:
         doc = json.loads(text)
-        from orchestrator.hardware.topology import _Reader
-
-        r = _Reader(doc, fs.display(NVML_RECORD))
+        r = FieldReader(doc, fs.display(NVML_RECORD))
         gpus = []
         for e in r.items("gpus"):
             gpus.append(Gpu(

@@ -196,7 +196,7 @@ class Bandwidth:
 
     @classmethod
     def from_json(cls, doc: Mapping, where: str = "bandwidth") -> "Bandwidth":
-        r = _Reader(doc, where)
+        r = FieldReader(doc, where)
         return cls(
             gpu_h2d=FrozenMap(((e.int("gpu"), e.int("node")), e.float("bytes_per_s"))
                               for e in r.items("gpu_h2d", default=[])),
@@ -407,7 +407,7 @@ class Machine:
     @classmethod
     def from_json(cls, doc: Mapping, where: str = "machine") -> "Machine":
         """Inverse of :meth:`to_json`. A malformed document raises HardwareError naming the field."""
-        r = _Reader(doc, where)
+        r = FieldReader(doc, where)
         schema = r.get("schema")
         if schema != SCHEMA:
             raise HardwareError(f"{where}: field 'schema' is {schema!r}, expected {SCHEMA!r} "
@@ -465,7 +465,7 @@ class Machine:
 _MISSING = object()
 
 
-class _Reader:
+class FieldReader:
     def __init__(self, doc: Any, where: str):
         if not isinstance(doc, Mapping):
             raise HardwareError(f"{where}: expected a JSON object, got {type(doc).__name__}")
@@ -560,5 +560,5 @@ class _Reader:
             raise self._err(key, "an object", v)
         return v
 
-    def items(self, key: str, default: Any = _MISSING) -> list["_Reader"]:
-        return [_Reader(e, f"{self.where}: {key}[{i}]") for i, e in enumerate(self.list(key, default))]
+    def items(self, key: str, default: Any = _MISSING) -> list["FieldReader"]:
+        return [FieldReader(e, f"{self.where}: {key}[{i}]") for i, e in enumerate(self.list(key, default))]

@@ -1,14 +1,19 @@
-"""A planned worker -> :class:`LaunchSpec`: the server argv under its NUMA wrappers, plus env and placement.
+"""A planned worker's settings -> :class:`LaunchSpec`: the server argv under its NUMA wrappers, plus env.
 
-The planner renders the llama-server flags (they depend on the backend flavor); this module adds what sits
-around them. It reads no hardware and starts nothing; its only I/O is finding the wrapper script's path.
+:mod:`~orchestrator.launch.llama_args` renders the llama-server flags (they depend on the backend flavor); this
+module adds what sits around them. It reads no hardware and starts nothing; its only I/O is finding the wrapper
+script's path.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+from dataclasses import replace
+from typing import Mapping, Sequence
 
-from orchestrator.launch.numa import NumaPolicy, numactl_argv
+from orchestrator.backend.info import BackendInfo
+from orchestrator.launch.llama_args import numactl_argv, server_args, server_env
+from orchestrator.launch.numa import NumaPolicy
+from orchestrator.launch.settings import WorkerSettings
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.launch.wrappers import wrap
 
@@ -56,29 +61,19 @@ def _check_flag(name: str, argv: list[str], flags: tuple[str, ...], expected: st
                 raise ValueError(f"worker {name}: llama-server argv has {f} {value} but the spec says {expected}")
 
 
-class PlannedWorker(Protocol):
-    """What :func:`spec_for_worker` reads from the planner's ``orchestrator.plan.types.WorkerPlan``."""
+def spec_for_worker(name: str, settings: WorkerSettings, backend: BackendInfo, *, node: str | None = None,
+                    local_node: str | None = None, resources: Mapping[str, float] | None = None,
+                    numactl: str = "numactl") -> LaunchSpec:
+    """The :class:`LaunchSpec` of one planned worker: ``backend``'s binary with ``settings`` rendered, under its
+    NUMA wrappers; the settings travel with the spec (``status`` shows them).
 
-    name: str
-    node: str
-    host: str
-    port: int
-    args: tuple[str, ...]                 # llama-server's own flags (no binary, no wrappers)
-    env: Mapping[str, str]
-    numa: object                          # a NumaPlan: mode, cpus, cpu_nodes, mem_nodes
-    disable_numa_balancing: bool
-    model_alias: str
-
-
-def spec_for_worker(worker: PlannedWorker, binary: str, *, resources: Mapping[str, float] | None = None,
-                    local_node: str | None = None, numactl: str = "numactl") -> LaunchSpec:
-    """The :class:`LaunchSpec` of one planned worker: ``binary`` + the plan's flags under its NUMA wrappers.
-
-    ``local_node``: the topology name of the machine the deployment is driven from; a worker planned there gets
-    ``node=None`` (run locally), others keep their node name for Ray's placement.
+    ``node``: the topology name of the machine the worker was planned on; ``local_node``: the one the deployment
+    is driven from. A worker planned there gets ``node=None`` (run locally), others keep their node name for
+    Ray's placement.
     """
-    node = None if worker.node in (None, local_node) else worker.node
-    return worker_spec(worker.name, [binary, *worker.args], numa=NumaPolicy.from_plan(worker.numa),
-                       disable_numa_balancing=bool(worker.disable_numa_balancing), env=dict(worker.env),
-                       host=worker.host, port=int(worker.port), node=node, resources=resources,
-                       model_alias=getattr(worker, "model_alias", "model"), numactl=numactl)
+    where = None if node in (None, local_node) else node
+    spec = worker_spec(name, [backend.server, *server_args(settings, backend)], numa=settings.numa,
+                       disable_numa_balancing=settings.disable_numa_balancing, env=server_env(settings, backend),
+                       host=settings.host or "127.0.0.1", port=settings.port or 8081, node=where, resources=resources,
+                       model_alias=settings.alias or "model", numactl=numactl)
+    return replace(spec, settings=settings)

@@ -1,7 +1,7 @@
-"""NUMA policy of one worker and the ``numactl`` arguments that apply it. Pure: no I/O.
+"""NUMA policy of one worker: the one type the planner decides, launch renders and ``status`` shows. Pure.
 
-The planner decides a :class:`NumaPolicy` per worker (it imports this module: a pure dataclass);
-:func:`numactl_argv` renders it. CPU and node numbers are the kernel's (OS) indexes, as sysfs and numactl use.
+:func:`orchestrator.launch.llama_args.numactl_argv` renders it (numactl's vocabulary lives there). CPU and node
+numbers are the kernel's (OS) indexes, as sysfs and numactl use.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class NumaPolicy:
       (``--cpunodebind``); memory only from ``mem_nodes`` (``--membind``).
     * ``interleave``: memory spread page by page over ``mem_nodes`` (``--interleave``); threads limited as for
       bind when ``cpus``/``cpu_nodes`` are given, free otherwise.
-    * ``none``: no numactl at all.
+    * ``none``: no numactl at all; ``cpus`` may still list the CPUs the worker's threads are counted on
+      (nothing binds them).
 
     The tuples are stored sorted and without duplicates, so two equal policies compare equal.
     """
@@ -52,8 +53,8 @@ class NumaPolicy:
         for name in ("cpus", "cpu_nodes", "mem_nodes"):
             object.__setattr__(self, name, _ints(name, getattr(self, name)))
         if self.mode == "none":
-            if self.cpus or self.cpu_nodes or self.mem_nodes:
-                raise ValueError("NumaPolicy(mode='none') takes no cpus, cpu_nodes or mem_nodes")
+            if self.cpu_nodes or self.mem_nodes:
+                raise ValueError("NumaPolicy(mode='none') takes no cpu_nodes or mem_nodes")
         elif self.mode == "bind":
             if not self.mem_nodes:
                 raise ValueError("NumaPolicy(mode='bind') needs mem_nodes (the nodes its memory comes from)")
@@ -65,8 +66,8 @@ class NumaPolicy:
     # -- constructors the planner reads well --------------------------------------------------------------
 
     @classmethod
-    def none(cls) -> "NumaPolicy":
-        return cls("none")
+    def none(cls, cpus: Iterable[int] = ()) -> "NumaPolicy":
+        return cls("none", tuple(cpus))
 
     @classmethod
     def bind(cls, mem_nodes: Iterable[int], *, cpus: Iterable[int] = (), cpu_nodes: Iterable[int] = ()) -> "NumaPolicy":
@@ -82,7 +83,7 @@ class NumaPolicy:
     @property
     def n_cpus(self) -> int | None:
         """Number of CPUs the threads are limited to, when given as CPUs (None when by node or free)."""
-        return len(self.cpus) if self.cpus else None
+        return len(self.cpus) if self.cpus and self.mode != "none" else None
 
     def describe(self) -> str:
         """One short line for plan tables: ``bind cpus 0-15 mem 0-1``."""
@@ -96,18 +97,6 @@ class NumaPolicy:
         parts.append(f"mem {format_cpulist(self.mem_nodes)}")
         return " ".join(parts)
 
-    @classmethod
-    def from_plan(cls, numa) -> "NumaPolicy":
-        """From the planner's ``orchestrator.plan.types.NumaPlan`` (or anything with ``mode``, ``cpus``,
-        ``cpu_nodes``, ``mem_nodes``). ``none`` drops the CPU list (no numactl at all); a bind/interleave without
-        ``mem_nodes`` uses ``cpu_nodes`` for memory too (the planner binds both to the same nodes)."""
-        mode = getattr(numa, "mode", "none") or "none"
-        if mode == "none":
-            return cls.none()
-        cpus, cpu_nodes = tuple(getattr(numa, "cpus", ())), tuple(getattr(numa, "cpu_nodes", ()))
-        mem = tuple(getattr(numa, "mem_nodes", ())) or cpu_nodes
-        return cls(mode, cpus, cpu_nodes, mem)
-
     def to_dict(self) -> dict:
         return {"mode": self.mode, "cpus": list(self.cpus), "cpu_nodes": list(self.cpu_nodes),
                 "mem_nodes": list(self.mem_nodes)}
@@ -116,21 +105,3 @@ class NumaPolicy:
     def from_dict(cls, d: dict) -> "NumaPolicy":
         return cls(d.get("mode", "none"), tuple(d.get("cpus", ())), tuple(d.get("cpu_nodes", ())),
                    tuple(d.get("mem_nodes", ())))
-
-
-def numactl_argv(policy: NumaPolicy, numactl: str = "numactl") -> list[str]:
-    """The numactl prefix for ``policy`` (without the ``--`` that ends it): ``[]`` for mode ``none``.
-
-    CPUs go to ``--physcpubind`` when the policy lists them (exact threads, e.g. one per physical core), else
-    ``--cpunodebind``; never both (numactl applies them in turn and the last one would win).
-    """
-    if policy.mode == "none":
-        return []
-    argv = [numactl]
-    if policy.cpus:
-        argv.append(f"--physcpubind={format_cpulist(policy.cpus)}")
-    elif policy.cpu_nodes:
-        argv.append(f"--cpunodebind={format_cpulist(policy.cpu_nodes)}")
-    nodes = format_cpulist(policy.mem_nodes)
-    argv.append(f"--membind={nodes}" if policy.mode == "bind" else f"--interleave={nodes}")
-    return argv

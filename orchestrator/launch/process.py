@@ -127,7 +127,7 @@ def group_members(pgid: int) -> list[int]:
     return sorted(out)
 
 
-def _killpg(pgid: int, sig: int) -> None:
+def killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
@@ -287,18 +287,18 @@ class WorkerProcess:
             try:
                 self._popen.wait(timeout=grace)
             except subprocess.TimeoutExpired:
-                _killpg(self.pgid, signal.SIGKILL)
+                killpg(self.pgid, signal.SIGKILL)
                 killed = True
                 self._popen.wait()
         left = group_members(self.pgid)
         if left:                                          # the leader is gone, something it started is not
-            _killpg(self.pgid, signal.SIGTERM)
+            killpg(self.pgid, signal.SIGTERM)
             deadline = time.monotonic() + min(grace, 5.0)
             while left and time.monotonic() < deadline:
                 time.sleep(0.05)
                 left = group_members(self.pgid)
             if left:
-                _killpg(self.pgid, signal.SIGKILL)
+                killpg(self.pgid, signal.SIGKILL)
                 killed = True
                 deadline = time.monotonic() + 10.0
                 while group_members(self.pgid) and time.monotonic() < deadline:

@@ -6,6 +6,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from orchestrator.launch.settings import WorkerSettings
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -24,6 +26,7 @@ class LaunchSpec:
     node: str | None = None                     # the machine (topology node name) it must run on; None = local
     resources: Mapping[str, float] = field(default_factory=dict)  # Ray resources the worker actor reserves
     model_alias: str = "model"                  # the name clients use in the OpenAI API ("model": ...)
+    settings: WorkerSettings | None = None      # what the argv was rendered from (None: a hand-written argv)
 
     @property
     def url(self) -> str:
@@ -46,10 +49,12 @@ class LaunchSpec:
     def to_dict(self) -> dict:
         return {"name": self.name, "argv": list(self.argv), "env": dict(self.env), "host": self.host,
                 "port": self.port, "node": self.node, "resources": dict(self.resources),
-                "model_alias": self.model_alias}
+                "model_alias": self.model_alias,
+                **({"settings": self.settings.to_dict()} if self.settings is not None else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "LaunchSpec":
         return cls(name=d["name"], argv=tuple(d["argv"]), env=dict(d.get("env", {})), host=d.get("host", "127.0.0.1"),
                    port=int(d.get("port", 8081)), node=d.get("node"), resources=dict(d.get("resources", {})),
-                   model_alias=d.get("model_alias", "model"))
+                   model_alias=d.get("model_alias", "model"),
+                   settings=WorkerSettings.from_dict(d["settings"]) if d.get("settings") else None)

@@ -53,14 +53,14 @@ machine by ``python -m orchestrator.model.calibrate gpu`` (nvidia-smi after one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable
 
+from orchestrator.backend.info import Flavor
 from orchestrator.model.classes import TensorClass
 from orchestrator.model.ggml_types import ggml_type
 from orchestrator.model.info import ModelInfo, TensorInfo
 
 MiB = 1024 * 1024
-Flavor = Literal["mainline", "ik"]
 
 CPU_ALIGN = 32       # ggml CPU buffer alignment (TENSOR_ALIGNMENT)
 CUDA_ALIGN = 128     # ggml_backend_cuda_buffer_type_get_alignment
@@ -105,13 +105,13 @@ class ContextLayout:
 
 def context_layout(model: ModelInfo, n_ctx: int, n_parallel: int = 1, *, n_ubatch: int = 512,
                    kv_unified: bool = False, swa_full: bool = False, flash_attn: bool = True,
-                   n_batch: int = 2048, flavor: Flavor = "mainline") -> ContextLayout:
+                   n_batch: int = 2048, flavor: Flavor | str = Flavor.MAINLINE) -> ContextLayout:
     """Apply llama.cpp's padding and per-sequence rules. ``n_ctx == 0`` means the model's training context."""
     if n_parallel < 1:
         raise ValueError("n_parallel must be at least 1")
     n_ctx = n_ctx or model.n_ctx_train or 4096
     ub = min(n_ubatch, n_batch, n_ctx)
-    if flavor == "ik":
+    if Flavor.of(flavor) is Flavor.IK:
         total = pad(n_ctx, 256 if flash_attn else 32)
         swa = total if model.swa_layers else 0
         return ContextLayout(total, total, 1, total, swa, n_parallel, ub)
@@ -142,7 +142,7 @@ def kv_layers(model: ModelInfo) -> tuple[int, ...]:
 def kv_cache_bytes_by_layer(model: ModelInfo, n_ctx: int, n_parallel: int = 1, type_k: str = "f16",
                             type_v: str = "f16", layers: Iterable[int] | None = None, *, kv_unified: bool = False,
                             n_ubatch: int = 512, flash_attn: bool = True, swa_full: bool = False,
-                            n_batch: int = 2048, flavor: Flavor = "mainline") -> dict[int, int]:
+                            n_batch: int = 2048, flavor: Flavor | str = Flavor.MAINLINE) -> dict[int, int]:
     """KV bytes per layer. MLA models need ``type_k == type_v`` (llama.cpp refuses anything else)."""
     if model.mla is not None and _type_name(type_k) != _type_name(type_v):
         raise ValueError(f"{model.arch} with MLA stores V inside K: type_k and type_v must be the same "
@@ -151,7 +151,7 @@ def kv_cache_bytes_by_layer(model: ModelInfo, n_ctx: int, n_parallel: int = 1, t
                          flash_attn=flash_attn, n_batch=n_batch, flavor=flavor)
     tk, tv = _type_name(type_k), _type_name(type_v)
     wanted = set(kv_layers(model)) if layers is None else set(layers) & set(kv_layers(model))
-    mla = model.mla is not None and (flavor == "mainline" or flash_attn)
+    mla = model.mla is not None and (Flavor.of(flavor) is Flavor.MAINLINE or flash_attn)
     v_trans = not flash_attn
     v_width_max = max((model.head_dim_v * model.kv_heads(i) for i in kv_layers(model)), default=0)
     out: dict[int, int] = {}
@@ -170,7 +170,7 @@ def kv_cache_bytes_by_layer(model: ModelInfo, n_ctx: int, n_parallel: int = 1, t
 def kv_cache_bytes(model: ModelInfo, n_ctx: int, n_parallel: int = 1, type_k: str = "f16", type_v: str = "f16",
                    layers: Iterable[int] | None = None, *, kv_unified: bool = False, n_ubatch: int = 512,
                    flash_attn: bool = True, swa_full: bool = False, n_batch: int = 2048,
-                   flavor: Flavor = "mainline") -> int:
+                   flavor: Flavor | str = Flavor.MAINLINE) -> int:
     """Bytes of the KV cache (of ``layers`` only, when given: the cache of a layer lives with the layer).
     ``n_ubatch`` and ``n_batch`` matter for sliding-window layers (llama.cpp uses ``min(n_ubatch, n_batch)``)."""
     return sum(kv_cache_bytes_by_layer(model, n_ctx, n_parallel, type_k, type_v, layers, kv_unified=kv_unified,
@@ -261,7 +261,7 @@ def compute_buffer_estimate(model: ModelInfo, *, n_ubatch: int, n_ctx: int, devi
                             n_outputs: int | None = None, type_k: str = "f16", type_v: str = "f16",
                             has_layers: bool = True, has_output: bool = True, swa_full: bool = False,
                             n_batch: int = 2048, offloaded_weight_bytes: int = 0,
-                            flavor: Flavor = "mainline") -> ComputeEstimate:
+                            flavor: Flavor | str = Flavor.MAINLINE) -> ComputeEstimate:
     """Compute buffer of one device.
 
     ``has_layers``: the device computes at least one layer (its activations peak there); a host that only
@@ -278,7 +278,7 @@ def compute_buffer_estimate(model: ModelInfo, *, n_ubatch: int, n_ctx: int, devi
     masks = _masks(model, lay, T, flash_attn)
     phases = activation_phases(model, flash_attn=flash_attn)
     if n_outputs is None:
-        n_outputs = n_parallel if flavor == "mainline" else T
+        n_outputs = n_parallel if Flavor.of(flavor) is Flavor.MAINLINE else T
     n_out = min(T, max(n_outputs, 1))
     out_phase = n_out * (model.n_vocab + E) * 4 + T * E * 4 if has_output else 0
 
@@ -443,7 +443,7 @@ class ServerSettings:
     swa_full: bool = False
     n_outputs: int | None = None
     mtp: bool = False
-    flavor: Flavor = "mainline"
+    flavor: Flavor | str = Flavor.MAINLINE
 
 
 def predict_memory(model: ModelInfo, settings: ServerSettings, placement: Placement = Placement()

@@ -1,12 +1,13 @@
 """Planning: pure decisions from (machines, model, request, backend) to a Plan. No processes, files or network.
 
-The import-rule test (tests/plan/test_purity.py) keeps subprocess, ray, socket and time out of this package.
+import-linter contracts in pyproject.toml (run by tests/test_architecture.py) keep processes, Ray, the network
+and archives out of this package, transitively.
 """
 
 from orchestrator.plan.request import NodeRequest, PlanRequest
-from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, NumaPlan, Plan, Prediction, WorkerPlan
+from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, Plan, Prediction, WorkerPlan
 
-__all__ = ["NodeRequest", "PlanRequest", "Decision", "DeviceMemory", "LayerRange", "NumaPlan", "Plan", "Prediction",
+__all__ = ["NodeRequest", "PlanRequest", "Decision", "DeviceMemory", "LayerRange", "Plan", "Prediction",
            "WorkerPlan", "make_plan"]
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.model import ModelInfo, TensorClass
+from orchestrator.model.classes import TensorClass
+from orchestrator.model.info import ModelInfo
 from orchestrator.model.memory import cuda_tensor_bytes
 
 # Tensors llama.cpp keeps with the input layer: always on the CPU ("little benefit to offloading the input layer").

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.hardware import Machine
-from orchestrator.plan.types import Decision, NumaPlan
+from orchestrator.hardware.topology import Machine
+from orchestrator.launch.numa import NumaPolicy
+from orchestrator.plan.types import Decision
 from orchestrator.units import fmt_bytes, format_cpulist
 
 
 @dataclass(frozen=True)
 class CpuChoice:
-    numa: NumaPlan
+    numa: NumaPolicy
+    numa_flag: str                  # llama.cpp's --numa for that policy ("" = not passed)
     threads: int
     threads_batch: int
     decisions: tuple[Decision, ...]
@@ -70,7 +72,7 @@ def choose_cpu(machine: Machine, *, host_bytes: int, ram_reserve: int, anchor_no
         cpus = sorted(machine.allowed_cpus or machine.pus)
         phys = _physical(machine, cpus) or cpus
         t = threads or len(phys)
-        return CpuChoice(NumaPlan("none", tuple(cpus)), t, threads_batch or len(cpus),
+        return CpuChoice(NumaPolicy.none(cpus), "", t, threads_batch or len(cpus),
                          (Decision("numa", "none", "no NUMA nodes with CPUs are visible"),), ())
     by_id = {n.id: n for n in nodes}
     if anchor_node not in by_id:
@@ -134,7 +136,6 @@ def choose_cpu(machine: Machine, *, host_bytes: int, ram_reserve: int, anchor_no
                               f"batches: {'every hardware thread' if use_smt and machine.smt else 'one per core'}"
                               + (" (set by the topology)" if threads else "")))
     numa_flag = {"bind": "numactl", "interleave": "distribute"}.get(mode, "")
-    plan = NumaPlan(mode=mode, cpus=tuple(cpus), cpu_nodes=tuple(n.id for n in chosen) if mode != "none" else (),
-                    mem_nodes=tuple(n.id for n in chosen) if mode != "none" else (),
-                    physical_only=False, numa_flag=numa_flag)
-    return CpuChoice(plan, t, tb, tuple(decisions), tuple(n.id for n in chosen))
+    nodes = tuple(n.id for n in chosen) if mode != "none" else ()
+    binding = NumaPolicy(mode, tuple(cpus), nodes, nodes)
+    return CpuChoice(binding, numa_flag, t, tb, tuple(decisions), tuple(n.id for n in chosen))

@@ -5,27 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.config import Topology
-from orchestrator.plan.request import OFFLOAD_NEVER, NodeRequest, PlanRequest
-from orchestrator.units import GiB, MiB
+from orchestrator.plan.request import DEFAULT_CONTEXT, DEFAULT_VRAM_RESERVE, OFFLOAD_NEVER, NodeRequest, PlanRequest
 
 AUTO = "auto"
-DEFAULT_CONTEXT = 8192
-DEFAULT_VRAM_RESERVE = 256 * MiB   # the CUDA context and pool are predicted (measured on the H200)
 
 
 def _auto(v, default=None):
     return default if v in (AUTO, None) else v
 
 
-def default_ram_reserve(total_bytes: int | None) -> int:
-    """Host memory left to the OS and others: 10% of RAM, at least 1 GiB, at most 8 GiB."""
-    if not total_bytes:
-        return 4 * GiB
-    return int(min(8 * GiB, max(1 * GiB, total_bytes * 0.10)))
-
-
-def request_from_topology(topo: Topology, *, ram_totals: dict[str, int | None] | None = None,
-                          n_gpus: dict[str, int] | None = None) -> PlanRequest:
+def request_from_topology(topo: Topology) -> PlanRequest:
+    """The request of a topology; what it leaves "auto" stays None (the plan decides, with the defaults of
+    plan/request.py, where a request built in code gets them too)."""
     m, w = topo.model, topo.workers
     nodes = []
     for n in topo.nodes:
@@ -47,7 +38,7 @@ def request_from_topology(topo: Topology, *, ram_totals: dict[str, int | None] |
         nodes.append(NodeRequest(
             name=n.name, address=n.address, gpus=sel, vram_limit=vram_limit,
             vram_reserve=int(_auto(n.vram_reserve, DEFAULT_VRAM_RESERVE)),
-            ram_reserve=int(_auto(n.ram_reserve, default_ram_reserve((ram_totals or {}).get(n.name)))),
+            ram_reserve=None if n.ram_reserve in (AUTO, None) else int(n.ram_reserve),
         ))
     ctk = _auto(m.cache_type_k, "f16")
     ctv = _auto(m.cache_type_v, ctk)

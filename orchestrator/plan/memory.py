@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from orchestrator.model import ModelInfo, TensorClass
+from orchestrator.backend.info import Flavor
 from orchestrator.model import memory as mm
+from orchestrator.model.classes import TensorClass
+from orchestrator.model.info import ModelInfo
 
 
 def kv_by_layer(model: ModelInfo, *, n_ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,
-                n_batch: int, flash_attn: bool, flavor: str) -> list[int]:
+                n_batch: int, flash_attn: bool, flavor: Flavor) -> list[int]:
     """KV cache bytes of every layer (0 for layers without a cache) for llama-server's ``-c n_ctx -np n``."""
     by = mm.kv_cache_bytes_by_layer(model, n_ctx, n_parallel, type_k, type_v, None, n_ubatch=n_ubatch,
-                                    n_batch=n_batch, flash_attn=flash_attn, flavor=_flavor(flavor))
+                                    n_batch=n_batch, flash_attn=flash_attn, flavor=flavor)
     return [by.get(i, 0) for i in range(model.n_layers)]
-
-
-def _flavor(flavor: str) -> str:
-    return "ik_llama.cpp" if flavor == "ik_llama.cpp" else "mainline"
 
 
 def staging_bytes(model: ModelInfo, cpu_expert_layers) -> int:
@@ -26,19 +24,19 @@ def staging_bytes(model: ModelInfo, cpu_expert_layers) -> int:
 
 
 def gpu_compute_bytes(model: ModelInfo, *, n_ubatch: int, n_batch: int, n_ctx: int, n_parallel: int,
-                      flash_attn: bool, type_k: str, type_v: str, has_output: bool, staging: int, flavor: str) -> int:
+                      flash_attn: bool, type_k: str, type_v: str, has_output: bool, staging: int, flavor: Flavor) -> int:
     return mm.compute_buffer_bytes(model, n_ubatch=n_ubatch, n_ctx=n_ctx, device="cuda", flash_attn=flash_attn,
                                    n_parallel=n_parallel, n_batch=n_batch, type_k=type_k, type_v=type_v,
                                    has_layers=True, has_output=has_output, offloaded_weight_bytes=staging,
-                                   flavor=_flavor(flavor))
+                                   flavor=flavor)
 
 
 def cpu_compute_bytes(model: ModelInfo, *, n_ubatch: int, n_batch: int, n_ctx: int, n_parallel: int,
                       flash_attn: bool, type_k: str, type_v: str, has_layers: bool, has_output: bool,
-                      flavor: str) -> int:
+                      flavor: Flavor) -> int:
     return mm.compute_buffer_bytes(model, n_ubatch=n_ubatch, n_ctx=n_ctx, device="cpu", flash_attn=flash_attn,
                                    n_parallel=n_parallel, n_batch=n_batch, type_k=type_k, type_v=type_v,
-                                   has_layers=has_layers, has_output=has_output, flavor=_flavor(flavor))
+                                   has_layers=has_layers, has_output=has_output, flavor=flavor)
 
 
 def cuda_overhead(model: ModelInfo, n_ubatch: int) -> int:

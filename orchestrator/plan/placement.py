@@ -243,15 +243,16 @@ def layer_alternation(layers) -> str:
     return "(" + "|".join(str(i) for i in sorted(layers)) + ")"
 
 
-def cpu_expert_override(layers) -> str:
-    """One ``-ot`` pair sending the routed experts of ``layers`` to host memory; "" when there are none.
+def cpu_expert_override(layers) -> tuple[tuple[str, str], ...]:
+    """The tensor override (pattern, buffer type) sending the routed experts of ``layers`` to host memory; none
+    when there are none.
 
     ``blk\\.(0|1)\\.ffn_...`` cannot match ``blk.10.``: the layer number is followed by a literal dot.
     """
     layers = sorted(layers)
     if not layers:
-        return ""
-    return f"blk\\.{layer_alternation(layers)}\\.{EXPERT_TENSOR_RX}=CPU"
+        return ()
+    return ((f"blk\\.{layer_alternation(layers)}\\.{EXPERT_TENSOR_RX}", "CPU"),)
 
 
 def matches(pattern: str, name: str) -> bool:

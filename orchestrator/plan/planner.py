@@ -5,21 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from orchestrator.backend.detect import BackendInfo
+from orchestrator.backend.info import BackendInfo, Flavor
 from orchestrator.errors import PlanError
-from orchestrator.hardware import Machine
-from orchestrator.model import ModelInfo
+from orchestrator.hardware.topology import Gpu, Machine
+from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
+from orchestrator.model.info import ModelInfo
 from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
-from orchestrator.plan.cpu import choose_cpu, node_available
-from orchestrator.plan.flags import render_args
+from orchestrator.plan.cpu import CpuChoice, choose_cpu, node_available
 from orchestrator.plan.placement import (
     GpuBudget, Placement, _DoesNotFit, cpu_expert_override, place_cpu_only, place_graph_split, place_layer_split,
     place_single,
 )
 from orchestrator.plan.predict import SpeedInputs, op_offload_threshold, predict_pp, predict_tg
-from orchestrator.plan.request import OFFLOAD_NEVER, NodeRequest, PlanRequest
+from orchestrator.plan.request import NodeRequest, PlanRequest
 from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, Plan, Prediction, WorkerPlan
 from orchestrator.units import GiB, MiB, fmt_bytes
 
@@ -47,7 +47,8 @@ class _Candidate:
     speed: SpeedInputs
 
 
-def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on", flavor: str = "mainline"
+def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on",
+                flavor: Flavor = Flavor.MAINLINE
                ) -> list[int]:
     return M.kv_by_layer(model, n_ctx=req.context, n_parallel=req.parallel, type_k=req.type_k, type_v=req.type_v,
                          n_ubatch=ub, n_batch=_n_batch(req, ub), flash_attn=fa != "off", flavor=flavor)
@@ -70,7 +71,7 @@ def _split_mode(req: PlanRequest, backend: BackendInfo, model: ModelInfo, n_gpus
             raise PlanError(f"workers.split_mode: {mode!r} is not offered by {backend.server} ({backend.flavor}; "
                             f"it offers {', '.join(backend.split_modes) or 'none'}): choose one of those or 'auto'")
         return mode, "set by the topology"
-    if backend.flavor == "ik_llama.cpp" and backend.has("sm_graph"):
+    if backend.ik and backend.has("sm_graph"):
         return "graph", "ik_llama.cpp -sm graph: every GPU works on every layer; -ot only for CPU overflow"
     if backend.has("sm_tensor"):
         blockers = []
@@ -146,7 +147,7 @@ def _place(costs, kv_layer, budgets, mode, req):
     return place_layer_split(costs, kv_layer, budgets)
 
 
-def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor: str, mode: str, n_gpus: int,
+def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor: Flavor, mode: str, n_gpus: int,
                  staging: int) -> tuple[int, ...]:
     """Compute buffer of each GPU of a worker (CUDA0, CUDA1, ...). ``staging``: room to copy in a host-resident
     expert tensor for an offloaded batch. An offloaded op runs on the first GPU backend that takes it (ggml's
@@ -162,7 +163,7 @@ def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor
 
 
 def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mode, host_nodes, threads, machine,
-              flavor="mainline"):
+              flavor=Flavor.MAINLINE):
     """Place the model for micro-batch ``ub`` and predict its speed."""
     overhead = M.cuda_overhead(model, ub)
 
@@ -231,10 +232,177 @@ def _ranges(placement: Placement, n_layers: int, gpu_names: list[str]) -> tuple[
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Side:
+    """What the GPU or the CPU-only branch of a worker decided."""
+
+    placement: Placement
+    memory: tuple[DeviceMemory, ...]
+    predicted: Prediction
+    threshold: int | None
+    ubatch: int
+    load_mode: str
+    cpu: CpuChoice
+    gpu_names: tuple[str, ...] = ()
+    main: Gpu | None = None                  # the main GPU (best measured host bandwidth)
+
+
+def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine: Machine, node_req: NodeRequest,
+              gpus: list[Gpu], kv_layer: list[int], fa: str, flavor: Flavor, mode: str, mode_why: str,
+              package: int | None, share: tuple[int, int] | None, decisions: list[Decision]) -> _Side:
+    """Placement over the worker's GPUs: micro-batch candidates, load mode, NUMA binding, op-offload threshold."""
+    n_ctx = req.context
+    gpu_indexes = [g.index for g in gpus]
+    # main GPU: best measured host bandwidth (ties: lowest index)
+    bw = machine.bandwidth
+    def h2d(g):
+        if bw is None:
+            return 0.0
+        vals = [v for (gi, _n), v in dict(bw.gpu_h2d).items() if gi == g.index]
+        return max(vals) if vals else 0.0
+    main = max(gpus, key=lambda g: (h2d(g), -g.index))
+    anchor = machine.nearest_cpu_node(main)
+    # host memory of the anchor node decides pinned vs mmap; evaluate with a first guess of CPU bytes
+    load_mode_req = req.load_mode
+    ubs = [req.ubatch] if req.ubatch else list(UBATCH_CANDIDATES)
+    # a first guess of the CPU-resident bytes (what the GPUs cannot hold) picks the NUMA nodes to measure
+    gpu_room = sum(max(0, _gpu_free(g, node_req)[0] - node_req.vram_reserve) for g in gpus)
+    host_guess = max(costs.input_bytes, costs.total_bytes + sum(kv_layer) - gpu_room)
+    cpu = choose_cpu(machine, host_bytes=host_guess, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
+                     package=package, policy=req.numa, smt=req.smt, threads=req.threads,
+                     threads_batch=req.threads_batch, share=share)
+    avail = machine.memory_available_bytes or sum(node_available(machine, n) for n in machine.numa_nodes)
+
+    def choose_load_mode(host_bytes: int) -> tuple[str, str]:
+        if load_mode_req != "auto":
+            return load_mode_req, "set by the topology"
+        if host_bytes + node_req.ram_reserve <= avail:
+            return "pinned", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve fit the available "
+                              f"{fmt_bytes(avail)}: load them into pinned host buffers, so batches are copied to "
+                              f"the GPU at full PCIe speed (mmap'd pages copy ~{1 / R.PAGEABLE_FRACTION:.0f}x "
+                              "slower)")
+        return "mmap", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve exceed the available "
+                        f"{fmt_bytes(avail)}: keep them memory-mapped")
+
+    load_mode, lm_why = choose_load_mode(host_guess)      # a first guess; checked again with the placement
+    def evaluate(mode: str) -> tuple[list, list]:
+        cands, errors = [], []
+        for ub in ubs:
+            try:
+                kv_ub = _kv_layers(model, req, ub=ub, fa=fa, flavor=flavor)
+                cands.append(_evaluate(model, costs, kv_ub, gpus, node_req, req, mode, fa, ub, load_mode,
+                                       cpu.host_nodes, cpu.threads, machine, flavor))
+            except _DoesNotFit as e:
+                errors.append((ub, e))
+        return cands, errors
+
+    cands, errors = evaluate(mode)
+    if mode == "tensor" and req.split_mode == "auto" and cands and \
+            any(costs.layer_experts[i] for i in _choose(cands).placement.cpu_expert_layers):
+        # measured on two H200s (docs/benchmarks.md): with routed experts in host memory, mainline -sm tensor
+        # ran prompts 7x slower than -sm layer and ran out of GPU memory at a 2048-token micro-batch
+        layer_cands, layer_errors = evaluate("layer")
+        if layer_cands:
+            cands, errors = layer_cands, layer_errors
+            mode, mode_why = "layer", ("-sm layer with balanced ranges (experts overflow to host memory, where "
+                                       "mainline -sm tensor was measured 7x slower on prompts and ran out of "
+                                       "memory)")
+    if not cands:
+        ub, e = errors[0]
+        raise PlanError(
+            f"model {model.paths[0]}: attention, norms, shared weights, output and the KV cache for "
+            f"{req.context} tokens ({req.parallel} slots) need {fmt_bytes(e.need)} but the GPUs "
+            f"{list(gpu_indexes)} offer {fmt_bytes(e.have)} after reserves: lower model.context or "
+            f"model.parallel, quantize the KV cache (model.cache_type_k and cache_type_v: q8_0), or add GPUs")
+    best = _choose(cands)
+    placement = best.placement
+    # the load mode again with the bytes the placement really leaves in host memory (whole layers of experts
+    # can leave more there than the first guess); a change means evaluating again under the other mode
+    final_mode, lm_why = choose_load_mode(placement.cpu_weights)
+    if final_mode != load_mode:
+        load_mode = final_mode
+        cands2, _errors = evaluate(mode)
+        if cands2:
+            best = _choose(cands2)
+            placement = best.placement
+    # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
+    host_bytes = placement.cpu_weights + placement.cpu_kv
+    cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
+                     package=package, policy=req.numa, smt=req.smt, threads=req.threads,
+                     threads_batch=req.threads_batch, share=share)
+    gpu_names = [f"CUDA{k}" for k in range(len(gpus))]
+    decisions.append(Decision("gpus", ",".join(str(g.index) for g in gpus),
+                              f"main GPU {main.index} ({main.name}); host memory nearest to it: node {anchor}"))
+    decisions.append(Decision("split mode", mode, mode_why))
+    n_cpu_exp = len([i for i in placement.cpu_expert_layers if costs.layer_experts[i]])
+    decisions.append(Decision(
+        "placement", f"{len(costs.moe_layers) - n_cpu_exp}/{len(costs.moe_layers)} expert layers in VRAM",
+        f"always-used weights {fmt_bytes(sum(costs.layer_always) + costs.output_bytes)} + KV "
+        f"{fmt_bytes(sum(kv_layer))} on the GPU first; routed experts by whole layers in the rest; "
+        f"{n_cpu_exp} layers of experts ({fmt_bytes(sum(costs.layer_experts[i] for i in placement.cpu_expert_layers))}) "
+        f"in host memory" + (" (forced)" if req.expert_layers_on_cpu is not None else "")))
+    decisions.append(Decision("ubatch", f"-b {_n_batch(req, best.ubatch)} -ub {best.ubatch}",
+                              "candidates " + ", ".join(f"ub {c.ubatch}: tg {c.tg:.1f} t/s, pp4096 "
+                                                        f"{c.pp.get(4096, 0):.0f} t/s" for c in cands)
+                              + " -> fastest prompt within 3% of the best generation"))
+    decisions.append(Decision("load mode", load_mode, lm_why if n_cpu_exp else
+                              "no CPU-resident experts: " + lm_why))
+    decisions.append(Decision("op offload", str(best.threshold), best.threshold_why))
+    threshold = best.threshold if n_cpu_exp else None
+    ub = best.ubatch
+    memory = []
+    for k, g in enumerate(gpus):
+        free, why = _gpu_free(g, node_req)
+        memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
+                                   compute=best.compute_gpu[k], overhead=best.overhead_gpu,
+                                   budget=free - node_req.vram_reserve))
+    cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
+                                      n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                      type_v=req.type_v, has_layers=placement.n_gpu_layers <= model.n_layers,
+                                      has_output=placement.n_gpu_layers <= model.n_layers, flavor=flavor)
+    memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
+                               overhead=M.output_bytes(model, req.parallel)))
+    pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes)
+    return _Side(placement, tuple(memory), pred, threshold, ub, load_mode, cpu, tuple(gpu_names), main)
+
+
+def _cpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine: Machine, node_req: NodeRequest,
+              kv_layer: list[int], fa: str, flavor: Flavor, package: int | None, share: tuple[int, int] | None,
+              decisions: list[Decision]) -> _Side:
+    """Everything in host memory: NUMA binding decides the load mode."""
+    n_ctx = req.context
+    placement = place_cpu_only(costs, kv_layer)
+    host_bytes = placement.cpu_weights + placement.cpu_kv
+    cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=None,
+                     package=package, policy=req.numa, smt=req.smt, threads=req.threads,
+                     threads_batch=req.threads_batch, share=share)
+    ub = req.ubatch or 512
+    threshold = None
+    bind = cpu.numa.mode == "bind" and len(machine.numa_nodes) > 1
+    load_mode = req.load_mode if req.load_mode != "auto" else ("pinned" if bind else "mmap")
+    lm_why = ("set by the topology" if req.load_mode != "auto" else
+              "bound to one node: read the weights into memory allocated under the binding (mmap'd pages "
+              "stay wherever the page cache put them)" if bind else "memory-mapped (the default)")
+    decisions.append(Decision("gpus", "none", "no GPU selected or present: everything in host memory"))
+    decisions.append(Decision("ubatch", f"-b {_n_batch(req, ub)} -ub {ub}", "CPU prompt speed barely depends on it"))
+    decisions.append(Decision("load mode", "read" if load_mode == "pinned" else load_mode, lm_why))
+    speed, _ = _speed_inputs(machine, [], load_mode, cpu.host_nodes, cpu.threads)
+    tg, tg_bytes = predict_tg(costs, placement, speed)
+    pp = predict_pp(costs, placement, speed, ub, None)
+    pred = Prediction(pp=pp, tg=tg, tg_bytes_per_token=tg_bytes)
+    cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
+                                      n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
+                                      type_v=req.type_v, has_layers=True, has_output=True, flavor=flavor)
+    memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
+                           overhead=M.output_bytes(model, req.parallel))]
+    return _Side(placement, tuple(memory), pred, threshold, ub, load_mode, cpu)
+
+
 def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: ModelInfo, costs: ModelCosts,
                 req: PlanRequest, backend: BackendInfo, gpu_indexes: tuple[int, ...], port: int,
                 package: int | None = None, share: tuple[int, int] | None = None) -> WorkerPlan:
     decisions: list[Decision] = []
+    node_req = node_req.for_machine(machine.memory_total_bytes)
     by_index = {g.index: g for g in machine.gpus}
     gpus = [by_index[i] for i in gpu_indexes]
     has_gpu = bool(gpus) and backend.cuda
@@ -246,147 +414,14 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
     flavor = backend.flavor
     kv_layer = _kv_layers(model, req, fa=fa, flavor=flavor)
     mode, mode_why = _split_mode(req, backend, model, len(gpus), fa)
-    n_ctx = req.context
-
     if gpus:
-        # main GPU: best measured host bandwidth (ties: lowest index)
-        bw = machine.bandwidth
-        def h2d(g):
-            if bw is None:
-                return 0.0
-            vals = [v for (gi, _n), v in dict(bw.gpu_h2d).items() if gi == g.index]
-            return max(vals) if vals else 0.0
-        main = max(gpus, key=lambda g: (h2d(g), -g.index))
-        anchor = machine.nearest_cpu_node(main)
-        # host memory of the anchor node decides pinned vs mmap; evaluate with a first guess of CPU bytes
-        load_mode_req = req.load_mode
-        ubs = [req.ubatch] if req.ubatch else list(UBATCH_CANDIDATES)
-        # a first guess of the CPU-resident bytes (what the GPUs cannot hold) picks the NUMA nodes to measure
-        gpu_room = sum(max(0, _gpu_free(g, node_req)[0] - node_req.vram_reserve) for g in gpus)
-        host_guess = max(costs.input_bytes, costs.total_bytes + sum(kv_layer) - gpu_room)
-        cpu = choose_cpu(machine, host_bytes=host_guess, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
-                         package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch, share=share)
-        avail = machine.memory_available_bytes or sum(node_available(machine, n) for n in machine.numa_nodes)
-
-        def choose_load_mode(host_bytes: int) -> tuple[str, str]:
-            if load_mode_req != "auto":
-                return load_mode_req, "set by the topology"
-            if host_bytes + node_req.ram_reserve <= avail:
-                return "pinned", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve fit the available "
-                                  f"{fmt_bytes(avail)}: load them into pinned host buffers, so batches are copied to "
-                                  f"the GPU at full PCIe speed (mmap'd pages copy ~{1 / R.PAGEABLE_FRACTION:.0f}x "
-                                  "slower)")
-            return "mmap", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve exceed the available "
-                            f"{fmt_bytes(avail)}: keep them memory-mapped")
-
-        load_mode, lm_why = choose_load_mode(host_guess)      # a first guess; checked again with the placement
-        def evaluate(mode: str) -> tuple[list, list]:
-            cands, errors = [], []
-            for ub in ubs:
-                try:
-                    kv_ub = _kv_layers(model, req, ub=ub, fa=fa, flavor=flavor)
-                    cands.append(_evaluate(model, costs, kv_ub, gpus, node_req, req, mode, fa, ub, load_mode,
-                                           cpu.host_nodes, cpu.threads, machine, flavor))
-                except _DoesNotFit as e:
-                    errors.append((ub, e))
-            return cands, errors
-
-        cands, errors = evaluate(mode)
-        if mode == "tensor" and req.split_mode == "auto" and cands and \
-                any(costs.layer_experts[i] for i in _choose(cands).placement.cpu_expert_layers):
-            # measured on two H200s (docs/benchmarks.md): with routed experts in host memory, mainline -sm tensor
-            # ran prompts 7x slower than -sm layer and ran out of GPU memory at a 2048-token micro-batch
-            layer_cands, layer_errors = evaluate("layer")
-            if layer_cands:
-                cands, errors = layer_cands, layer_errors
-                mode, mode_why = "layer", ("-sm layer with balanced ranges (experts overflow to host memory, where "
-                                           "mainline -sm tensor was measured 7x slower on prompts and ran out of "
-                                           "memory)")
-        if not cands:
-            ub, e = errors[0]
-            raise PlanError(
-                f"model {model.paths[0]}: attention, norms, shared weights, output and the KV cache for "
-                f"{req.context} tokens ({req.parallel} slots) need {fmt_bytes(e.need)} but the GPUs "
-                f"{list(gpu_indexes)} offer {fmt_bytes(e.have)} after reserves: lower model.context or "
-                f"model.parallel, quantize the KV cache (model.cache_type_k and cache_type_v: q8_0), or add GPUs")
-        best = _choose(cands)
-        placement = best.placement
-        # the load mode again with the bytes the placement really leaves in host memory (whole layers of experts
-        # can leave more there than the first guess); a change means evaluating again under the other mode
-        final_mode, lm_why = choose_load_mode(placement.cpu_weights)
-        if final_mode != load_mode:
-            load_mode = final_mode
-            cands2, _errors = evaluate(mode)
-            if cands2:
-                best = _choose(cands2)
-                placement = best.placement
-        # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
-        host_bytes = placement.cpu_weights + placement.cpu_kv
-        cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
-                         package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch, share=share)
-        gpu_names = [f"CUDA{k}" for k in range(len(gpus))]
-        decisions.append(Decision("gpus", ",".join(str(g.index) for g in gpus),
-                                  f"main GPU {main.index} ({main.name}); host memory nearest to it: node {anchor}"))
-        decisions.append(Decision("split mode", mode, mode_why))
-        n_cpu_exp = len([i for i in placement.cpu_expert_layers if costs.layer_experts[i]])
-        decisions.append(Decision(
-            "placement", f"{len(costs.moe_layers) - n_cpu_exp}/{len(costs.moe_layers)} expert layers in VRAM",
-            f"always-used weights {fmt_bytes(sum(costs.layer_always) + costs.output_bytes)} + KV "
-            f"{fmt_bytes(sum(kv_layer))} on the GPU first; routed experts by whole layers in the rest; "
-            f"{n_cpu_exp} layers of experts ({fmt_bytes(sum(costs.layer_experts[i] for i in placement.cpu_expert_layers))}) "
-            f"in host memory" + (" (forced)" if req.expert_layers_on_cpu is not None else "")))
-        decisions.append(Decision("ubatch", f"-b {_n_batch(req, best.ubatch)} -ub {best.ubatch}",
-                                  "candidates " + ", ".join(f"ub {c.ubatch}: tg {c.tg:.1f} t/s, pp4096 "
-                                                            f"{c.pp.get(4096, 0):.0f} t/s" for c in cands)
-                                  + " -> fastest prompt within 3% of the best generation"))
-        decisions.append(Decision("load mode", load_mode, lm_why if n_cpu_exp else
-                                  "no CPU-resident experts: " + lm_why))
-        decisions.append(Decision("op offload", str(best.threshold), best.threshold_why))
-        threshold = best.threshold if n_cpu_exp else None
-        ub = best.ubatch
-        memory = []
-        for k, g in enumerate(gpus):
-            free, why = _gpu_free(g, node_req)
-            memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
-                                       compute=best.compute_gpu[k], overhead=best.overhead_gpu,
-                                       budget=free - node_req.vram_reserve))
-        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
-                                          n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
-                                          type_v=req.type_v, has_layers=placement.n_gpu_layers <= model.n_layers,
-                                          has_output=placement.n_gpu_layers <= model.n_layers, flavor=flavor)
-        memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
-                                   overhead=M.output_bytes(model, req.parallel)))
-        pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes)
-        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in gpus)}
+        side = _gpu_side(model=model, costs=costs, req=req, machine=machine, node_req=node_req, gpus=gpus,
+                         kv_layer=kv_layer, fa=fa, flavor=flavor, mode=mode, mode_why=mode_why, package=package,
+                         share=share, decisions=decisions)
     else:
-        placement = place_cpu_only(costs, kv_layer)
-        host_bytes = placement.cpu_weights + placement.cpu_kv
-        cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=None,
-                         package=package, policy=req.numa, smt=req.smt, threads=req.threads,
-                         threads_batch=req.threads_batch, share=share)
-        ub = req.ubatch or 512
-        threshold = None
-        bind = cpu.numa.mode == "bind" and len(machine.numa_nodes) > 1
-        load_mode = req.load_mode if req.load_mode != "auto" else ("pinned" if bind else "mmap")
-        lm_why = ("set by the topology" if req.load_mode != "auto" else
-                  "bound to one node: read the weights into memory allocated under the binding (mmap'd pages "
-                  "stay wherever the page cache put them)" if bind else "memory-mapped (the default)")
-        decisions.append(Decision("gpus", "none", "no GPU selected or present: everything in host memory"))
-        decisions.append(Decision("ubatch", f"-b {_n_batch(req, ub)} -ub {ub}", "CPU prompt speed barely depends on it"))
-        decisions.append(Decision("load mode", "read" if load_mode == "pinned" else load_mode, lm_why))
-        speed, _ = _speed_inputs(machine, [], load_mode, cpu.host_nodes, cpu.threads)
-        tg, tg_bytes = predict_tg(costs, placement, speed)
-        pp = predict_pp(costs, placement, speed, ub, None)
-        pred = Prediction(pp=pp, tg=tg, tg_bytes_per_token=tg_bytes)
-        cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
-                                          n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
-                                          type_v=req.type_v, has_layers=True, has_output=True, flavor=flavor)
-        memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
-                               overhead=M.output_bytes(model, req.parallel))]
-        env = {"CUDA_VISIBLE_DEVICES": ""} if machine.gpus else {}
-        gpu_names = []
+        side = _cpu_side(model=model, costs=costs, req=req, machine=machine, node_req=node_req, kv_layer=kv_layer,
+                         fa=fa, flavor=flavor, package=package, share=share, decisions=decisions)
+    placement, memory, cpu, load_mode = side.placement, side.memory, side.cpu, side.load_mode
     decisions.extend(cpu.decisions)
     avail_host = sum(node_available(machine, n) for n in machine.numa_nodes
                      if not cpu.host_nodes or n.id in cpu.host_nodes) or (machine.memory_available_bytes or 0)
@@ -406,25 +441,29 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         decisions.append(Decision("warning", "weights exceed RAM",
                                   f"{fmt_bytes(host.total)} in host memory vs {fmt_bytes(avail_host)} available: "
                                   f"weights will be re-read from disk (slow)"))
-    if threshold is not None and backend.flavor == "mainline" and not (
-            threshold >= OFFLOAD_NEVER and backend.has("no_op_offload")):
-        env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(threshold)
-    ot = cpu_expert_override(
-        [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ""
-    args = render_args(
-        backend=backend, model_path=model.paths[0], n_ctx=n_ctx, parallel=req.parallel, placement=placement,
-        n_gpus=len(gpus), override=ot, main_gpu=(gpus.index(main) if gpus and len(gpus) > 1 else None),
-        threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=_n_batch(req, ub), n_ubatch=ub, flash_attn=fa,
-        type_k=req.type_k, type_v=req.type_v, load_mode=load_mode, numa_flag=cpu.numa.numa_flag,
-        op_offload_min_batch=threshold, host=req.host, port=port, alias=req.alias, extra=req.extra_args,
+    overrides = cpu_expert_override(
+        [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ()
+    n_layers = len(placement.layer_gpu)
+    settings = WorkerSettings(
+        model_path=model.paths[0], context=req.context, parallel=req.parallel, alias=req.alias, host=req.host,
+        port=port,
+        gpus=tuple(g.index for g in gpus) if gpus else (() if machine.gpus else None),
+        n_gpu_layers=(ALL_LAYERS if placement.n_gpu_layers > n_layers else placement.n_gpu_layers) if gpus else 0,
+        split_mode=placement.split_mode if len(gpus) > 1 else None,
+        tensor_split=tuple(placement.tensor_split) if len(gpus) > 1 else (),
+        main_gpu=gpus.index(side.main) if len(gpus) > 1 else None,
+        tensor_overrides=overrides, fit=False, op_offload_min_batch=side.threshold, load_mode=load_mode,
+        numa=cpu.numa, numa_flag=cpu.numa_flag,
+        disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
+        threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=_n_batch(req, side.ubatch),
+        n_ubatch=side.ubatch,
+        flash_attn=fa, type_k=req.type_k, type_v=req.type_v, extra_args=req.extra_args,
     )
     return WorkerPlan(
-        name=name, node=node_req.name, host=req.host, port=port, gpus=tuple(g.index for g in gpus), args=args,
-        env=env, numa=cpu.numa, disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
-        placement=_ranges(placement, model.n_layers, gpu_names), memory=tuple(memory), predicted=pred,
-        decisions=tuple(decisions), model_alias=req.alias,
+        name=name, node=node_req.name, settings=settings, backend=backend,
+        placement=_ranges(placement, model.n_layers, list(side.gpu_names)), memory=memory,
+        predicted=side.predicted, decisions=tuple(decisions),
         cpu_expert_layers=tuple(i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0),
-        op_offload_min_batch=threshold, n_ubatch=ub, n_batch=_n_batch(req, ub), load_mode=load_mode,
     )
 
 
@@ -547,6 +586,7 @@ def _make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pl
     port = request.port_base
     for node_req in request.nodes:
         machine = machines[node_req.name]
+        node_req = node_req.for_machine(machine.memory_total_bytes)
         gpus = _selected_gpus(machine, node_req)
         groups, why = _layout(machine, costs, request, gpus, kv_total, node_req)
         decisions.append(Decision(f"layout {node_req.name}", why.value, why.why))

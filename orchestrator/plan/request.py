@@ -10,7 +10,21 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 
-OFFLOAD_NEVER = 1 << 30
+from orchestrator.launch.llama_args import OFFLOAD_NEVER  # noqa: F401  (the one "never")
+from orchestrator.units import GiB, MiB
+
+
+# The plan's defaults, the same for a topology's "auto" and for a request built in code (tests, tools).
+DEFAULT_CONTEXT = 8192
+DEFAULT_VRAM_RESERVE = 256 * MiB   # the CUDA context and pool are predicted (measured on the H200)
+
+
+def default_ram_reserve(total_bytes: int | None) -> int:
+    """Host memory left to the OS and others: 10% of RAM, at least 1 GiB, at most 8 GiB (4 GiB when the
+    machine's RAM is unknown)."""
+    if not total_bytes:
+        return 4 * GiB
+    return int(min(8 * GiB, max(1 * GiB, total_bytes * 0.10)))
 
 
 @dataclass(frozen=True)
@@ -21,8 +35,15 @@ class NodeRequest:
     address: str | None = None               # Ray node address; None = the local machine
     gpus: tuple[int, ...] | None = None      # None = all GPUs of the machine; () = none
     vram_limit: Mapping[int, int] | int | None = None   # bytes per GPU (one value for all, or per index)
-    vram_reserve: int = 1 << 30              # bytes kept free on every GPU
-    ram_reserve: int = 4 << 30               # bytes of host RAM left for the OS and others
+    vram_reserve: int = DEFAULT_VRAM_RESERVE  # bytes kept free on every GPU
+    ram_reserve: int | None = None           # bytes of host RAM left for the OS and others;
+                                             # None = default_ram_reserve(the machine's RAM)
+
+    def for_machine(self, memory_total_bytes: int | None) -> "NodeRequest":
+        """This request with its automatic values decided for a machine with that much RAM."""
+        if self.ram_reserve is not None:
+            return self
+        return replace(self, ram_reserve=default_ram_reserve(memory_total_bytes))
 
     def limit_for(self, gpu_index: int) -> int | None:
         if self.vram_limit is None:
@@ -35,7 +56,7 @@ class NodeRequest:
 @dataclass(frozen=True)
 class PlanRequest:
     # model / serving
-    context: int = 8192                      # tokens per worker (-c), shared by its slots
+    context: int = DEFAULT_CONTEXT           # tokens per worker (-c), shared by its slots
     parallel: int = 1                        # concurrent slots per worker (llama-server -np)
     type_k: str = "f16"
     type_v: str = "f16"

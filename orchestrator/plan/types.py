@@ -1,9 +1,14 @@
-"""What the planner decides, as frozen data. ``launch`` turns a :class:`WorkerPlan` into a process."""
+"""What the planner decides, as frozen data. ``launch`` turns a worker's :class:`WorkerSettings` into a process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping
+
+from orchestrator.backend.info import BackendInfo
+from orchestrator.launch.llama_args import server_args, server_env
+from orchestrator.launch.numa import NumaPolicy
+from orchestrator.launch.settings import WorkerSettings
 
 
 @dataclass(frozen=True)
@@ -16,24 +21,6 @@ class Decision:
 
     def to_dict(self) -> dict:
         return {"what": self.what, "value": self.value, "why": self.why}
-
-
-@dataclass(frozen=True)
-class NumaPlan:
-    """How a worker is bound. ``mode``: "bind" (cpunodebind+membind), "interleave" (memory interleaved over
-    ``mem_nodes``, threads on ``cpu_nodes``), "none" (no numactl). ``cpus`` = the hardware threads it may use;
-    ``numa_flag`` = llama.cpp's ``--numa`` value ("" = not passed)."""
-
-    mode: str = "none"
-    cpus: tuple[int, ...] = ()
-    cpu_nodes: tuple[int, ...] = ()
-    mem_nodes: tuple[int, ...] = ()
-    physical_only: bool = False
-    numa_flag: str = ""
-
-    def to_dict(self) -> dict:
-        return {"mode": self.mode, "cpus": list(self.cpus), "cpu_nodes": list(self.cpu_nodes),
-                "mem_nodes": list(self.mem_nodes), "physical_only": self.physical_only, "numa_flag": self.numa_flag}
 
 
 @dataclass(frozen=True)
@@ -84,32 +71,76 @@ class Prediction:
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """Everything one llama-server worker needs; ``args`` are llama-server's own flags (no binary, no wrappers)."""
+    """One llama-server worker: its typed :class:`WorkerSettings` (what launch runs), where it is and why.
+
+    ``args`` (llama-server's own flags, no binary, no wrappers) and ``env`` are rendered from the settings for
+    ``backend`` by :mod:`orchestrator.launch.llama_args`, the one place they are spelled."""
 
     name: str
     node: str                              # topology node name (the machine)
-    host: str
-    port: int
-    gpus: tuple[int, ...]                  # machine GPU indexes (NVML / PCI order) this worker uses
-    args: tuple[str, ...]
-    env: Mapping[str, str]
-    numa: NumaPlan
-    disable_numa_balancing: bool
+    settings: WorkerSettings
+    backend: BackendInfo
     placement: tuple[LayerRange, ...]
     memory: tuple[DeviceMemory, ...]
     predicted: Prediction
     decisions: tuple[Decision, ...]
-    model_alias: str = "model"
     cpu_expert_layers: tuple[int, ...] = ()  # layers whose routed experts stay in host memory
-    op_offload_min_batch: int | None = None
-    n_ubatch: int = 512
-    n_batch: int = 2048
-    load_mode: str = "mmap"                # "mmap" | "pinned" | "mlock"
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return server_args(self.settings, self.backend)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return server_env(self.settings, self.backend)
+
+    @property
+    def host(self) -> str:
+        return self.settings.host
+
+    @property
+    def port(self) -> int:
+        return self.settings.port
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """Machine GPU indexes (NVML / PCI order) this worker uses."""
+        return tuple(self.settings.gpus or ())
+
+    @property
+    def numa(self) -> NumaPolicy:
+        return self.settings.numa
+
+    @property
+    def disable_numa_balancing(self) -> bool:
+        return self.settings.disable_numa_balancing
+
+    @property
+    def model_alias(self) -> str:
+        return self.settings.alias or "model"
+
+    @property
+    def op_offload_min_batch(self) -> int | None:
+        return self.settings.op_offload_min_batch
+
+    @property
+    def n_ubatch(self) -> int | None:
+        return self.settings.n_ubatch
+
+    @property
+    def n_batch(self) -> int | None:
+        return self.settings.n_batch
+
+    @property
+    def load_mode(self) -> str:
+        return self.settings.load_mode
 
     def to_dict(self) -> dict:
+        s = self.settings
         return {
             "name": self.name, "node": self.node, "host": self.host, "port": self.port, "gpus": list(self.gpus),
-            "args": list(self.args), "env": dict(self.env), "numa": self.numa.to_dict(),
+            "args": list(self.args), "env": self.env,
+            "numa": {**s.numa.to_dict(), "physical_only": False, "numa_flag": s.numa_flag},
             "disable_numa_balancing": self.disable_numa_balancing,
             "placement": [p.to_dict() for p in self.placement],
             "devices": {m.device: m.total for m in self.memory},
@@ -119,6 +150,7 @@ class WorkerPlan:
             "cpu_expert_layers": list(self.cpu_expert_layers),
             "op_offload_min_batch": self.op_offload_min_batch, "n_ubatch": self.n_ubatch, "n_batch": self.n_batch,
             "load_mode": self.load_mode, "model_alias": self.model_alias,
+            "settings": s.to_dict(),
         }
 
 

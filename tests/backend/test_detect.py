@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backend.detect import detect_backend, find_llama_server, parse_help
+from orchestrator.backend.detect import detect_backend, find_llama_server
+from orchestrator.backend.info import parse_help
 from orchestrator.errors import BackendError
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "backend"
@@ -82,3 +83,36 @@ def test_parse_ik_split_modes_block():
             "-ngl,  --gpu-layers N             number of layers to store in VRAM\n")
     flavor, feats, modes, gpu = parse_help(text)
     assert modes == ("none", "graph", "layer") and "sm_graph" in feats and flavor == "ik_llama.cpp" and gpu
+
+
+def test_expert_cache_feature_is_read_from_help():
+    """Our patched build (and newer upstream) offers --moe-cache-mib: the feature `moe_cache` says so."""
+    base = (FIX / "mainline-llama-server-help.txt").read_text()
+    assert "moe_cache" not in parse_help(base)[1]
+    patched = base + "--moe-cache-mib N                      VRAM for an LRU cache of host-resident experts (MiB)\n"
+    assert "moe_cache" in parse_help(patched)[1]
+
+
+def test_flavor_is_one_string_valued_enum():
+    import json
+
+    from orchestrator.backend.info import BackendInfo, Flavor
+
+    flavor, *_ = parse_help((FIX / "ik-llama-server-help.txt").read_text())
+    assert flavor is Flavor.IK and flavor == "ik_llama.cpp" and f"{flavor}" == "ik_llama.cpp"
+    assert json.dumps({"flavor": flavor}) == '{"flavor": "ik_llama.cpp"}'
+    info = BackendInfo(server="s", flavor="ik_llama.cpp")
+    assert info.flavor is Flavor.IK and info.ik and info.to_dict()["flavor"] == "ik_llama.cpp"
+    with pytest.raises(ValueError):
+        BackendInfo(server="s", flavor="ik")
+
+
+def test_backend_info_is_pure():
+    """The planner reads BackendInfo: importing it must not load subprocess (probing is detect's side effect)."""
+    import subprocess as sp
+    import sys
+
+    code = ("import sys; import orchestrator.backend.info; "
+            "print(','.join(m for m in ('subprocess', 'tarfile', 'fcntl', 'ctypes') if m in sys.modules))")
+    out = sp.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""

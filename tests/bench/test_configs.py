@@ -107,21 +107,26 @@ def test_ncmoe_sweep_grid(plan):
     assert not has_flag(c.args, "-ot") and get_arg(c.args, "-c") == "16384"
     assert c.env[OFFLOAD_ENV] == "64"                                  # the plan's threshold is kept
     m = next(c for c in cs if c.name == "ncmoe21-ub4096-mmap")
-    assert get_arg(m.args, "--load-mode") == "mmap"
+    assert get_arg(m.args, "--load-mode") is None and not has_flag(m.args, "--no-mmap")   # mmap: the default
     assert m.params == {"n_cpu_moe": 21, "ubatch": 4096, "load_mode": "mmap", "op_offload_min_batch": 64}
 
 
 def test_cpu_expert_layers_read_from_the_flags():
     from orchestrator.bench.configs import cpu_expert_layers_of
 
-    assert cpu_expert_layers_of(PLAN_ARGS) == tuple(range(20))
+    from orchestrator.launch.llama_args import parse_server_args
+
+    def layers(args):
+        return cpu_expert_layers_of(parse_server_args(args))
+
+    assert layers(PLAN_ARGS) == tuple(range(20))
     # first match wins: layer 3's experts are sent to CUDA0 before the CPU pattern sees them
     ot = r"blk\.3\.ffn_.*_exps=CUDA0,blk\.[0-5]\.ffn_(up|down|gate)_exps=CPU"
-    assert cpu_expert_layers_of(["-ngl", "99", "-ot", ot]) == (0, 1, 2, 4, 5)
-    assert cpu_expert_layers_of(["-ngl", "99", "-ncmoe", "3"]) == (0, 1, 2)
-    assert cpu_expert_layers_of(["-ngl", "99"]) == ()
-    assert cpu_expert_layers_of(["-ngl", "99", "--cpu-moe"]) is None
-    assert cpu_expert_layers_of(["-m", "x.gguf"]) is None
+    assert layers(["-ngl", "99", "-ot", ot]) == (0, 1, 2, 4, 5)
+    assert layers(["-ngl", "99", "-ncmoe", "3"]) == (0, 1, 2)
+    assert layers(["-ngl", "99"]) == ()
+    assert layers(["-ngl", "99", "--cpu-moe"]) is None
+    assert layers(["-m", "x.gguf"]) is None
     assert plan_config(["-m", "x", "-ngl", "99", "-ncmoe", "7"]).params["n_cpu_moe"] == 7
 
 
@@ -229,33 +234,78 @@ def test_config_from_plan_json_args_and_argv_forms():
         config_from_plan_json({"workers": [{"argv": ["numactl", "--", "server"]}]})
 
 
-def test_config_from_worker_plan():
-    from orchestrator.plan.types import DeviceMemory, NumaPlan, Prediction, WorkerPlan
+def _worker():
+    """A planned worker whose settings render exactly PLAN_ARGS/PLAN_ENV for the pinned mainline build."""
+    from dataclasses import replace
 
-    w = WorkerPlan(name="w0", node="local", host="127.0.0.1", port=8081, gpus=(1,), args=PLAN_ARGS, env=PLAN_ENV,
-                   numa=NumaPlan(), disable_numa_balancing=False, placement=(),
-                   memory=(DeviceMemory("CUDA0", weights=10), DeviceMemory("CPU", weights=5, kv=1)),
-                   predicted=Prediction(pp={512: 800.0}, tg=35.0), decisions=(),
-                   cpu_expert_layers=(0, 1), op_offload_min_batch=64, n_ubatch=4096, load_mode="pinned")
+    from orchestrator.backend.info import nominal_backend
+    from orchestrator.launch.llama_args import parse_server_args
+    from orchestrator.plan.types import DeviceMemory, Prediction, WorkerPlan
+
+    from orchestrator.launch.numa import NumaPolicy
+
+    settings = replace(parse_server_args(PLAN_ARGS), gpus=(1,), op_offload_min_batch=64,
+                       numa=NumaPolicy.bind([0], cpu_nodes=[0]), disable_numa_balancing=True)
+    return WorkerPlan(name="w0", node="local", settings=settings, backend=nominal_backend("mainline", cuda=True),
+                      placement=(), memory=(DeviceMemory("CUDA0", weights=10), DeviceMemory("CPU", weights=5, kv=1)),
+                      predicted=Prediction(pp={512: 800.0}, tg=35.0), decisions=(), cpu_expert_layers=(0, 1))
+
+
+def test_config_from_worker_plan():
+    w = _worker()
+    assert parse_args(w.args) == parse_args(PLAN_ARGS)              # the same flags, rendered from the settings
     c = config_from_worker(w)
     assert c.name == "plan" and c.params["n_cpu_moe"] == 2 and c.params["op_offload_min_batch"] == 64
+    assert c.params["load_mode"] == "pinned" and c.params["ubatch"] == 4096
     assert c.predicted == {"pp": {512: 800.0}, "tg": 35.0, "memory": {"gpu1": 10, "CPU": 6}}
-    assert BenchConfig.from_dict(c.to_dict()) == BenchConfig.from_dict(c.to_dict())
-    assert BenchConfig.from_dict(c.to_dict()).args == c.args
+    assert c.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1", OFFLOAD_ENV: "64"}
+    back = BenchConfig.from_dict(c.to_dict())
+    assert (back.args, back.env, back.settings, back.backend) == (c.args, c.env, w.settings, w.backend)
 
 
-def test_config_from_launch_spec_splits_wrappers_binary_and_flags():
-    from orchestrator.bench.configs import config_from_launch_spec, split_server_argv
-    from orchestrator.launch.spec import LaunchSpec
+def test_config_from_launch_spec_takes_the_wrappers_before_the_planned_flags():
+    from orchestrator.bench.configs import config_from_launch_spec
+    from orchestrator.launch import spec_for_worker
 
-    argv = ("/repo/scripts/numa/disable-numa-balancing.sh", "numactl", "--cpunodebind=0", "--membind=0", "--",
-            "/cache/bin/llama-server", *PLAN_ARGS)
-    spec = LaunchSpec(name="w0", argv=argv, env=PLAN_ENV, port=8081)
-    c = config_from_launch_spec(spec)
-    assert c.wrapper == argv[:5] and c.args == PLAN_ARGS and c.env == PLAN_ENV and c.group == "plan"
-    assert c.params["n_cpu_moe"] == 20 and c.params["op_offload_min_batch"] == 64
-    assert c.argv("/cache/bin/llama-server", "127.0.0.1", 1)[:6] == argv[:6]
-    assert split_server_argv(["/x/llama-server", "-m", "m"]) == ((), "/x/llama-server", ("-m", "m"))
-    assert split_server_argv(["./server", "-m", "m"]) == ((), "./server", ("-m", "m"))
-    with pytest.raises(ConfigError):
-        split_server_argv(["numactl", "--"])
+    w = _worker()
+    spec = spec_for_worker(w.name, w.settings, w.backend)
+    c = config_from_launch_spec(spec, w)
+    assert c.wrapper == spec.argv[:spec.argv.index("--") + 1] and c.wrapper[-1] == "--"
+    assert c.args == w.args and c.env == spec.env and c.group == "plan" and c.settings == w.settings
+    assert c.argv("llama-server", "127.0.0.1", 1)[:len(c.wrapper) + 1] == spec.argv[:len(c.wrapper) + 1]
+    with pytest.raises(ConfigError, match="needs the planned worker"):
+        config_from_launch_spec(spec)
+
+
+def test_a_plan_that_never_offloads_is_recorded_as_never_and_the_sweep_varies_it(tmp_path):
+    """The planner renders "never offload" as --no-op-offload (no GGML_OP_OFFLOAD_MIN_BATCH): the bench must read
+    that as never, not as llama.cpp's default 32, and every other sweep point must drop the switch (a point
+    that keeps it measures "never" again under another name)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plan"))
+    from planfixtures import backend, machine, shape_model
+
+    from orchestrator.launch.llama_args import OFFLOAD_NEVER as LAUNCH_NEVER
+    from orchestrator.plan import NodeRequest, PlanRequest, make_plan
+    from orchestrator.plan.request import OFFLOAD_NEVER as PLAN_NEVER
+
+    assert OFFLOAD_NEVER == LAUNCH_NEVER == PLAN_NEVER                # one "never" in the whole code base
+    model = shape_model(tmp_path, "qwen3-30b-a3b", "q8_0")
+    req = PlanRequest(nodes=(NodeRequest(name="n", vram_limit=12 << 30),), op_offload_min_batch=OFFLOAD_NEVER)
+    plan = make_plan(machines={"n": machine("1socket-1gpu-24g")}, model=model, request=req, backend=backend())
+    w = plan.workers[0]
+    assert "--no-op-offload" in w.args and OFFLOAD_ENV not in w.env
+    as_json = {**plan.to_dict(), "backend": w.backend.to_dict()}      # what `orchestrator plan --json` writes
+    assert config_from_plan_json(as_json).settings == w.settings
+    for c in (config_from_worker(w), config_from_plan_json(plan.to_dict()), config_from_plan_json(as_json)):
+        assert c.params["op_offload_min_batch"] == OFFLOAD_NEVER
+        sweep = build_configs(c, ("offload-sweep",))
+        assert sweep and OFFLOAD_NEVER not in [s.params["op_offload_min_batch"] for s in sweep]
+        for s in sweep:
+            assert "--no-op-offload" not in s.args, s.name
+            assert s.env[OFFLOAD_ENV] == str(s.params["op_offload_min_batch"]), s.name
+    # and back: a plan at T sweeps to never with the switch the binary offers
+    plan_t = plan_config([*without(w.args, ["--no-op-offload"])], {**w.env, OFFLOAD_ENV: "64"})
+    never = next(s for s in offload_sweep(plan_t, [OFFLOAD_NEVER]))
+    assert never.name == "offload-never" and never.params["op_offload_min_batch"] == OFFLOAD_NEVER

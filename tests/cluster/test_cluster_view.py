@@ -34,15 +34,39 @@ def spec(name="w0", port=9000, node=None, argv=("llama-server",)):
       "1", "--mode", "physical", "--interleave", "on", "--", "/b/llama-server", "-t", "48"),
      "numa-balancing off, socket --socket 1 --mode physical --interleave on, -t 48"),
 ])
-def test_describe_binding(argv, expected):
-    assert describe_binding(argv) == expected
+def test_describe_binding_of_a_hand_written_argv(argv, expected):
+    assert describe_binding(spec(argv=argv)) == expected
 
 
-def test_describe_devices():
-    assert describe_devices({"CUDA_VISIBLE_DEVICES": "0,1"}, ("llama-server", "-sm", "layer", "-ngl", "99")) == \
+def test_describe_devices_of_a_hand_written_argv():
+    def devices(env, argv):
+        return describe_devices(LaunchSpec(name="w", argv=argv, env=env))
+
+    assert devices({"CUDA_VISIBLE_DEVICES": "0,1"}, ("llama-server", "-sm", "layer", "-ngl", "99")) == \
         "cuda:0,1, -sm layer, -ngl 99"
-    assert describe_devices({"CUDA_VISIBLE_DEVICES": ""}, ("llama-server",)) == "cpu"
-    assert describe_devices({}, ("llama-server",)) == "-"
+    assert devices({"CUDA_VISIBLE_DEVICES": ""}, ("llama-server",)) == "cpu"
+    assert devices({}, ("llama-server",)) == "-"
+
+
+def test_status_of_a_planned_worker_shows_its_settings_not_its_argv():
+    """The binding and devices come from the settings stored with the spec: the argv is not read back."""
+    from orchestrator.backend.info import nominal_backend
+    from orchestrator.launch import spec_for_worker
+    from orchestrator.launch.numa import NumaPolicy
+    from orchestrator.launch.settings import WorkerSettings
+
+    s = WorkerSettings(model_path="m.gguf", host="127.0.0.1", port=9000, gpus=(2, 3), n_gpu_layers=999,
+                       split_mode="layer", tensor_split=(30, 31), main_gpu=0,
+                       numa=NumaPolicy.bind([1], cpus=[16, 17, 18, 19]), numa_flag="numactl",
+                       disable_numa_balancing=True, threads=4, threads_batch=8)
+    planned = spec_for_worker("w0", s, nominal_backend("mainline", cuda=True))
+    assert describe_binding(planned) == "numa-balancing off, bind cpus 16-19 mem 1, --numa numactl, -t 4 -tb 8"
+    assert describe_devices(planned) == "cuda:2,3, -ngl 999, -sm layer, -ts 30,31, -mg 0"
+    # the same spec after a JSON round trip (how the controller and its workers receive it)
+    again = LaunchSpec.from_dict(json.loads(json.dumps(planned.to_dict())))
+    assert describe_binding(again) == describe_binding(planned) and describe_devices(again) == describe_devices(planned)
+    cpu = spec_for_worker("w1", WorkerSettings(model_path="m", gpus=(), threads=2), nominal_backend("mainline", False))
+    assert (describe_binding(cpu), describe_devices(cpu)) == ("-t 2", "cpu")
 
 
 def test_status_table_and_text():

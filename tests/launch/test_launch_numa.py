@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.launch.numa import NumaPolicy, format_cpulist, numactl_argv, parse_cpulist
+from orchestrator.launch.llama_args import numactl_argv
+from orchestrator.launch.numa import NumaPolicy, format_cpulist, parse_cpulist
 
 
 @pytest.mark.parametrize("text,values", [
@@ -47,7 +48,7 @@ def test_policy_is_normalised_and_frozen():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(mode="spread"), "mode must be one of bind, interleave, none"),
-    (dict(mode="none", mem_nodes=(0,)), "takes no cpus"),
+    (dict(mode="none", mem_nodes=(0,)), "takes no cpu_nodes or mem_nodes"),
     (dict(mode="bind", cpus=(0,)), "needs mem_nodes"),
     (dict(mode="bind", mem_nodes=(0,)), "needs cpus or cpu_nodes"),
     (dict(mode="interleave"), "needs mem_nodes"),

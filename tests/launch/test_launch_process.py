@@ -302,17 +302,21 @@ def test_env_is_merged_and_dropped_names_do_not_leak(tmp_path, free_port, monkey
 
 
 def test_a_planned_worker_runs(llama_server_path, tiny_gguf, free_port, tmp_path, balancing, numactl_path):
-    """planner WorkerPlan -> spec_for_worker -> start -> healthy -> stop, on the real llama-server."""
+    """planned WorkerSettings -> spec_for_worker -> start -> healthy -> stop, on the real llama-server."""
+    from dataclasses import replace
+
+    from orchestrator.backend.detect import detect_backend
     from orchestrator.launch import spec_for_worker
-    from orchestrator.plan.types import NumaPlan, Prediction, WorkerPlan
+    from orchestrator.launch.llama_args import parse_server_args
 
     fake, env = balancing
     cpus = tuple(sorted(os.sched_getaffinity(0)))
-    plan = WorkerPlan(name="planned", node="local", host="127.0.0.1", port=free_port, gpus=(),
-                      args=tuple(server_argv("x", tiny_gguf, free_port, "--numa", "numactl")[1:]),
-                      env={**env, "CUDA_VISIBLE_DEVICES": ""}, numa=NumaPlan("bind", cpus, (0,), (0,), False, "numactl"),
-                      disable_numa_balancing=True, placement=(), memory=(), predicted=Prediction(), decisions=())
-    spec = spec_for_worker(plan, llama_server_path, local_node="local")
+    settings = replace(parse_server_args(server_argv("x", tiny_gguf, free_port)[1:]), gpus=(), numa_flag="numactl",
+                       numa=NumaPolicy.bind([0], cpus=cpus, cpu_nodes=[0]), disable_numa_balancing=True)
+    spec = spec_for_worker("planned", settings, detect_backend(llama_server_path), node="local", local_node="local")
+    assert spec.settings == settings and spec.node is None and spec.env == {"CUDA_VISIBLE_DEVICES": ""}
+    assert spec.argv[spec.argv.index("--numa") + 1] == "numactl"
+    spec = replace(spec, env={**spec.env, **env})
     with launch(spec, tmp_path / "planned.log", timeout=120) as proc:
         assert completion(spec.connect_url)["tokens_predicted"] == 4
         assert fake.read_text().strip() == "0"

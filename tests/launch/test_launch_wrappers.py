@@ -128,42 +128,42 @@ def _expand(text: str) -> list[str]:
     return [str(c) for c in parse_cpulist(text)]
 
 
-def _worker_plan(numa, **kw):
-    from orchestrator.plan.types import Prediction, WorkerPlan
+def _settings(numa, **kw):
+    from orchestrator.launch.settings import WorkerSettings
 
-    base = dict(name="socket1", node="box", host="127.0.0.1", port=9003, gpus=(0,),
-                args=("-m", "/m/model.gguf", "--host", "127.0.0.1", "--port", "9003", "--numa", "numactl"),
-                env={"CUDA_VISIBLE_DEVICES": "0", "GGML_OP_OFFLOAD_MIN_BATCH": "128"}, numa=numa,
-                disable_numa_balancing=True, placement=(), memory=(), predicted=Prediction(), decisions=(),
-                model_alias="demo")
+    base = dict(model_path="/m/model.gguf", alias="demo", host="127.0.0.1", port=9003, gpus=(0,), numa=numa,
+                numa_flag="numactl", disable_numa_balancing=True, op_offload_min_batch=128, metrics=False)
     base.update(kw)
-    return WorkerPlan(**base)
+    return WorkerSettings(**base)
 
 
 def test_spec_for_a_planned_worker():
+    from orchestrator.backend.info import BackendInfo
     from orchestrator.launch import spec_for_worker
-    from orchestrator.plan.types import NumaPlan
 
-    plan = _worker_plan(NumaPlan("bind", cpus=(16, 17, 18, 19), cpu_nodes=(1,), mem_nodes=(1,), numa_flag="numactl"))
-    spec = spec_for_worker(plan, "/opt/llama/bin/llama-server", resources={"node:box": 0.01})
+    backend = BackendInfo(server="/opt/llama/bin/llama-server", features=frozenset({"numa", "fit"}))
+    settings = _settings(NumaPolicy.bind([1], cpus=(16, 17, 18, 19), cpu_nodes=(1,)))
+    spec = spec_for_worker("socket1", settings, backend, node="box", resources={"node:box": 0.01})
     assert spec.argv == (BAL, "numactl", "--physcpubind=16-19", "--membind=1", "--", "/opt/llama/bin/llama-server",
-                         "-m", "/m/model.gguf", "--host", "127.0.0.1", "--port", "9003", "--numa", "numactl")
-    assert dict(spec.env) == {"CUDA_VISIBLE_DEVICES": "0", "GGML_OP_OFFLOAD_MIN_BATCH": "128"}
+                         "-m", "/m/model.gguf", "--alias", "demo", "--host", "127.0.0.1", "--port", "9003",
+                         "--numa", "numactl")
+    assert dict(spec.env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0",
+                              "GGML_OP_OFFLOAD_MIN_BATCH": "128"}
     assert (spec.name, spec.node, spec.port, spec.model_alias) == ("socket1", "box", 9003, "demo")
     assert dict(spec.resources) == {"node:box": 0.01}
-    assert spec_for_worker(plan, "llama-server", local_node="box").node is None
+    assert spec.settings == settings and LaunchSpec.from_dict(spec.to_dict()) == spec
+    assert spec_for_worker("socket1", settings, backend, node="box", local_node="box").node is None
 
 
-@pytest.mark.parametrize("numa_plan,prefix", [
-    (dict(mode="none", cpus=(0, 1, 2, 3)), []),                                   # cpus listed, no numactl
-    (dict(mode="interleave", cpus=(), cpu_nodes=(0, 1), mem_nodes=(0, 1)),
-     ["numactl", "--cpunodebind=0-1", "--interleave=0-1", "--"]),
-    (dict(mode="bind", cpus=(), cpu_nodes=(2,), mem_nodes=()), ["numactl", "--cpunodebind=2", "--membind=2", "--"]),
+@pytest.mark.parametrize("numa,prefix", [
+    (NumaPolicy.none(cpus=(0, 1, 2, 3)), []),                                     # cpus listed, no numactl
+    (NumaPolicy.interleave([0, 1], cpu_nodes=(0, 1)), ["numactl", "--cpunodebind=0-1", "--interleave=0-1", "--"]),
+    (NumaPolicy.bind([2], cpu_nodes=(2,)), ["numactl", "--cpunodebind=2", "--membind=2", "--"]),
 ])
-def test_numa_plan_translation(numa_plan, prefix):
+def test_numa_policy_translation(numa, prefix):
+    from orchestrator.backend.info import BackendInfo
     from orchestrator.launch import spec_for_worker
-    from orchestrator.plan.types import NumaPlan
 
-    spec = spec_for_worker(_worker_plan(NumaPlan(**numa_plan), disable_numa_balancing=False), "llama-server")
+    spec = spec_for_worker("w", _settings(numa, disable_numa_balancing=False), BackendInfo(server="llama-server"))
     assert list(spec.argv[: len(prefix)]) == prefix
     assert spec.argv[len(prefix)] == "llama-server"

@@ -161,3 +161,18 @@ def test_predict_experts_on_host_rest_on_gpu(models):
     assert gpu.weights >= m.weights_bytes - experts - embd
     assert gpu.compute > compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="cuda0").total
     assert gpu.overhead > 0
+
+
+def test_ik_llama_cpp_layout_by_the_flavor_name_the_planner_passes(models):
+    """ik_llama.cpp keeps one unified stream, pads to 32 cells without flash attention and gives sliding-window
+    layers the full cache. The planner names the flavor as BackendInfo does ("ik_llama.cpp"): that name selects
+    this layout, and a name that is no flavor is a bug, never a silent mainline layout."""
+    m = models["qwen3moe"]
+    lay = context_layout(m, 1100, 3, flash_attn=False, flavor="ik_llama.cpp")
+    assert (lay.n_ctx, lay.n_ctx_seq, lay.n_stream) == (1120, 1120, 1)
+    main = context_layout(m, 1100, 3, flash_attn=False, flavor="mainline")
+    assert (main.n_ctx, main.n_ctx_seq, main.n_stream) == (1536, 512, 3)
+    g = models["gpt-oss"]
+    assert context_layout(g, 8192, flavor="ik_llama.cpp").cells_swa == 8192
+    with pytest.raises(ValueError):
+        context_layout(m, 1024, flavor="ik")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from orchestrator.backend.detect import BackendInfo, parse_help
+from orchestrator.backend.info import BackendInfo, parse_help
 from orchestrator.hardware.dump import load_machine
 from orchestrator.model import read_model
 from orchestrator.model import shapes as S

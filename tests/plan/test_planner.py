@@ -167,7 +167,7 @@ def test_load_mode_follows_the_bytes_the_placement_leaves_in_host_memory(models)
     w = plan1(m, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
     cpu = next(d for d in w.memory if d.device == "CPU").weights
     assert w.load_mode == "pinned"
-    reserve = NodeRequest(name="x").ram_reserve
+    reserve = NodeRequest(name="x").for_machine(m.memory_total_bytes).ram_reserve
     for avail, mode in ((cpu + reserve + (64 << 20), "pinned"), (cpu + reserve - (64 << 20), "mmap")):
         tight = dataclasses.replace(m, memory_available_bytes=avail)
         w2 = plan1(tight, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
@@ -241,3 +241,35 @@ def test_batch_and_gpu_groups_and_never_offload_follow_the_topology(models):
         assert "--no-op-offload" in w.args and "GGML_OP_OFFLOAD_MIN_BATCH" not in w.env
     with pytest.raises(PlanError, match="gpu_group_size: 3 does not divide"):
         plan1(m, q235, layout="gpu-group", gpu_group_size=3)
+
+
+def test_ik_llama_cpp_plans_with_its_own_kv_layout(models):
+    """ik_llama.cpp keeps one unified KV stream: 8000 cells pad to 8192, where mainline gives each of the 3
+    sequences its own stream of pad256(8192 / 3) = 2816 cells (8448 in all)."""
+    from orchestrator.model.memory import kv_bytes_per_token
+
+    q30 = models("qwen3-30b-a3b")
+    m = machine("1socket-1gpu-24g")
+    per_cell = kv_bytes_per_token(q30)
+    ik = plan1(m, q30, b=backend("ik_llama.cpp"), context=8000, parallel=3)
+    main = plan1(m, q30, context=8000, parallel=3)
+    assert main.model["kv_bytes"] == 8448 * per_cell
+    assert ik.model["kv_bytes"] == 8192 * per_cell
+
+
+def test_a_request_built_in_code_plans_with_the_reserves_a_topology_gets(models):
+    """One place for the defaults: NodeRequest() and a topology's "auto" reserve the same memory (256 MiB per
+    GPU; 10% of the machine's RAM, 1-8 GiB), so planner tests plan what users get."""
+    from orchestrator.config import parse_topology
+    from orchestrator.plan.from_topology import request_from_topology
+    from orchestrator.plan.request import default_ram_reserve
+
+    from_yaml = request_from_topology(parse_topology("model: m.gguf\nnodes: [{name: n}]\n")).nodes[0]
+    assert from_yaml == NodeRequest(name="n")
+    m = machine("1socket-1gpu-24g")
+    decided = from_yaml.for_machine(m.memory_total_bytes)
+    assert decided.vram_reserve == 256 << 20 and decided.ram_reserve == default_ram_reserve(m.memory_total_bytes)
+    assert 1 * GiB <= decided.ram_reserve <= 8 * GiB
+    w = plan1(m, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
+    gpu = next(d for d in w.memory if d.device == "CUDA0")
+    assert gpu.budget == 12 * GiB - (256 << 20)

@@ -1,0 +1,92 @@
+"""WorkerSettings: everything one llama-server worker is decided to run with, as a typed, frozen value.
+
+The planner returns one per worker; the bench derives its alternatives with ``dataclasses.replace``; ``status``
+shows it; :mod:`orchestrator.launch.llama_args` is the one place it becomes argv and environment. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+from orchestrator.launch.numa import NumaPolicy
+
+LOAD_MODES = ("mmap", "pinned", "mlock")   # memory-mapped; read into pinned host buffers; read and locked
+ALL_LAYERS = 999                           # -ngl value meaning "every layer" (more than any model has)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """One worker's llama-server settings. ``None`` means "not passed": llama.cpp's own default applies."""
+
+    model_path: str = ""
+    context: int | None = None                 # -c: tokens of the worker, shared by its slots
+    parallel: int | None = None                # -np: concurrent slots
+    alias: str | None = None                   # the model name clients use
+    host: str | None = None                    # where it listens (the planner always says)
+    port: int | None = None
+    # placement
+    gpus: tuple[int, ...] | None = None        # machine GPU indexes (PCI order) it sees; () = none; None = inherit
+    n_gpu_layers: int | None = None            # -ngl; ALL_LAYERS = every layer
+    split_mode: str | None = None              # -sm, with several GPUs
+    tensor_split: tuple[float, ...] = ()       # -ts
+    main_gpu: int | None = None                # -mg, numbered among the worker's own GPUs
+    tensor_overrides: tuple[tuple[str, str], ...] = ()   # -ot (pattern, buffer type): the first match wins
+    cpu_moe: bool = False                      # --cpu-moe: every routed expert in host memory
+    n_cpu_moe: int | None = None               # --n-cpu-moe N: routed experts of layers 0..N-1 in host memory
+    fit: bool | None = None                    # llama.cpp's own automatic placement (--fit on|off)
+    fit_ctx: int | None = None                 # --fit-ctx: the context --fit must keep
+    op_offload_min_batch: int | None = None    # batch from which host-resident weights are copied to the GPU;
+                                               # None = llama.cpp's default; llama_args.OFFLOAD_NEVER = never
+    moe_cache_mib: int = 0                     # VRAM for the expert cache (--moe-cache-mib); 0 = off
+    load_mode: str = "mmap"                    # one of LOAD_MODES
+    # CPU side
+    numa: NumaPolicy = field(default_factory=NumaPolicy.none)
+    numa_flag: str = ""                        # llama.cpp's --numa (distribute, isolate, numactl); "" = not passed
+    disable_numa_balancing: bool = False       # run under the wrapper that switches automatic balancing off
+    threads: int | None = None                 # -t: generation threads
+    threads_batch: int | None = None           # -tb: prompt threads
+    # batches and cache
+    n_batch: int | None = None                 # -b
+    n_ubatch: int | None = None                # -ub
+    flash_attn: str = "auto"                   # on | off | auto
+    type_k: str = "f16"
+    type_v: str = "f16"
+    metrics: bool = True                       # --metrics (when the binary offers it)
+    extra_args: tuple[str, ...] = ()           # the user's own flags, passed last
+
+    def __post_init__(self) -> None:
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"WorkerSettings.load_mode must be one of {', '.join(LOAD_MODES)}; "
+                             f"got {self.load_mode!r}")
+        if self.moe_cache_mib < 0:
+            raise ValueError(f"WorkerSettings.moe_cache_mib must be >= 0; got {self.moe_cache_mib}")
+        if self.gpus is not None:
+            object.__setattr__(self, "gpus", tuple(int(g) for g in self.gpus))
+        object.__setattr__(self, "tensor_split", tuple(self.tensor_split))
+        object.__setattr__(self, "tensor_overrides", tuple((str(p), str(b)) for p, b in self.tensor_overrides))
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["numa"] = self.numa.to_dict()
+        d["gpus"] = list(self.gpus) if self.gpus is not None else None
+        d["tensor_split"] = list(self.tensor_split)
+        d["tensor_overrides"] = [list(p) for p in self.tensor_overrides]
+        d["extra_args"] = list(self.extra_args)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "WorkerSettings":
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "numa" in kw:
+            kw["numa"] = NumaPolicy.from_dict(dict(kw["numa"]))
+        if kw.get("gpus") is not None:
+            kw["gpus"] = tuple(kw["gpus"])
+        for k in ("tensor_split", "extra_args"):
+            if k in kw:
+                kw[k] = tuple(kw[k])
+        if "tensor_overrides" in kw:
+            kw["tensor_overrides"] = tuple(tuple(p) for p in kw["tensor_overrides"])
+        return cls(**kw)
