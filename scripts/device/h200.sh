@@ -162,7 +162,7 @@ a)
   log "up / status / down on the GPU ($(left) s left)"
   timeout $(( $(left) - 60 )) bash scripts/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
   log "probe vs torch ($(left) s left)"
-  timeout $(( $(left) - 3 )) python3 -m orchestrator.hardware.bench_probe --backends nvcc --allocs register,hostalloc \
+  timeout $(( $(left) - 3 )) python3 -m lab.bench_probe --backends nvcc --allocs register,hostalloc \
     --json "$O/bench_probe.json" > "$O/bench_probe.txt" 2>&1
   log "done"
   ;;
@@ -201,10 +201,10 @@ c)
     > "$O/pytest-gpu-runner.txt" 2>&1
   log "pytest rc=$?"; tail -2 "$O/pytest-gpu-runner.txt"
   log "memory model: mixed CPU/GPU calibration cases ($(left) s left)"
-  timeout $(( $(left) - 12 )) python3 -m orchestrator.model.calibrate gpu --server "$SERVER" --out "$O/calib-gpu" \
+  timeout $(( $(left) - 12 )) python3 -m lab.calibrate gpu --server "$SERVER" --out "$O/calib-gpu" \
     --models "$W/calib-models" --only cpu-moe-c --timeout 120 > "$O/calib-gpu.log" 2>&1
   log "calibration rc=$?"
-  timeout 8 python3 -m orchestrator.model.calibrate report "$O/calib-gpu" --models "$W/calib-models" \
+  timeout 8 python3 -m lab.calibrate report "$O/calib-gpu" --models "$W/calib-models" \
     > "$O/calib-gpu-report.txt" 2>&1
   tail -4 "$O/calib-gpu-report.txt"
   log "done"

@@ -165,7 +165,7 @@ def test_hardware_imports_without_heavy_packages():
         "        if name.split('.')[0] in ('gguf', 'pydantic', 'ray', 'numpy', 'yaml', 'aiohttp', 'rich', 'torch'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import orchestrator.hardware, orchestrator.hardware.probe, orchestrator.hardware.bench_probe\n"
+        "import orchestrator.hardware, orchestrator.hardware.probe, lab.bench_probe\n"
         "import orchestrator.hardware.cudart_probe, orchestrator.hardware.render\n"
         "from orchestrator.cli import main\n"
         "sys.exit(main(['inspect', '--json']))\n"

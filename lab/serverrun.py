@@ -1,6 +1,6 @@
 """Run a real ``llama-server`` once: load a model, optionally decode one full micro-batch, capture the log.
 
-Used by calibration (``orchestrator.model.calibrate``) and by the integration tests. Standard library only.
+Used by calibration (``lab.calibrate``) and by the integration tests. Standard library only.
 The process gets an argv list, binds 127.0.0.1, is always terminated and reaped (SIGTERM, then SIGKILL).
 """
 

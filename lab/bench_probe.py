@@ -1,6 +1,6 @@
 """Benchmark: our PCIe probe against torch's pinned copies, same machine, same run.
 
-    python3 -m orchestrator.hardware.bench_probe [--backends nvcc,cudart] [--allocs register,hostalloc]
+    python3 -m lab.bench_probe [--backends nvcc,cudart] [--allocs register,hostalloc]
                                                  [--bytes 256MiB] [--reps 8] [--host] [--json OUT]
 
 For every GPU it prints the best pinned H2D and D2H bandwidth our probe measured (over the NUMA nodes the

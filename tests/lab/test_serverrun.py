@@ -7,8 +7,8 @@ import stat
 import time
 from pathlib import Path
 
-from orchestrator.model.llamalog import MiB, device_of_buffer, parse_load_log
-from orchestrator.model.serverrun import run_server
+from orchestrator.bench.logparse import MiB, device_of_buffer, parse_load_log
+from lab.serverrun import run_server
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "calibration" / "cpu"
 

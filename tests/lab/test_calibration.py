@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.model.calibmodels import write_model
-from orchestrator.model.calibrate import Case, grid_spec, predict_case, within
-from orchestrator.model.llamalog import parse_load_log
+from lab.calibmodels import write_model
+from lab.calibrate import Case, grid_spec, predict_case, within
+from orchestrator.bench.logparse import parse_load_log
 from orchestrator.model.memory import compute_buffer_estimate
 from orchestrator.model.reader import read_model
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator.model.ggufwrite import TensorSpec, spm_vocab, write_gguf
+from lab.ggufwrite import TensorSpec, spm_vocab, write_gguf
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Benchmark of the model reader and memory model; prints numbers (for docs/benchmarks.md).
 
-    python -m orchestrator.model.benchmark [--calibration tests/fixtures/calibration/cpu ...]
+    python -m lab.modelbench [--calibration tests/fixtures/calibration/cpu ...]
 
 1. Header read time of full-size models (sparse files, generated): DeepSeek-V3 (671 B parameters, 360 GiB at
    Q4_0/Q8_0) split into 9 shards, Qwen3-235B-A22B and gpt-oss-120b -- target: under 1 s.
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from orchestrator.errors import ModelError
-from orchestrator.model.calibmodels import PRESETS, build
-from orchestrator.model.ggufwrite import write_gguf, write_gguf_split
+from lab.calibmodels import PRESETS, build
+from lab.ggufwrite import write_gguf, write_gguf_split
 from orchestrator.model.reader import read_model
 
 
@@ -82,7 +82,7 @@ def _err(p: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.model.benchmark", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m lab.modelbench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibration", nargs="*", type=Path, default=[], help="calibration fixture directories")
     args = ap.parse_args(argv)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {err} | {t:.4f} |")
             ok &= t < 1.0 and err != "no error!"
     if args.calibration:
-        from orchestrator.model.calibrate import format_report, report
+        from lab.calibrate import format_report, report
 
         print("\n## Predicted vs measured memory (MiB)\n")
         rows, cal_ok = report(args.calibration, model_dir=Path(tempfile.gettempdir()) / "orchestrator-calib-models")

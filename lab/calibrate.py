@@ -1,11 +1,11 @@
 """Calibrate the memory model against what a real llama-server reports, and print predicted vs measured.
 
-    python -m orchestrator.model.calibrate cpu  --server /path/llama-server --out tests/fixtures/calibration/cpu
-    python -m orchestrator.model.calibrate gpu  --server /path/llama-server --out /tmp/calib-gpu
-    python -m orchestrator.model.calibrate report tests/fixtures/calibration/cpu [more dirs]
-    python -m orchestrator.model.calibrate grid --server /path/llama-server --out tests/fixtures/calibration/grid
+    python -m lab.calibrate cpu  --server /path/llama-server --out tests/fixtures/calibration/cpu
+    python -m lab.calibrate gpu  --server /path/llama-server --out /tmp/calib-gpu
+    python -m lab.calibrate report tests/fixtures/calibration/cpu [more dirs]
+    python -m lab.calibrate grid --server /path/llama-server --out tests/fixtures/calibration/grid
 
-``cpu`` and ``gpu`` generate real-architecture models (:mod:`orchestrator.model.calibmodels`: sparse files, so
+``cpu`` and ``gpu`` generate real-architecture models (:mod:`lab.calibmodels`: sparse files, so
 a 20 GB model costs nothing), start llama-server once per case, parse the buffer sizes it logs, and write one
 ``<case>.log`` (the full log, first line the exact command) plus ``cases.json`` (settings, placement, measured
 buffers, and for ``gpu`` nvidia-smi's used memory before and after one full micro-batch). ``grid`` measures
@@ -13,7 +13,7 @@ the CPU compute buffer of models whose widths differ one at a time from the real
 phase formulas in :mod:`orchestrator.model.memory`). ``report`` rebuilds each case's model header, predicts with :func:`orchestrator.model.memory.predict_memory`, and prints the table
 (exit 1 if a case misses the target: within 3 % or 256 MiB, whichever is larger, per device).
 
-Standard library only: on the GPU machine ``PYTHONPATH=. python3 -m orchestrator.model.calibrate gpu ...``
+Standard library only: on the GPU machine ``PYTHONPATH=. python3 -m lab.calibrate gpu ...``
 needs nothing installed.
 """
 
@@ -30,11 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from orchestrator.model.calibmodels import PRESETS, ArchSpec, write_model
-from orchestrator.model.llamalog import parse_load_log
+from lab.calibmodels import PRESETS, ArchSpec, write_model
+from orchestrator.bench.logparse import parse_load_log
 from orchestrator.model.memory import Placement, ServerSettings, predict_memory
 from orchestrator.model.reader import read_model
-from orchestrator.model.serverrun import run_server
+from lab.serverrun import run_server
 
 MiB = 1024 * 1024
 TOL_REL = 0.03
@@ -292,7 +292,7 @@ def format_report(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.model.calibrate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m lab.calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("cpu", "gpu"):
