@@ -3,7 +3,7 @@
 # up -> completion through the gateway (plain and streamed) -> status -> metrics on Ray's Prometheus endpoint ->
 # kill -9 of the llama-server -> serving again -> down -> no llama-server, gateway or Ray process left.
 # Also times llama-server's own load (the planned argv run directly) against `up` to ready.
-#   bash scripts/device/up-proof.sh TOPOLOGY MODEL.gguf OUTDIR [--set KEY=VALUE ...]
+#   bash lab/device/up-proof.sh TOPOLOGY MODEL.gguf OUTDIR [--set KEY=VALUE ...]
 set -uo pipefail
 TOPO=$1 MODEL=$2 O=$3
 shift 3

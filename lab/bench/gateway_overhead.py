@@ -19,7 +19,7 @@ modes --gateway-cmd measures another gateway on the same footing, e.g. the aioht
 3e4fc22: `git show ae6ef30:orchestrator/cluster/gateway.py > /tmp/old_gateway.py` and
 `--gateway-cmd 'python3 /tmp/old_gateway.py --port {port} --replica bench={upstream}'`.
 
-  python scripts/bench/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
+  python lab/bench/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
 
 Without --model a small random llama GGUF (tests/tiny_llama.py, --embd/--layers) is written to a
 temporary directory; its tokens come fast, which makes the gateway's share of each request as large as it gets.

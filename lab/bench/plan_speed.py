@@ -2,7 +2,7 @@
 """Benchmark: how long `make_plan` takes for DeepSeek-V3 (full size, q4_0, 671B) on a two-socket, eight-GPU
 server (the described machine of topologies/2socket-8gpu.yaml). Target: < 200 ms.
 
-    python scripts/bench/plan_speed.py [--repeat 20]
+    python lab/bench/plan_speed.py [--repeat 20]
 
 The model is synth-model's real DeepSeek-V3 header with a sparse data region (read exactly like the real file).
 """

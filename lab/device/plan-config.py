@@ -3,7 +3,7 @@
 --config`: ``NAME=[LLAMA_SERVER=PATH] [VAR=value ...] flags`` (the worker's flags without --host/--port/--alias,
 its environment (op-offload threshold, visible GPUs), and with --server its binary as this configuration's own llama-server).
 
-  python3 scripts/device/plan-config.py NAME PLAN.json [--server] [--worker N] [--add 'FLAGS'] [--replace=FLAG=VALUE]
+  python3 lab/device/plan-config.py NAME PLAN.json [--server] [--worker N] [--add 'FLAGS'] [--replace=FLAG=VALUE]
 
 A variant of the plan: --add appends llama-server flags (--add='--cpu-strict 1'); --replace gives an existing
 flag another value (--replace=-ub=512; repeatable).

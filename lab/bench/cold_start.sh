@@ -2,7 +2,7 @@
 # `up` to ready from a cold page cache, with and without workers.prefetch (workers.early_start off: with it, up
 # starts llama-server itself while Ray starts and skips the prefetch), against llama-server's own cold load.
 # The model file is evicted from the page cache before every start (POSIX_FADV_DONTNEED, no root needed).
-#   bash scripts/bench/cold_start.sh TOPOLOGY MODEL.gguf [ROUNDS] [--set KEY=VALUE ...]
+#   bash lab/bench/cold_start.sh TOPOLOGY MODEL.gguf [ROUNDS] [--set KEY=VALUE ...]
 set -uo pipefail
 TOPO=$1 MODEL=$2 ROUNDS=${3:-2}
 shift $(( $# >= 3 ? 3 : $# ))
@@ -13,7 +13,7 @@ secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]
 plan=$(mktemp)
 orch plan "$TOPO" "${sets[@]}" --json > "$plan" || exit 1
 evict
-python3 scripts/bench/direct_load.py "$plan" --label ", cold" || exit 1
+python3 lab/bench/direct_load.py "$plan" --label ", cold" || exit 1
 for r in $(seq 1 "$ROUNDS"); do
   for pf in false true; do
     evict

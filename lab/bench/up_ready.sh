@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `up` to ready with and without workers.early_start (llama-server started while Ray starts, then adopted), against
 # llama-server's own load of the same argv; the model stays in the page cache (read once first). Interleaved.
-#   bash scripts/bench/up_ready.sh TOPOLOGY MODEL.gguf [ROUNDS] [--set KEY=VALUE ...]
+#   bash lab/bench/up_ready.sh TOPOLOGY MODEL.gguf [ROUNDS] [--set KEY=VALUE ...]
 set -uo pipefail
 TOPO=$1 MODEL=$2 ROUNDS=${3:-2}
 shift $(( $# >= 3 ? 3 : $# ))
@@ -11,7 +11,7 @@ secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]
 plan=$(mktemp)
 orch plan "$TOPO" "${sets[@]}" --json > "$plan" || exit 1
 cat "$MODEL" > /dev/null
-python3 scripts/bench/direct_load.py "$plan" --repeat 2 || exit 1
+python3 lab/bench/direct_load.py "$plan" --repeat 2 || exit 1
 for r in $(seq 1 "$ROUNDS"); do
   for es in false true; do
     t=$(date +%s.%N)

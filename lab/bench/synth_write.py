@@ -8,7 +8,7 @@ Prints three numbers for the same byte count:
   generator   the same tensor data written to /dev/null (the writer's CPU-side ceiling)
 Every file it writes is deleted afterwards (also on error or Ctrl-C).
 
-usage: scripts/bench/synth_write.py [--like qwen3-30b-a3b] [--quant q4_0] [--dir DIR] [--dd-bytes N]
+usage: lab/bench/synth_write.py [--like qwen3-30b-a3b] [--quant q4_0] [--dir DIR] [--dd-bytes N]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """llama-server's own load time: run worker 0 of `orchestrator plan --json` directly (its argv and environment),
 time until /health answers 200, stop it. What `up` to ready is compared with.
 
-  python3 scripts/bench/direct_load.py PLAN.json [--repeat N] [--label TEXT]
+  python3 lab/bench/direct_load.py PLAN.json [--repeat N] [--label TEXT]
 """
 from __future__ import annotations
 
