@@ -11,7 +11,8 @@ a 20 GB model costs nothing), start llama-server once per case, parse the buffer
 buffers, and for ``gpu`` nvidia-smi's used memory before and after one full micro-batch). ``grid`` measures
 the CPU compute buffer of models whose widths differ one at a time from the real ones (the data behind the
 phase formulas in :mod:`orchestrator.model.memory`). ``report`` rebuilds each case's model header, predicts with :func:`orchestrator.model.memory.predict_memory`, and prints the table
-(exit 1 if a case misses the target: within 3 % or 256 MiB, whichever is larger, per device).
+(exit 1 if a case misses the target: within 3 % or 256 MiB, whichever is larger, per device). The tests read
+the fixtures' logs and grid xz-compressed: run ``xz -9 *.log grid.jsonl`` in an output directory before committing it.
 
 Standard library only: on the GPU machine ``PYTHONPATH=. python3 -m lab.calibrate gpu ...``
 needs nothing installed.

@@ -1,6 +1,6 @@
 """Predictions against what real llama-server runs reported (tests/fixtures/calibration/*).
 
-Each fixture directory holds one log per case (its first line is the exact command) and cases.json (the case
+Each fixture directory holds one log per case, xz-compressed (its first line is the exact command) and cases.json (the case
 settings and the buffers parsed from the log). The models are regenerated here from the case's spec (sparse
 files: only the header matters), read with our reader and predicted with our memory model.
 """
@@ -8,6 +8,7 @@ files: only the header matters), read with our reader and predicted with our mem
 from __future__ import annotations
 
 import json
+import lzma
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_cuda_overhead_matches_nvidia_smi_after_a_full_batch(row, model_dir):
 
 @pytest.mark.parametrize("where,row", ROWS, ids=[f"{d}/{r['case']['name']}" for d, r in ROWS])
 def test_log_is_the_source_of_the_numbers(where, row):
-    log = (FIX / where / f"{row['case']['name']}.log").read_text()
+    log = lzma.decompress((FIX / where / f"{row['case']['name']}.log.xz").read_bytes()).decode()
     first = log.splitlines()[0]
     assert first == "# " + " ".join(row["argv"])
     assert row["argv"][0] == "llama-server"
@@ -94,8 +95,7 @@ def test_prediction_within_target(where, row, model_dir):
             assert abs(p["compute"] - m["compute"]) <= 0.01 * m["compute"] + (1 << 20), (dev, p, m)
 
 
-GRID = [json.loads(x) for x in (FIX / "grid" / "grid.jsonl").read_text().splitlines()] \
-    if (FIX / "grid" / "grid.jsonl").exists() else []
+GRID = [json.loads(x) for x in lzma.decompress((FIX / "grid" / "grid.jsonl.xz").read_bytes()).decode().splitlines()]
 
 
 def test_grid_exists():

@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RUN = REPO / "lab" / "device" / "run.sh"
 PLAN_CONFIG = REPO / "lab" / "device" / "plan-config.py"
-PLAN_8G = REPO / "docs" / "benchmarks" / "h200-2026-11-29-e" / "r-8g-1" / "plan-w1.json"
+PLAN_8G = REPO / "docs" / "benchmarks" / "h200-2026-11-29-w1-why" / "plan-8g.json.xz"   # a real plan
 
 
 def _steps() -> list[str]:
@@ -43,10 +43,8 @@ def test_unknown_step_is_refused_before_anything_runs(tmp_path):
 
 
 def _plan(tmp_path: Path) -> Path:
-    src = PLAN_8G if PLAN_8G.exists() else PLAN_8G.with_name(PLAN_8G.name + ".xz")
-    text = src.read_text() if src.suffix == ".json" else lzma.decompress(src.read_bytes()).decode()
     p = tmp_path / "plan.json"
-    p.write_text(text)
+    p.write_bytes(lzma.decompress(PLAN_8G.read_bytes()))
     return p
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lzma
 import os
 import stat
 import time
@@ -44,7 +45,7 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
 
 
 def test_parse_fixture_log():
-    rep = parse_load_log((FIX / "gptoss-cpu-c4k-ub512.log").read_text())
+    rep = parse_load_log(lzma.decompress((FIX / "gptoss-cpu-c4k-ub512.log.xz").read_bytes()).decode())
     assert rep.model == {"CPU": round(1282.85 * MiB), "CPU_REPACK": round(403.42 * MiB)}
     assert rep.compute == {"CPU": round(97.14 * MiB)}
     # two KV caches (full and sliding-window layers) add up
