@@ -152,7 +152,7 @@ def test_sigterm_stops_the_server_and_keeps_the_results(tmp_path, tiny_moe, llam
 
 
 def test_vram_budget_without_gpu_exits_2_and_leaves_nothing(tmp_path, tiny_moe, llama_server_path, capsys):
-    from orchestrator.bench.sampler import Nvml
+    from orchestrator.hardware.nvml import Nvml
 
     if Nvml.open() is not None:
         pytest.skip("this machine has a GPU: test_gpu_run_holds_the_budget... covers it")
