@@ -1,22 +1,25 @@
 """Run a real ``llama-server`` once: load a model, optionally decode one full micro-batch, capture the log.
 
-Used by calibration (``lab.calibrate``) and by the integration tests. Standard library only.
-The process gets an argv list, binds 127.0.0.1, is always terminated and reaped (SIGTERM, then SIGKILL).
+Used by calibration (``lab.calibrate``) and by the integration tests. The process is started, health-checked and
+stopped by the product's one launcher (:mod:`orchestrator.launch.process`: its own process group bound to
+127.0.0.1, SIGTERM then SIGKILL to the group, reaped); this module adds the calibration's batch and probes.
+Standard library only (with the package).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
+
+from orchestrator.launch.process import start
+from orchestrator.launch.spec import LaunchSpec
 
 
 @dataclass
@@ -43,21 +46,6 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(resp.read().decode())
 
 
-def _reap_group(pgid: int, grace: float = 5.0) -> None:
-    """Make sure nothing of the process group we started survives (children of llama-server, if any)."""
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        time.sleep(0.05)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def run_server(binary: str, model: str, args: list[str], *, timeout: float = 300.0,
                batch_tokens: int | None = None, env: dict | None = None,
                probe: Callable[[], Any] | None = None, n_vocab: int = 32000) -> ServerRun:
@@ -66,30 +54,29 @@ def run_server(binary: str, model: str, args: list[str], *, timeout: float = 300
     called while the server runs, once loaded and again after the batch (e.g. to read GPU memory)."""
     port = free_port()
     argv = [binary, "-m", model, *args, "--host", "127.0.0.1", "--port", str(port), "-lv", "4"]
+    spec = LaunchSpec(name="calibration", argv=tuple(argv), env=dict(env or {}), host="127.0.0.1", port=port)
     t0 = time.monotonic()
-    with tempfile.TemporaryFile(mode="w+b") as logf:
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
-        loaded = False
-        error: str | None = None
-        batch_ok: bool | None = None
-        probes: dict[str, Any] = {}
+    loaded = False
+    error: str | None = None
+    batch_ok: bool | None = None
+    probes: dict[str, Any] = {}
+    exit_code: int | None = None
+    with tempfile.TemporaryDirectory(prefix="orch-serverrun-") as tmp:
+        log_path = Path(tmp) / "llama-server.log"
+        proc = start(spec, log_path)
         try:
             deadline = t0 + timeout
-            while time.monotonic() < deadline:
+            while True:
                 if proc.poll() is not None:
                     error = f"llama-server exited with status {proc.returncode} while loading"
                     break
-                logf.flush()
-                logf.seek(0)
-                text = logf.read().decode("utf-8", "replace")
-                logf.seek(0, os.SEEK_END)
-                if "model loaded" in text or "listening on" in text:
+                if proc.health(timeout=2.0) == 200:
                     loaded = True
                     break
+                if time.monotonic() > deadline:
+                    error = f"llama-server did not load within {timeout:.0f} s"
+                    break
                 time.sleep(0.2)
-            else:
-                error = f"llama-server did not load within {timeout:.0f} s"
             if loaded and probe is not None:
                 probes["loaded"] = probe()
             if loaded and batch_tokens:
@@ -110,20 +97,8 @@ def run_server(binary: str, model: str, args: list[str], *, timeout: float = 300
                     error = f"first batch failed: {e}"
         finally:
             exit_code = proc.poll()
-            if exit_code is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait()
-            _reap_group(proc.pid)
-            logf.seek(0)
-            log = logf.read().decode("utf-8", "replace")
+            proc.stop(grace=15.0)
+            with open(log_path, "rb") as f:
+                f.seek(proc.log_offset)
+                log = f.read().decode("utf-8", "replace")
     return ServerRun(argv, log, loaded, batch_ok, error, time.monotonic() - t0, exit_code, probes)
