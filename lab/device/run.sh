@@ -46,8 +46,9 @@
 #   gateway-cpu[=OLD]  gateway overhead against the small generated llama: ray mode twice; stand-in upstream
 #                     twice, interleaved with another gateway.py given as OLD (a path in the working tree)
 #
-# Needs .devbundle/ carried along (../shared/device/make-bundle.sh, plus `orchestrator build --export-source
-# .devbundle/llama-src.tar.xz`; ik-src.tar.xz for the ik steps). Each step writes under /root/work/out/STEP; all of
+# Needs .devbundle/ carried along (`../shared/device/make-bundle.sh .devbundle rich markdown-it-py mdurl pygments`:
+# the machine's python3 lacks rich, which the tables need; plus `orchestrator build --export-source
+# .devbundle/llama-src.tar.xz`, and ik-src.tar.xz for the ik steps). Each step writes under /root/work/out/STEP; all of
 # them are packed into $OUT/device.tgz at the end. RUN_SECONDS (default 570) bounds the whole command: the
 # benchmark steps size their --max-minutes to what is left.
 set -uo pipefail
