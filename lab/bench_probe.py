@@ -6,7 +6,7 @@
 For every GPU it prints the best pinned H2D and D2H bandwidth our probe measured (over the NUMA nodes the
 host buffer was put on) and torch's (``tensor.copy_(pinned, non_blocking=True)`` timed with CUDA events, the
 copying thread pinned to each NUMA node in turn before the pinned buffer is allocated), their ratio, and the
-probe's time per GPU. Targets (issue 3): ratio >= 0.95, <= 3 s per GPU. Needs torch with CUDA; the rest of
+probe's time per GPU. Targets: ratio >= 0.95, <= 3 s per GPU. Needs torch with CUDA; the rest of
 orchestrator.hardware needs only the standard library (and nvidia-ml-py for GPU names).
 """
 
