@@ -1,6 +1,6 @@
 """A tiny llama-architecture GGUF that a real llama-server loads and generates from (random weights).
 
-Used by the cluster and launch tests and by ``scripts/bench/gateway_overhead.py``::
+Used by the cluster and launch tests and by ``lab/bench/gateway_overhead.py``::
 
     python tests/tiny_llama.py out.gguf [--embd 64 --layers 2 --ff 128 --heads 4]
 """

@@ -9,8 +9,8 @@ Library use (what the CLI does once a plan exists)::
         configs = build_configs(config_from_worker(plan.workers[0]))
         data = run_bench(configs, server_binary, "bench-out", BenchOptions(rounds=2), ballast=ballast)
 
-Importable with only the standard library, numpy/psutil/aiohttp/matplotlib/nvidia-ml-py installed (the GPU
-machine's python3): rich is optional, gguf/pydantic/ray are not used.
+Importable with only the standard library, numpy/psutil/aiohttp/matplotlib/nvidia-ml-py and rich installed (the
+GPU machine's python3 plus rich): gguf/pydantic/ray are not used.
 """
 
 from orchestrator.bench.ballast import VramBallast, fill_to_budget

@@ -247,18 +247,17 @@ def child_main(argv: Sequence[str] | None = None) -> int:
             dev: Any = SimulatedDevice(*parts)
             info["device"] = "simulated"
         else:
-            import pynvml
+            from orchestrator.hardware.nvml import Nvml
 
-            pynvml.nvmlInit()
-            h = pynvml.nvmlDeviceGetHandleByIndex(a.gpu)
-            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
-            bus = cuda_bus_id(bus.decode() if isinstance(bus, bytes) else bus)
-            name = pynvml.nvmlDeviceGetName(h)
-            info["device"] = name.decode() if isinstance(name, bytes) else str(name)
+            nv = Nvml()                                # held until this process exits
+            if nv.error is not None:
+                raise nv.error
+            bus = cuda_bus_id(nv.pci_bus_id(a.gpu))
+            info["device"] = nv.name(a.gpu)
             info["pci_bus_id"] = bus
 
             def nvml_free() -> int:
-                return int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
+                return nv.memory(a.gpu)[2]
 
             dev = CudaDevice(bus, nvml_free)
         result = fill_to_budget(dev, budget, tolerance=tol, settle=0.0 if a.simulate else 0.3)
@@ -302,7 +301,7 @@ class VramBallast:
             return self.gpus
         if self.simulate:
             return [0]
-        from orchestrator.bench.sampler import Nvml
+        from orchestrator.hardware.nvml import Nvml
 
         nv = Nvml.open()
         if nv is None:

@@ -1,5 +1,5 @@
-"""Progress display: a rich progress bar when rich is installed and the output is a terminal, else one plain line
-per configuration run on stderr (what a log file or the GPU machine's captured output wants)."""
+"""Progress display: a rich progress bar when the output is a terminal, else one plain line per configuration run
+on stderr (what a log file or the GPU machine's captured output wants)."""
 
 from __future__ import annotations
 
@@ -76,12 +76,9 @@ class RichProgress(Progress):
 
 
 def make_progress(kind: str = "auto") -> Progress:
-    """``auto``: rich on a terminal when installed, else plain; ``plain``; ``none``."""
+    """``auto``: a progress bar on a terminal, else plain lines; ``rich``; ``plain``; ``none``."""
     if kind == "none":
         return Progress()
-    if kind in ("auto", "rich") and (kind == "rich" or sys.stderr.isatty()):
-        try:
-            return RichProgress()
-        except ImportError:
-            pass
+    if kind == "rich" or (kind == "auto" and sys.stderr.isatty()):
+        return RichProgress()
     return PlainProgress()

@@ -1,8 +1,10 @@
-"""Outputs: the JSON file (raw samples + summary + ratios), a table (rich when installed, plain text otherwise)
-and PNG charts (matplotlib). Files are written under a temporary name and renamed, never left half-written."""
+"""Outputs: the JSON file (raw samples + summary + ratios), the tables (rich: on the terminal, and as plain text in
+bench.txt) and PNG charts (matplotlib). Files are written under a temporary name and renamed, never left
+half-written."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -117,27 +119,46 @@ def ratio_rows(rs: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[st
     return header, rows
 
 
-def plain_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
-    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], *, numbers: bool = True,
+           red_when_not_met: bool = False):
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    for i, c in enumerate(header):
+        t.add_column(c, justify="right" if numbers and i > 0 else "left", no_wrap=True)
+    for r in rows:
+        t.add_row(*r, style="red" if red_when_not_met and r[-1].startswith("NO") else None)
+    return t
 
 
-def render_text(data: Mapping[str, Any]) -> str:
-    """The results as plain text: the table of configurations, then the ratios and their targets."""
-    parts = []
+def _renderables(data: Mapping[str, Any]) -> list:
+    """The table of configurations (speed, then latency and memory), the ratios with their targets, problems."""
+    from rich.text import Text
+
+    out: list = []
     for part in ("speed", "latency"):
         h, rows = table_rows(data["summary"], part)
         if len(h) > 1:
-            parts += [TITLES[part], plain_table(h, rows), ""]
-    parts = parts[:-1]
+            out.append(_table(TITLES[part], h, rows))
     if data.get("ratios"):
         rh, rr = ratio_rows(data["ratios"])
-        parts += ["", plain_table(rh, rr)]
+        out.append(_table("ratios and their targets", rh, rr, numbers=False, red_when_not_met=True))
     errs = _problems(data)
     if errs:
-        parts += ["", "problems:"] + [f"  {n}: {e}" for n, e in errs]
-    return "\n".join(parts)
+        out.append(Text("problems:\n" + "\n".join(f"  {n}: {e}" for n, e in errs), style="yellow"))
+    return out
+
+
+def render_text(data: Mapping[str, Any], width: int = 200) -> str:
+    """The tables as plain text (what bench.txt holds): the same rich tables, without colour, ``width`` wide."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False)
+    for r in _renderables(data):
+        console.print(r)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()).strip("\n")
 
 
 def _problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -150,40 +171,12 @@ def _problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def print_tables(data: Mapping[str, Any], file=None) -> None:
-    """Print with rich when it is installed, else the plain text."""
-    import sys
+    """Print the tables on ``file`` (stdout): coloured on a terminal, plain otherwise."""
+    from rich.console import Console
 
-    file = file or sys.stdout
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None
-    if Console is None or not file.isatty():
-        print(render_text(data), file=file)
-        return
-    console = Console(file=file)
-    for part in ("speed", "latency"):
-        h, rows = table_rows(data["summary"], part)
-        if len(h) <= 1:
-            continue
-        t = Table(title=TITLES[part])
-        for i, c in enumerate(h):
-            t.add_column(c, justify="left" if i == 0 else "right", no_wrap=True)
-        for r in rows:
-            t.add_row(*r)
-        console.print(t)
-    if data.get("ratios"):
-        rh, rr = ratio_rows(data["ratios"])
-        t2 = Table(title="ratios (issue 7 targets)")
-        for c in rh:
-            t2.add_column(c)
-        for r in rr:
-            style = "red" if r[-1] == "NO" else None
-            t2.add_row(*r, style=style)
-        console.print(t2)
-    for n, e in _problems(data):
-        console.print(f"[yellow]{n}[/yellow]: {e}", highlight=False, markup=True)
+    console = Console(file=file) if file is not None else Console()
+    for r in _renderables(data):
+        console.print(r)
 
 
 # --- charts --------------------------------------------------------------------------------------------------

@@ -12,75 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from orchestrator.hardware.nvml import Nvml
 
-class Nvml:
-    """The few NVML reads the bench needs, on machine GPU indexes (NVML order = PCI order)."""
-
-    def __init__(self) -> None:
-        import pynvml
-
-        pynvml.nvmlInit()
-        self._n = pynvml
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-
-    @classmethod
-    def open(cls) -> "Nvml | None":
-        """NVML when a driver and at least one GPU are present, else None."""
-        try:
-            nv = cls()
-        except Exception:
-            return None
-        if not nv._handles:
-            nv.close()
-            return None
-        return nv
-
-    def close(self) -> None:
-        try:
-            self._n.nvmlShutdown()
-        except Exception:
-            pass
-
-    def count(self) -> int:
-        return len(self._handles)
-
-    def memory(self, i: int) -> tuple[int, int, int]:
-        """(total, used, free) bytes."""
-        m = self._n.nvmlDeviceGetMemoryInfo(self._handles[i])
-        return int(m.total), int(m.used), int(m.free)
-
-    def power_w(self, i: int) -> float | None:
-        try:
-            return self._n.nvmlDeviceGetPowerUsage(self._handles[i]) / 1000.0
-        except Exception:
-            return None
-
-    def temperature_c(self, i: int) -> float | None:
-        try:
-            return float(self._n.nvmlDeviceGetTemperature(self._handles[i], self._n.NVML_TEMPERATURE_GPU))
-        except Exception:
-            return None
-
-    def process_memory(self, i: int) -> dict[int, int]:
-        """pid -> GPU bytes for compute processes on GPU ``i`` (empty when the driver does not say)."""
-        try:
-            procs = self._n.nvmlDeviceGetComputeRunningProcesses(self._handles[i])
-        except Exception:
-            return {}
-        out = {}
-        for p in procs:
-            used = getattr(p, "usedGpuMemory", None)
-            if used is not None and used < (1 << 62):          # NVML_VALUE_NOT_AVAILABLE is a huge number
-                out[int(p.pid)] = int(used)
-        return out
-
-    def name(self, i: int) -> str:
-        n = self._n.nvmlDeviceGetName(self._handles[i])
-        return n.decode() if isinstance(n, bytes) else str(n)
-
-    def pci_bus_id(self, i: int) -> str:
-        b = self._n.nvmlDeviceGetPciInfo(self._handles[i]).busId
-        return b.decode() if isinstance(b, bytes) else str(b)
+__all__ = ["Nvml", "ResourceSampler", "gpu_free", "process_tree_rss"]
 
 
 def process_tree_rss(pid: int) -> tuple[int, set[int]]:

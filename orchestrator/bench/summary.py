@@ -1,4 +1,4 @@
-"""From raw runs to medians, spread and the ratios issue 7 asks for. Pure functions on the JSON-shaped data.
+"""From raw runs to medians, spread and the target ratios. Pure functions on the JSON-shaped data.
 
 Metric names: ``pp<L>`` (prompt tokens/s at prompt length L), ``tg<N>@<D>`` (generated tokens/s, N tokens after
 a context of D), ``ttft_p50_c<C>`` / ``ttft_p95_c<C>`` (seconds to the first token with C concurrent requests),
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from orchestrator.bench.logparse import device_totals
 from orchestrator.bench.measure import quantile
 
-# plan ÷ --fit targets (issue 7)
+# plan ÷ --fit targets
 FIT_TARGETS = {"tg128@0": 1.05, "pp512": 3.0, "pp4096": 2.5, "pp32": 2.0, "pp64": 2.0, "pp128": 2.0}
 SWEEP_TARGET = 0.97
 THRESHOLD_TARGET = 0.97
@@ -170,7 +170,7 @@ SAFE_HEADROOM = 256 << 20   # a sweep point that left less VRAM free than this r
 
 def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], plan: str = "plan",
            fit: str = "fit", vram_budget: int | None = None) -> list[dict]:
-    """The ratios of issue 7, each with its target and whether it is met:
+    """The target ratios, each with its target and whether it is met:
 
     - ``plan/fit``: every pp and tg metric the two share (targets: tg128@0 ≥ 1.05, pp512 ≥ 3, pp4096 ≥ 2.5,
       pp32/64/128 ≥ 2);

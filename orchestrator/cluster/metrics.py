@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol
 from urllib.parse import urlsplit
 
+from orchestrator.hardware.nvml import Nvml
+
 # name -> (kind, description). Exported by Ray with the prefix "ray_".
 METRICS: dict[str, tuple[str, str]] = {
     "orchestrator_worker_healthy": ("gauge", "1 when the worker's llama-server answers /health, else 0"),
@@ -197,49 +199,24 @@ def visible_gpus(cuda_visible_devices: str | None, count: int, uuids: list[str])
     return out
 
 
-class Nvml:
-    """Thin NVML reader (nvidia-ml-py). ``available`` is False without a driver or GPU."""
-
-    def __init__(self, module: Any = None) -> None:
-        self.available = False
-        self._n = module
+def sample_gpus(nvml: Nvml, indices: Iterable[int], pids: Iterable[int]) -> list[GpuSample]:
+    """One reading of each GPU in ``indices``; a GPU that does not answer every reading is left out."""
+    if not getattr(nvml, "available", False):
+        return []
+    pidset, out = set(pids), []
+    for i in indices:
         try:
-            if self._n is None:
-                import pynvml as n
-
-                self._n = n
-            self._n.nvmlInit()
-            self.count = int(self._n.nvmlDeviceGetCount())
-            self.uuids = [self._str(self._n.nvmlDeviceGetUUID(self._n.nvmlDeviceGetHandleByIndex(i)))
-                          for i in range(self.count)]
-            self.available = self.count > 0
+            total, used, _free = nvml.memory(i)
+            util = nvml.utilization(i)
+            uuid = nvml.uuid(i)
         except Exception:
-            self.count, self.uuids = 0, []
-
-    @staticmethod
-    def _str(v: Any) -> str:
-        return v.decode() if isinstance(v, bytes) else str(v)
-
-    def sample(self, indices: Iterable[int], pids: Iterable[int]) -> list[GpuSample]:
-        if not self.available:
-            return []
-        n, pidset, out = self._n, set(pids), []
-        for i in indices:
-            try:
-                h = n.nvmlDeviceGetHandleByIndex(i)
-                mem = n.nvmlDeviceGetMemoryInfo(h)
-                util = n.nvmlDeviceGetUtilizationRates(h)
-                temp = n.nvmlDeviceGetTemperature(h, 0)        # NVML_TEMPERATURE_GPU
-                power = n.nvmlDeviceGetPowerUsage(h) / 1000.0  # mW -> W
-                held = 0
-                for p in n.nvmlDeviceGetComputeRunningProcesses(h):
-                    if p.pid in pidset and p.usedGpuMemory:
-                        held += int(p.usedGpuMemory)
-                out.append(GpuSample(i, self.uuids[i], int(mem.used), int(mem.total), float(util.gpu), float(temp),
-                                     power, held))
-            except Exception:
-                continue
-        return out
+            continue
+        temp, power = nvml.temperature_c(i), nvml.power_w(i)
+        if temp is None or power is None:
+            continue
+        held = sum(n for pid, n in nvml.process_memory(i).items() if pid in pidset)
+        out.append(GpuSample(i, uuid, used, total, util, temp, power, held))
+    return out
 
 
 @dataclass
@@ -298,8 +275,8 @@ class WorkerSampler:
         out["rss_bytes"] = self.rss(pid) if pid else 0
         s.set("orchestrator_worker_resident_memory_bytes", out["rss_bytes"], tags)
         if getattr(self.nvml, "available", False):
-            idx = visible_gpus(self.cuda_visible_devices, self.nvml.count, self.nvml.uuids)
-            for g in self.nvml.sample(idx, pids):
+            idx = visible_gpus(self.cuda_visible_devices, self.nvml.count(), self.nvml.uuids)
+            for g in sample_gpus(self.nvml, idx, pids):
                 gt = {**tags, "gpu": str(g.index)}
                 s.set("orchestrator_gpu_memory_used_bytes", g.memory_used, gt)
                 s.set("orchestrator_gpu_utilization_percent", g.utilization, gt)

@@ -89,24 +89,15 @@ def _gpus() -> list[Check]:
         import pynvml
     except ImportError:
         return [Check("GPUs", "warn", "nvidia-ml-py is not installed", "pip install nvidia-ml-py")]
-    try:
-        pynvml.nvmlInit()
-    except Exception as err:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return [Check("GPUs", "ok", f"no NVIDIA driver/NVML ({err.__class__.__name__}): CPU-only planning")]
-    try:
-        drv = pynvml.nvmlSystemGetDriverVersion()
-        drv = drv.decode() if isinstance(drv, bytes) else drv
-        n = pynvml.nvmlDeviceGetCount()
-        names = []
-        for i in range(n):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            name = name.decode() if isinstance(name, bytes) else name
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            names.append(f"{i}: {name} {mem.total / 2**30:.0f} GiB")
-        out = [Check("GPUs", "ok", f"driver {drv}; {n} GPU(s): " + "; ".join(names))]
-    finally:
-        pynvml.nvmlShutdown()
+    from orchestrator.hardware.nvml import Nvml
+
+    with Nvml(pynvml) as nv:
+        if not nv.started:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            return [Check("GPUs", "ok", f"no NVIDIA driver/NVML ({nv.error.__class__.__name__}): CPU-only planning")]
+        if nv.error is not None:
+            raise nv.error
+        names = [f"{i}: {nv.name(i)} {nv.memory(i)[0] / 2**30:.0f} GiB" for i in range(nv.count())]
+        out = [Check("GPUs", "ok", f"driver {nv.driver_version()}; {nv.count()} GPU(s): " + "; ".join(names))]
     from orchestrator.backend.build import find_nvcc
 
     nvcc = find_nvcc()

@@ -154,7 +154,7 @@ def render(model, mem: dict) -> str:
     from orchestrator.model.classes import TensorClass
     from orchestrator.units import fmt_bytes
 
-    lines: list[str] = []
+    lines: list = []                           # text lines and rich tables, in order
     shards = len(model.paths)
     lines.append(f"model   {model.path}" + (f" (+{shards - 1} more shards)" if shards > 1 else ""))
     lines.append(f"arch    {model.arch}" + (f"  name {model.name}" if model.name else "")
@@ -175,31 +175,39 @@ def render(model, mem: dict) -> str:
         lines.append(f"swa     window {model.sliding_window} on {len(model.swa_layers)} of {model.n_trunk_layers} layers"
                      + (" (chunked)" if model.swa_chunked else ""))
     lines.append(f"params  {_params(model.params_total)} total, {_params(model.params_active)} active per token")
-    lines.append("")
+
+    from rich import box
+    from rich.table import Table
 
     by_class = model.bytes_by_class()
     total = sum(by_class.values()) or 1
-    lines.append(f"{'class':16s} {'bytes':>12s} {'share':>7s}")
+    classes = Table(box=box.SIMPLE_HEAD, show_footer=True)
+    classes.add_column("class", footer="total")
+    classes.add_column("bytes", justify="right", footer=fmt_bytes(total))
+    classes.add_column("share", justify="right")
     for c in TensorClass:
         if by_class[c]:
-            lines.append(f"{c.value:16s} {fmt_bytes(by_class[c]):>12s} {by_class[c] / total * 100:6.1f}%")
-    lines.append(f"{'total':16s} {fmt_bytes(total):>12s}")
-    lines.append("")
+            classes.add_row(c.value, fmt_bytes(by_class[c]), f"{by_class[c] / total * 100:.1f}%")
+    lines.append(classes)
 
     cols = [TensorClass.ATTENTION, TensorClass.NORM, TensorClass.ROUTER, TensorClass.DENSE_FFN,
             TensorClass.SHARED_EXPERT, TensorClass.ROUTED_EXPERT, TensorClass.OTHER]
     short = {TensorClass.ATTENTION: "attention", TensorClass.NORM: "norm", TensorClass.ROUTER: "router",
              TensorClass.DENSE_FFN: "dense_ffn", TensorClass.SHARED_EXPERT: "shared", TensorClass.ROUTED_EXPERT:
              "experts", TensorClass.OTHER: "other"}
-    lines.append("per layer " + f"{'layers':>9s} {'kind':5s} " + " ".join(f"{short[c]:>10s}" for c in cols)
-                 + f" {'layer':>10s} {'all':>10s}")
+    per_layer = Table(title="per layer", title_justify="left", box=box.SIMPLE_HEAD)
+    per_layer.add_column("layers", justify="right")
+    per_layer.add_column("kind")
+    for c in cols:
+        per_layer.add_column(short[c], justify="right")
+    per_layer.add_column("layer", justify="right")
+    per_layer.add_column("all", justify="right")
     for a, b, kind, d in _layer_groups(model):
         per = d["bytes"]
-        n = b - a + 1
-        rng = f"{a}" if a == b else f"{a}-{b}"
         one = sum(per.values())
-        lines.append(f"{'':10s}{rng:>9s} {kind:5s} " + " ".join(f"{fmt_bytes(per[c]) if per[c] else '-':>10s}" for c in cols)
-                     + f" {fmt_bytes(one):>10s} {fmt_bytes(one * n):>10s}")
+        per_layer.add_row(f"{a}" if a == b else f"{a}-{b}", kind, *(fmt_bytes(per[c]) if per[c] else "-" for c in cols),
+                          fmt_bytes(one), fmt_bytes(one * (b - a + 1)))
+    lines.append(per_layer)
     if model.moe_layers:
         l0 = model.moe_layers[0]
         lines.append(f"one routed expert of layer {l0}: {fmt_bytes(model.bytes_per_expert(l0))}; "
@@ -222,4 +230,17 @@ def render(model, mem: dict) -> str:
     lines.append(f"  all on the host  {fmt_bytes(mem['total_cpu']):>12s}")
     for w in model.warnings:
         lines.append(f"warning: {w}")
-    return "\n".join(lines)
+    return _to_text(lines)
+
+
+def _to_text(items: list, width: int = 200) -> str:
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False)
+    for item in items:
+        console.print(Text(item, no_wrap=True, overflow="ignore") if isinstance(item, str) else item)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())

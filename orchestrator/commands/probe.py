@@ -92,11 +92,18 @@ def run(args: argparse.Namespace) -> int:
                 mark = "  <- best" if node == best else ""
                 print(f"  host buffer on node {node}: H2D {gbps(v)}, D2H {gbps(bw.gpu_d2h.get((gi, node)))}{mark}")
     if bw.host:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+
         cpu_nodes = sorted({c for c, _ in bw.host})
         mem_nodes = sorted({mm for _, mm in bw.host})
         print("Host memory read bandwidth, GB/s (row: threads on the CPUs of node, column: memory of node):")
-        print("        " + "".join(f"{j:>9}" for j in mem_nodes))
+        t = Table(box=box.SIMPLE_HEAD)
+        t.add_column("CPUs of", justify="right")
+        for j in mem_nodes:
+            t.add_column(str(j), justify="right")
         for c in cpu_nodes:
-            cells = "".join(f"{bw.host[(c, j)] / 1e9:>9.1f}" if (c, j) in bw.host else f"{'-':>9}" for j in mem_nodes)
-            print(f"  {c:>6}" + cells)
+            t.add_row(str(c), *(f"{bw.host[(c, j)] / 1e9:.1f}" if (c, j) in bw.host else "-" for j in mem_nodes))
+        Console(highlight=False).print(t)
     return 1 if res.failed else 0

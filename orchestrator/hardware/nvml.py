@@ -1,9 +1,14 @@
-"""NVIDIA GPUs through NVML (nvidia-ml-py), on the live machine only.
+"""NVIDIA GPUs through NVML (nvidia-ml-py), on the live machine only: the one wrapper over NVML.
 
-NVML gives what sysfs cannot: name, UUID, memory total/free, current and maximum PCIe generation and width,
-compute capability and the peer-to-peer matrix (NVLink, PCIe P2P). The NUMA node and local CPUs still come
-from sysfs (``/sys/bus/pci/devices/<pci>/numa_node``, ``local_cpus``), read through the same RootFS so
-``inspect --save`` records them. Any NVML failure becomes a note and the caller falls back to sysfs.
+:class:`Nvml` opens the library once and reads GPUs by NVML index (PCI order); the bench's resource sampler,
+the workers' metrics and :func:`read_gpus` all go through it. ``Nvml(module)`` takes a stand-in for ``pynvml``
+at the library seam.
+
+:func:`read_gpus` describes the machine's GPUs: NVML gives what sysfs cannot (name, UUID, memory total/free,
+current and maximum PCIe generation and width, compute capability and the peer-to-peer matrix: NVLink, PCIe
+P2P). The NUMA node and local CPUs still come from sysfs (``/sys/bus/pci/devices/<pci>/numa_node``,
+``local_cpus``), read through the same RootFS so ``inspect --save`` records them. Any NVML failure becomes a
+note and the caller falls back to sysfs.
 
 pynvml quirk (13.x): ``NVML_P2P_CAPS_INDEX_READ`` is defined as the tuple ``(0,)`` (a stray comma), so the
 capability indexes are spelled as integers here.
@@ -12,6 +17,7 @@ capability indexes are spelled as integers here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from orchestrator.hardware.pci import PCI_DIR, norm_pci, pci_locality
 from orchestrator.hardware.rootfs import RootFS
@@ -19,6 +25,120 @@ from orchestrator.hardware.topology import Gpu
 
 P2P_READ = 0
 P2P_NVLINK = 2
+TEMPERATURE_GPU = 0                 # NVML_TEMPERATURE_GPU
+_NOT_AVAILABLE = 1 << 62            # NVML_VALUE_NOT_AVAILABLE and its kin are huge numbers
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class Nvml:
+    """NVML, opened once; GPUs by NVML index. Never raises when made: ``available`` says whether NVML started and
+    found a GPU, ``error`` what failed (None when NVML started and listed its GPUs). Close it when done."""
+
+    def __init__(self, module: Any = None) -> None:
+        self.available = False
+        self.error: Exception | None = None
+        self.started = False
+        self.module = module
+        self.handles: list[Any] = []
+        self._uuids: list[str] | None = None
+        try:
+            if self.module is None:
+                import pynvml
+
+                self.module = pynvml
+            self.module.nvmlInit()
+        except Exception as err:            # no library, no driver, driver/library mismatch ...
+            self.error = err
+            return
+        self.started = True
+        try:
+            n = int(self.module.nvmlDeviceGetCount())
+            self.handles = [self.module.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+        except Exception as err:            # a GPU lost, ...
+            self.error = err
+            self.handles = []
+        self.available = bool(self.handles)
+
+    @classmethod
+    def open(cls, module: Any = None) -> "Nvml | None":
+        """NVML when a driver and at least one GPU answer, else None."""
+        nv = cls(module)
+        if not nv.available:
+            nv.close()
+            return None
+        return nv
+
+    def close(self) -> None:
+        if self.started:
+            self.started = self.available = False
+            try:
+                self.module.nvmlShutdown()
+            except Exception:
+                pass
+
+    def __enter__(self) -> "Nvml":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def count(self) -> int:
+        return len(self.handles)
+
+    def driver_version(self) -> str:
+        return _s(self.module.nvmlSystemGetDriverVersion())
+
+    def name(self, i: int) -> str:
+        return _s(self.module.nvmlDeviceGetName(self.handles[i]))
+
+    def uuid(self, i: int) -> str:
+        return self.uuids[i]
+
+    @property
+    def uuids(self) -> list[str]:
+        if self._uuids is None:
+            self._uuids = [_s(self.module.nvmlDeviceGetUUID(h)) for h in self.handles]
+        return self._uuids
+
+    def pci_bus_id(self, i: int) -> str:
+        return _s(self.module.nvmlDeviceGetPciInfo(self.handles[i]).busId)
+
+    def memory(self, i: int) -> tuple[int, int, int]:
+        """(total, used, free) bytes."""
+        m = self.module.nvmlDeviceGetMemoryInfo(self.handles[i])
+        return int(m.total), int(m.used), int(m.free)
+
+    def utilization(self, i: int) -> float:
+        """Percent of the last sample period a kernel ran."""
+        return float(self.module.nvmlDeviceGetUtilizationRates(self.handles[i]).gpu)
+
+    def power_w(self, i: int) -> float | None:
+        try:
+            return self.module.nvmlDeviceGetPowerUsage(self.handles[i]) / 1000.0     # mW
+        except Exception:
+            return None
+
+    def temperature_c(self, i: int) -> float | None:
+        try:
+            return float(self.module.nvmlDeviceGetTemperature(self.handles[i], TEMPERATURE_GPU))
+        except Exception:
+            return None
+
+    def process_memory(self, i: int) -> dict[int, int]:
+        """pid -> GPU bytes for compute processes on GPU ``i`` (empty when the driver does not say)."""
+        try:
+            procs = self.module.nvmlDeviceGetComputeRunningProcesses(self.handles[i])
+        except Exception:
+            return {}
+        out = {}
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            if used is not None and used < _NOT_AVAILABLE:
+                out[int(p.pid)] = int(used)
+        return out
 
 
 @dataclass
@@ -28,10 +148,6 @@ class NvmlResult:
     driver: str | None = None
     note: str | None = None                # what failed and what was assumed
     extra: dict = field(default_factory=dict)
-
-
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def read_gpus(fs: RootFS | None = None) -> NvmlResult:
@@ -44,22 +160,20 @@ def read_gpus(fs: RootFS | None = None) -> NvmlResult:
             return NvmlResult(note="nvidia-ml-py is not installed: NVIDIA GPUs read from sysfs "
                                    "(no memory size, UUID or links; `pip install nvidia-ml-py`)")
         return NvmlResult()
-    try:
-        pynvml.nvmlInit()
-    except Exception as err:
-        name = type(err).__name__
+    nv = Nvml(pynvml)
+    if not nv.started:
+        name = type(nv.error).__name__
         if "LibraryNotFound" in name and not fs.listdir("proc/driver/nvidia/gpus"):
             return NvmlResult()  # no NVIDIA driver: a CPU-only machine, nothing to say
-        return NvmlResult(note=f"NVML failed to start ({name}: {err}): GPUs read from sysfs")
+        return NvmlResult(note=f"NVML failed to start ({name}: {nv.error}): GPUs read from sysfs")
     try:
-        return _read(pynvml, fs)
+        if nv.error is not None:
+            raise nv.error
+        return _read(nv, fs)
     except Exception as err:  # NVML present but failing (GPU lost, driver/library mismatch ...)
         return NvmlResult(note=f"NVML failed ({type(err).__name__}: {err}): GPUs read from sysfs")
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+        nv.close()
 
 
 def _opt(fn, *args):
@@ -70,11 +184,10 @@ def _opt(fn, *args):
         return None
 
 
-def _read(pynvml, fs: RootFS) -> NvmlResult:
+def _read(nv: Nvml, fs: RootFS) -> NvmlResult:
 
-    driver = _s(pynvml.nvmlSystemGetDriverVersion())
-    n = pynvml.nvmlDeviceGetCount()
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+    pynvml, handles = nv.module, nv.handles
+    driver = nv.driver_version()
     gpus = []
     for i, h in enumerate(handles):
         pci_info = pynvml.nvmlDeviceGetPciInfo(h)

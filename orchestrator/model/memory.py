@@ -47,7 +47,7 @@ Compute buffers (the graph reservation in ``llama_context::sched_reserve``)
 CUDA context (:func:`cuda_overhead_bytes`): the driver context, cuBLAS handles and the kernels loaded lazily
 at the first batch, plus ggml's CUDA memory pool, which the first full micro-batch fills (quantized copies of
 activations for the MMQ kernels). None of it appears in llama.cpp's buffer logs; it is measured on the GPU
-machine by ``python -m orchestrator.model.calibrate gpu`` (nvidia-smi after one full batch minus the buffers).
+machine by ``python -m lab.calibrate gpu`` (nvidia-smi after one full batch minus the buffers).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def test_ballast_child_dies_with_its_parent(tmp_path):
 @pytest.mark.gpu
 def test_real_ballast_on_gpu0_leaves_the_budget_free_and_gives_it_back():
     """Device counterpart: run on the GPU machine (`pytest tests/bench -m gpu`)."""
-    from orchestrator.bench.sampler import Nvml
+    from orchestrator.hardware.nvml import Nvml
 
     nv = Nvml.open()
     assert nv is not None
@@ -193,7 +193,7 @@ def test_real_ballast_on_gpu0_leaves_the_budget_free_and_gives_it_back():
 
 
 def test_without_a_gpu_the_budget_is_a_clear_error(tmp_path):
-    from orchestrator.bench.sampler import Nvml
+    from orchestrator.hardware.nvml import Nvml
 
     if Nvml.open() is not None:
         pytest.skip("this machine has a GPU: the real ballast test covers it")

@@ -13,10 +13,10 @@ MiB = 1 << 20
 def test_real_mainline_log():
     d = parse_server_log(DATA / "mainline-cpu-lv4.log")
     b = d["buffers"]
-    assert b["model"] == {"CPU_Mapped": int(0.98 * MiB)}
-    assert b["kv"] == {"CPU": int(0.50 * MiB)} and b["compute"] == {"CPU": int(2.26 * MiB)}
+    assert b["model"] == {"CPU_Mapped": round(0.98 * MiB)}
+    assert b["kv"] == {"CPU": round(0.50 * MiB)} and b["compute"] == {"CPU": round(2.26 * MiB)}
     assert any("no changes needed" in line for line in d["fit"])
-    assert device_totals(b) == {"CPU_Mapped": int(0.98 * MiB), "CPU": int(0.5 * MiB) + int(2.26 * MiB)}
+    assert device_totals(b) == {"CPU_Mapped": round(0.98 * MiB), "CPU": round(0.5 * MiB) + round(2.26 * MiB)}
 
 
 def test_cuda_style_log_and_a_second_load_replaces_the_first(tmp_path):
@@ -34,9 +34,23 @@ def test_cuda_style_log_and_a_second_load_replaces_the_first(tmp_path):
         "0.4 I sched_reserve:  CUDA_Host compute buffer size =    80.00 MiB\n"
         "0.0 I common_params_fit_impl: projected to use 21000 MiB of device memory vs. 12288 MiB free\n")
     d = parse_server_log(log)
-    assert d["buffers"]["model"] == {"CUDA0": int(11264.5 * MiB), "CUDA_Host": 5120 * MiB}
+    assert d["buffers"]["model"] == {"CUDA0": round(11264.5 * MiB), "CUDA_Host": 5120 * MiB}
     assert d["offloaded_layers"] == [49, 49]
-    assert device_totals(d["buffers"]) == {"CUDA0": int(11264.5 * MiB) + 768 * MiB + int(1536.25 * MiB),
+    assert device_totals(d["buffers"]) == {"CUDA0": round(11264.5 * MiB) + 768 * MiB + round(1536.25 * MiB),
                                            "CUDA_Host": 5200 * MiB}
     assert d["fit"] == ["projected to use 21000 MiB of device memory vs. 12288 MiB free"]
     assert parse_server_log(tmp_path / "missing.log") == {}
+
+
+def test_split_model_buffers_add_up_and_older_compute_lines_count(tmp_path):
+    """A model in two files maps one CPU_Mapped buffer per file: the bench records their sum, not the last one;
+    compute buffers logged by llama_context (older llama.cpp) count like sched_reserve's."""
+    log = tmp_path / "split.log"
+    log.write_text(
+        "load_tensors: loading model tensors, this can take a while... (mmap = true)\n"
+        "load_tensors:   CPU_Mapped model buffer size =  1000.00 MiB\n"
+        "load_tensors:   CPU_Mapped model buffer size =   500.00 MiB\n"
+        "llama_kv_cache_unified:        CPU KV buffer size =    64.00 MiB\n"
+        "llama_context:        CPU compute buffer size =    92.00 MiB\n")
+    b = parse_server_log(log)["buffers"]
+    assert b == {"model": {"CPU_Mapped": 1500 * MiB}, "kv": {"CPU": 64 * MiB}, "compute": {"CPU": 92 * MiB}}

@@ -115,7 +115,7 @@ def test_thread_samples_on_its_own():
 @pytest.mark.gpu
 def test_real_nvml_reads():
     nv = Nvml.open()
-    assert nv is not None and nv.count() >= 1
+    assert nv is not None and nv.count() >= 1 and nv.uuid(0).startswith("GPU-") and nv.utilization(0) >= 0
     try:
         total, used, free = nv.memory(0)
         assert total > 0 and used + free <= total + (1 << 30)

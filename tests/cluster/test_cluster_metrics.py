@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.cluster.metrics import (
-    METRICS, TAG_KEYS, DictSink, Nvml, TokenRates, WorkerSampler, fetch_text, numa_balancing, parse_prometheus,
-    tree_rss, visible_gpus,
+    METRICS, TAG_KEYS, DictSink, TokenRates, WorkerSampler, fetch_text, numa_balancing, parse_prometheus,
+    sample_gpus, tree_rss, visible_gpus,
 )
+from orchestrator.hardware.nvml import Nvml
 
 from cluster_support import free_port, llama_spec, post_json, wait_for
 
@@ -117,7 +118,7 @@ class FakeNvmlModule:
         return h["uuid"]
 
     def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(used=h["used"], total=h["total"])
+        return SimpleNamespace(used=h["used"], total=h["total"], free=h["total"] - h["used"])
 
     def nvmlDeviceGetUtilizationRates(self, h):
         return SimpleNamespace(gpu=h["gpu"])
@@ -183,15 +184,15 @@ def test_nvml_without_driver_is_unavailable():
             raise RuntimeError("NVML Shared Library Not Found")
 
     n = Nvml(Broken())
-    assert not n.available and n.sample([0], []) == []
+    assert not n.available and sample_gpus(n, [0], []) == []
 
 
 @pytest.mark.gpu
 def test_nvml_reads_real_gpus():
     n = Nvml()
     assert n.available
-    s = n.sample(range(n.count), [os.getpid()])
-    assert len(s) == n.count and all(g.memory_total > 0 and g.temperature > 0 for g in s)
+    s = sample_gpus(n, range(n.count()), [os.getpid()])
+    assert len(s) == n.count() and all(g.memory_total > 0 and g.temperature > 0 for g in s)
 
 
 def test_fetch_text_of_nothing_is_none():

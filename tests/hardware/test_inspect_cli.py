@@ -134,6 +134,11 @@ def test_probe_host_only_json(isolated_cache):
     # inspect shows the cached host bandwidth
     tree = run_cli("inspect", env={"ORCHESTRATOR_CACHE": str(isolated_cache)}).stdout
     assert "Host memory read bandwidth, GB/s" in tree
+    text = run_cli("probe", "--host-only", env={"ORCHESTRATOR_CACHE": str(isolated_cache)}).stdout   # the cache again
+    rows = text[text.index("Host memory read bandwidth, GB/s"):].splitlines()
+    first = doc["bandwidth"]["host"][0]
+    assert any(r.split()[:1] == [str(first["cpu_node"])] and f"{first['bytes_per_s'] / 1e9:.1f}" in r.split()
+               for r in rows), text
 
 
 def test_probe_without_gpu_says_so_and_exits_0(isolated_cache):
@@ -165,7 +170,7 @@ def test_hardware_imports_without_heavy_packages():
         "        if name.split('.')[0] in ('gguf', 'pydantic', 'ray', 'numpy', 'yaml', 'aiohttp', 'rich', 'torch'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import orchestrator.hardware, orchestrator.hardware.probe, orchestrator.hardware.bench_probe\n"
+        "import orchestrator.hardware, orchestrator.hardware.probe, lab.bench_probe\n"
         "import orchestrator.hardware.cudart_probe, orchestrator.hardware.render\n"
         "from orchestrator.cli import main\n"
         "sys.exit(main(['inspect', '--json']))\n"

@@ -146,3 +146,35 @@ def test_recorded_nvml_is_used_for_dumps(monkeypatch, tmp_path, extracted):
     assert [g.name for g in m.gpus] == ["NVIDIA H200", "NVIDIA H200"] and m.gpu_driver == "580"
     assert m.gpus[0].numa_node == -1 or m.gpus[0].numa_node >= 0
     assert [d.pci for d in m.pci_devices] == ["0000:05:00.0", "0000:83:00.0"]  # BMC VGA and Xeon Phi: not GPUs
+
+
+def test_one_wrapper_reads_by_index_and_closes_once(monkeypatch):
+    """The wrapper the bench sampler, the worker metrics and `doctor` share: memory as (total, used, free),
+    per-process memory without NVML's not-available marker, optional readings as None, one shutdown."""
+    from orchestrator.hardware.nvml import Nvml
+
+    fake = fake_pynvml(n=2)
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=100, used=30 + h, free=70 - h)
+    fake.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=7, usedGpuMemory=5),
+                                                           types.SimpleNamespace(pid=8, usedGpuMemory=(1 << 64) - 1),
+                                                           types.SimpleNamespace(pid=9, usedGpuMemory=None)]
+    nv = Nvml.open(fake)
+    assert nv is not None and nv.count() == 2 and nv.uuids == ["GPU-0000-0", "GPU-0000-1"]
+    assert nv.memory(1) == (100, 31, 69) and nv.process_memory(0) == {7: 5}
+    assert nv.power_w(0) is None and nv.temperature_c(0) is None          # not in this fake: unsupported
+    assert nv.pci_bus_id(1) == "00000000:38:00.0" and nv.driver_version() == "580.95.05"
+    nv.close()
+    nv.close()
+    assert fake.calls == ["shutdown"]
+
+
+def test_one_wrapper_without_gpus_or_driver():
+    from orchestrator.hardware.nvml import Nvml
+
+    none = fake_pynvml(n=0)
+    assert Nvml.open(none) is None and none.calls == ["shutdown"]      # started, no GPU: closed again
+    broken = Nvml(fake_pynvml(init_error=NVMLError_LibraryNotFound("not found")))
+    assert not broken.started and not broken.available and isinstance(broken.error, NVMLError_LibraryNotFound)
+    lost = Nvml(fake_pynvml(lost_on=1))
+    assert lost.started and not lost.available and isinstance(lost.error, NVMLError_GpuIsLost)
+    lost.close()

@@ -169,7 +169,7 @@ def test_corrupt_cache_is_ignored(live, isolated_cache):
 @pytest.mark.gpu
 def test_gpu_probe_on_gpus(live, isolated_cache):
     """Device counterpart (lead, H200 machine): every GPU measured from every host node; full speed is checked
-    by `python3 -m orchestrator.hardware.bench_probe` (>= 95% of torch, <= 3 s per GPU)."""
+    by `python3 -m lab.bench_probe` (>= 95% of torch, <= 3 s per GPU)."""
     res = run_probe(live, host=False)
     assert not res.failed, res.messages
     for g in live.gpus:
@@ -197,7 +197,8 @@ def test_cudart_probe_runs_as_a_module_without_a_device():
 def test_bench_probe_script_runs_end_to_end(live, isolated_cache, tmp_path, monkeypatch, capsys):
     """bench_probe (what the lead runs on the H200) runs through every backend here; with a pretended GPU the
     real CUDA runtime answers "no device", and the report is still written."""
-    from orchestrator.hardware import bench_probe, sysfs
+    from lab import bench_probe
+    from orchestrator.hardware import sysfs
 
     monkeypatch.setattr(sysfs, "read_machine", lambda root="/", nvml=True: _pretend_gpu(live))
     out = tmp_path / "bench.json"

@@ -145,14 +145,19 @@ def test_tree_puts_gpus_under_their_node_with_link_and_bandwidth():
     m = two_socket(gpus=[gpu(0, numa_node=0, peers=[(1, "nvlink")]), gpu(1, numa_node=1, peers=[(0, "nvlink")]),
                          gpu(2, local_cpus=range(8))]).with_bandwidth(bw)
     lines = render_tree(m).splitlines()
-    node0, node1 = lines.index("    NUMANode 0: 64.0 GiB (60.0 GiB free), CPUs 0-3"), \
-        lines.index("    NUMANode 1: 64.0 GiB (61.0 GiB free), CPUs 4-7")
-    g0 = next(i for i, l in enumerate(lines) if l.strip().startswith("GPU 0:"))
-    g1 = next(i for i, l in enumerate(lines) if l.strip().startswith("GPU 1:"))
-    assert node0 < g0 < node1 < g1
+    # (depth in the tree, label): the tree's guides are 4 characters per level
+    tree = [((len(l) - len(l.lstrip("│├└─ "))) // 4, l.lstrip("│├└─ ")) for l in lines]
+    node0 = tree.index((2, "NUMANode 0: 64.0 GiB (60.0 GiB free), CPUs 0-3"))
+    node1 = tree.index((2, "NUMANode 1: 64.0 GiB (61.0 GiB free), CPUs 4-7"))
+    g0 = next(i for i, (_, t) in enumerate(tree) if t.startswith("GPU 0:"))
+    g1 = next(i for i, (_, t) in enumerate(tree) if t.startswith("GPU 1:"))
+    assert node0 < g0 < node1 < g1 and tree[g0][0] == tree[g1][0] == 3           # under their node
+    assert tree[node0 - 1] == (1, "Package 0: 2 cores, PUs 0-3")
     assert "PCIe 5 x16, sm 9.0, H2D 52.3 GB/s, D2H 50.0 GB/s from node 0" in lines[g0]
     assert "H2D 51.0 GB/s, D2H 49.5 GB/s from node 1" in lines[g1]
-    assert any(l.strip().startswith("GPU 2:") and l.endswith("NUMA node unknown") for l in lines)
+    assert any(d == 1 and t.startswith("GPU 2:") and t.endswith("NUMA node unknown") for d, t in tree)
     assert "GPU links: 0-1 nvlink" in lines
-    assert "      cores 0-1: 2 x 2 PUs (PUs 0-3)" in lines
+    assert (3, "cores 0-1: 2 x 2 PUs (PUs 0-3)") in tree
     assert any("NUMA balancing ON (1)" in l for l in lines)
+    bw_rows = lines[lines.index("Host memory read bandwidth, GB/s (row: CPUs of node, column: memory of node):"):]
+    assert any(l.split() == ["0", "120.0", "60.0"] for l in bw_rows)

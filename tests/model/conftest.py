@@ -2,7 +2,7 @@
 
 The reader under test is ours; the files come from the reference writer, so a test that reads them back checks
 our parser against an independent implementation of the format. The architectures' tensor names, shapes and
-metadata come from :mod:`orchestrator.model.calibmodels` (llama-server loads these files for real).
+metadata come from :mod:`lab.calibmodels` (llama-server loads these files for real).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.model.calibmodels import PRESETS, ArchSpec, build
+from lab.calibmodels import PRESETS, ArchSpec, build
 from orchestrator.model.ggml_types import ggml_type
 
 # small widths that keep every real structural feature (GQA, MLA latent, SWA, biases, shared expert, ...)

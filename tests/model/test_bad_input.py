@@ -12,8 +12,8 @@ import pytest
 
 from orchestrator.errors import ModelError
 from orchestrator.model import read_model
-from orchestrator.model.calibmodels import build
-from orchestrator.model.ggufwrite import TensorSpec, _str, _value, write_gguf
+from lab.calibmodels import build
+from lab.ggufwrite import TensorSpec, _str, _value, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,8 +3,8 @@
 import pytest
 
 from orchestrator.model import read_model
-from orchestrator.model.calibmodels import PRESETS, build
-from orchestrator.model.ggufwrite import write_gguf_split
+from lab.calibmodels import PRESETS, build
+from lab.ggufwrite import write_gguf_split
 from orchestrator.model.memory import kv_bytes_per_token
 
 

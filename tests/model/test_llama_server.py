@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.model import read_model
-from orchestrator.model.llamalog import parse_load_log
+from orchestrator.bench.logparse import parse_load_log
 from orchestrator.model.memory import ServerSettings, predict_memory
-from orchestrator.model.serverrun import run_server
+from lab.serverrun import run_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,7 @@ def test_table(tiny_models):
                  "compute (CPU)", "one routed expert"):
         assert word in out, word
     # layer ranges: 0 is dense, 1-2 are MoE
-    assert "  0 dense" in out and "1-2 moe" in out
+    assert re.search(r"^\s+0\s+dense\s", out, re.M) and re.search(r"^\s+1-2\s+moe\s", out, re.M)   # per-layer rows
 
 
 def test_json_without_tensors(tiny_models):

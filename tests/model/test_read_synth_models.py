@@ -11,8 +11,8 @@ import gguf
 import pytest
 
 from orchestrator.model import ServerSettings, TensorClass, predict_memory, read_model
-from orchestrator.model.llamalog import parse_load_log
-from orchestrator.model.serverrun import run_server
+from orchestrator.bench.logparse import parse_load_log
+from lab.serverrun import run_server
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

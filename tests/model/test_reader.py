@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.errors import ModelError
 from orchestrator.model import TensorClass, read_model
-from orchestrator.model.calibmodels import build
+from lab.calibmodels import build
 from orchestrator.model.reader import read_gguf
 
 ARCHS = ("deepseek2", "gpt-oss", "llama", "qwen3moe")

@@ -8,6 +8,7 @@ The models are the same synth-model shapes (real headers, sparse data), so the p
 from __future__ import annotations
 
 import json
+import lzma
 import statistics
 from pathlib import Path
 
@@ -18,17 +19,17 @@ from orchestrator.hardware.dump import load_machine
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
-BENCH = FIX / "bench" / "h200-2026-11-29"
+BENCH = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "h200-2026-11-29-bench"
 GiB = 1 << 30
 
 
 def _runs():
-    for f in sorted(BENCH.glob("*.json")):
-        doc = json.loads(f.read_text())
+    for f in sorted(BENCH.glob("*.json.xz")):
+        doc = json.loads(lzma.decompress(f.read_bytes()))
         configs = {c["name"]: c for c in doc["configs"]}
         for r in doc["runs"]:
             if r.get("status") == "ok":
-                yield f.stem, configs[r["config"]], r
+                yield f.name.removesuffix(".json.xz"), configs[r["config"]], r
 
 
 def _cpu_layers(args: list[str], n_layers: int) -> tuple[int, ...] | None:

@@ -11,6 +11,7 @@ copy (which only CUDA0 makes), CUDA1 was over-predicted by ~420 MiB on the 235B 
 from __future__ import annotations
 
 import json
+import lzma
 import re
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from orchestrator.plan.placement import layer_split_placement
 from orchestrator.plan.planner import gpu_computes
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
-BENCH = FIX / "bench" / "h200x2-2026-11-29"
+BENCH = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "h200x2-2026-11-29-bench"
 GiB = 1 << 30
 
 
@@ -34,11 +35,11 @@ def _arg(args: list[str], flag: str) -> str:
 
 
 def _plan_runs():
-    for f in sorted(BENCH.glob("*.json")):
-        doc = json.loads(f.read_text())
+    for f in sorted(BENCH.glob("*.json.xz")):
+        doc = json.loads(lzma.decompress(f.read_bytes()))
         cfg = next(c for c in doc["configs"] if c["name"] == "plan")
         runs = [r for r in doc["runs"] if r["config"] == "plan" and r.get("status") == "ok"]
-        yield f.stem, cfg, runs
+        yield f.name.removesuffix(".json.xz"), cfg, runs
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Gateway overhead: 16 concurrent streams straight to llama-server vs through the orchestrator gateway.
+
+Both paths hit the same llama-server, interleaved round by round (direct, gateway, gateway, direct, ...) so drift
+in the machine's load hits both alike. Per request it records the time to the first streamed token and the time
+to the last; per round the generated tokens per second over all streams. It prints p50/p90 of both, the added p50
+latency and the throughput loss, against the targets (<= 1 ms p50 added, <= 3 % throughput loss).
+
+Modes:
+  --mode ray         (default) the real thing: `orchestrator.cluster.up` with one worker under an embedded Ray
+                     head; the gateway is the Ray actor that `up` runs. Stopped with `down` at the end.
+  --mode standalone  the same gateway code in its own process (`python -m orchestrator.cluster.gateway`) in
+                     front of a llama-server started here; no Ray.
+  --mode fake        the standalone gateway in front of a stand-in upstream that streams --max-tokens SSE events
+                     every --token-ms (no model): the gateway's own cost without llama-server's scheduling noise.
+
+The gateway process's CPU time per streamed chunk is printed too (psutil), in every mode. In standalone and fake
+modes --gateway-cmd measures another gateway on the same footing, e.g. the aiohttp one this project used until
+3e4fc22: `git show ae6ef30:orchestrator/cluster/gateway.py > /tmp/old_gateway.py` and
+`--gateway-cmd 'python3 /tmp/old_gateway.py --port {port} --replica bench={upstream}'`.
+
+  python lab/bench/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
+
+Without --model a small random llama GGUF (tests/tiny_llama.py, --embd/--layers) is written to a
+temporary directory; its tokens come fast, which makes the gateway's share of each request as large as it gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model(path: Path, embd: int, layers: int) -> Path:
+    spec = importlib.util.spec_from_file_location("tiny_llama", REPO / "tests/tiny_llama.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.write_tiny_llama(path, n_embd=embd, n_layer=layers, n_head=max(1, embd // 64), n_ff=embd * 2)
+
+
+# the stand-in upstream for --mode fake: llama-server-sized SSE events at a fixed pace
+FAKE_UPSTREAM = """
+import asyncio, sys
+from aiohttp import web
+n, pace = int(sys.argv[2]), float(sys.argv[3]) / 1000
+ev = (b'data: {"choices":[{"text":"tok","index":0,"logprobs":null,"finish_reason":null}],"created":1,'
+      b'"model":"bench","system_fingerprint":"b1","object":"text_completion","id":"cmpl-0123456789abcdef"}\\n\\n')
+async def completions(request):
+    await request.read()
+    r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await r.prepare(request)
+    for _ in range(n):
+        await asyncio.sleep(pace)
+        await r.write(ev)
+    await r.write(b"data: [DONE]\\n\\n")
+    return r
+async def health(request):
+    return web.json_response({"status": "ok"})
+app = web.Application()
+app.router.add_post("/v1/completions", completions)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+def gateway_pids(mode: str, procs: list) -> list[int]:
+    """The processes that run the gateway: ours in standalone/fake mode, the Ray actors in ray mode."""
+    import psutil
+
+    if mode != "ray":
+        return [procs[-1].pid]
+    pids = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if (p.info["cmdline"] or [""])[0].startswith("ray::GatewayActor"):
+                pids.append(p.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    try:
+        for pid in pids:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        return total if pids else float("nan")
+    except (psutil.Error, TypeError, ValueError):
+        return float("nan")
+
+
+def wait_http(url: str, timeout: float) -> None:
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} not healthy after {timeout:g}s")
+
+
+RETRIED: dict[str, int] = {}   # url -> requests sent again after the server closed a kept-alive connection
+
+
+async def one_stream(session, url: str, body: bytes) -> tuple[float, float, int]:
+    """One streamed request: (time to the first token, time to the last, tokens). A request whose kept-alive
+    connection the server closed before it answered (the usual keep-alive race of HTTP/1.1; aiohttp does not
+    resend a POST by itself) is sent once more and counted in RETRIED, which the report prints per path."""
+    import aiohttp
+
+    try:
+        return await _one_stream(session, url, body)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        RETRIED[url] = RETRIED.get(url, 0) + 1
+        return await _one_stream(session, url, body)
+
+
+async def _one_stream(session, url: str, body: bytes) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
+        async for line in r.content:
+            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                continue
+            if first is None:
+                first = time.perf_counter()
+            n += 1
+    end = time.perf_counter()
+    return (first or end) - t0, end - t0, n
+
+
+async def one_round(session, url: str, streams: int, body: bytes) -> tuple[list, float, int]:
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*[one_stream(session, url, body) for _ in range(streams)])
+    wall = time.perf_counter() - t0
+    return res, wall, sum(r[2] for r in res)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def measure(direct: str, gateway: str, streams: int, rounds: int, max_tokens: int, warmup: int) -> dict:
+    import aiohttp
+
+    body = json.dumps({"prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    out = {"direct": {"ttft": [], "total": [], "tps": []}, "gateway": {"ttft": [], "total": [], "tps": []}}
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+        targets = {"direct": direct + "/v1/completions", "gateway": gateway + "/v1/completions"}
+        for _ in range(warmup):
+            for name in ("direct", "gateway"):
+                await one_round(s, targets[name], streams, body)
+        for i in range(rounds):
+            order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
+            for name in order:
+                res, wall, toks = await one_round(s, targets[name], streams, body)
+                out[name]["ttft"] += [r[0] for r in res]
+                out[name]["total"] += [r[1] for r in res]
+                out[name]["tps"].append(toks / wall)
+    return out
+
+
+def summarize(raw: dict, args, extra: dict) -> dict:
+    d, g = raw["direct"], raw["gateway"]
+    s = {
+        "streams": args.streams, "rounds": args.rounds, "max_tokens": args.max_tokens,
+        "ttft_p50_ms": {"direct": pct(d["ttft"], .5) * 1e3, "gateway": pct(g["ttft"], .5) * 1e3},
+        "ttft_p90_ms": {"direct": pct(d["ttft"], .9) * 1e3, "gateway": pct(g["ttft"], .9) * 1e3},
+        "total_p50_ms": {"direct": pct(d["total"], .5) * 1e3, "gateway": pct(g["total"], .5) * 1e3},
+        "tokens_per_s_median": {"direct": statistics.median(d["tps"]), "gateway": statistics.median(g["tps"])},
+    }
+    s["added_p50_ttft_ms"] = s["ttft_p50_ms"]["gateway"] - s["ttft_p50_ms"]["direct"]
+    s["added_p50_total_ms"] = s["total_p50_ms"]["gateway"] - s["total_p50_ms"]["direct"]
+    s["throughput_loss_pct"] = 100 * (1 - s["tokens_per_s_median"]["gateway"] / s["tokens_per_s_median"]["direct"])
+    s.update(extra)
+    return s
+
+
+def report(s: dict) -> str:
+    lines = [
+        f"gateway overhead, {s['streams']} concurrent streams x {s['max_tokens']} tokens, {s['rounds']} rounds "
+        f"interleaved ({s['mode']} mode" + (f", {s['gateway_processes']} gateway processes" if s.get("gateway_processes")
+                                             else "") + ")",
+        f"{'':26}{'direct':>12}{'gateway':>12}{'added':>12}",
+        f"{'time to first token p50':26}{s['ttft_p50_ms']['direct']:>10.2f}ms{s['ttft_p50_ms']['gateway']:>10.2f}ms"
+        f"{s['added_p50_ttft_ms']:>+10.2f}ms",
+        f"{'time to first token p90':26}{s['ttft_p90_ms']['direct']:>10.2f}ms{s['ttft_p90_ms']['gateway']:>10.2f}ms"
+        f"{s['ttft_p90_ms']['gateway'] - s['ttft_p90_ms']['direct']:>+10.2f}ms",
+        f"{'request total p50':26}{s['total_p50_ms']['direct']:>10.2f}ms{s['total_p50_ms']['gateway']:>10.2f}ms"
+        f"{s['added_p50_total_ms']:>+10.2f}ms",
+        f"{'tokens/s (median round)':26}{s['tokens_per_s_median']['direct']:>12.1f}"
+        f"{s['tokens_per_s_median']['gateway']:>12.1f}{-s['throughput_loss_pct']:>+11.2f}%",
+        f"gateway CPU per streamed chunk: {s['gateway_cpu_us_per_chunk']:.1f} us",
+        f"requests resent after the server closed a kept-alive connection: direct {s['resent']['direct']}, "
+        f"gateway {s['resent']['gateway']}",
+        f"target p50 added <= 1 ms: {'met' if s['added_p50_ttft_ms'] <= 1.0 else 'MISSED'} (first token), "
+        f"{'met' if s['added_p50_total_ms'] <= 1.0 else 'MISSED'} (whole request); "
+        f"throughput loss <= 3 %: {'met' if s['throughput_loss_pct'] <= 3.0 else 'MISSED'}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("ray", "standalone", "fake"), default="ray")
+    ap.add_argument("--token-ms", type=float, default=10.0, help="--mode fake: pace of the stand-in's tokens")
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--binary", default=None, help="llama-server (default: $LLAMA_SERVER, PATH, build cache)")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--embd", type=int, default=256, help="width of the generated model (without --model)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the generated model (without --model)")
+    ap.add_argument("--ngl", default=None, help="-ngl for llama-server (GPU runs)")
+    ap.add_argument("--gateway-processes", default="auto",
+                    help="--mode ray: gateway processes sharing the port (auto: as `up` decides: 1)")
+    ap.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
+    ap.add_argument("--gateway-cmd", default=None, metavar="ARGV",
+                    help="standalone/fake modes: measure another gateway instead, e.g. an older version of "
+                         "gateway.py: 'python3 old.py --port {port} --replica bench={upstream}' (split like a shell "
+                         "would, never run by one)")
+    a = ap.parse_args(argv)
+
+    from orchestrator.backend.detect import find_llama_server
+
+    tmp = Path(tempfile.mkdtemp(prefix="orch-gwbench-"))
+    binary = model = "-"
+    if a.mode != "fake":
+        binary = a.binary or find_llama_server(None)[0]
+        model = a.model or tiny_model(tmp / "bench.gguf", a.embd, a.layers)
+    port, gw_port = free_port(), free_port()
+    argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(a.streams),
+            "-c", str(a.streams * (a.max_tokens + 64)), "-t", str(a.threads), "--metrics", "--no-warmup"]
+    if a.ngl:
+        argv += ["-ngl", a.ngl]
+    direct, gateway = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{gw_port}"
+    procs: list[subprocess.Popen] = []
+    extra = {"mode": a.mode, "model": str(model), "binary": binary, "machine": platform.node(),
+             "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        if a.mode == "ray":
+            os.environ.setdefault("ORCHESTRATOR_STATE", str(tmp / "state"))
+            from orchestrator.cluster import Deployment, up
+            from orchestrator.launch.spec import LaunchSpec
+
+            from orchestrator.cluster.deployment import gateway_processes
+
+            extra["gateway_processes"] = gateway_processes(a.gateway_processes)
+            dep = Deployment(specs=(LaunchSpec(name="bench", argv=tuple(argv), port=port, model_alias="bench"),),
+                             gateway_port=gw_port, dashboard_port=free_port(), namespace="gwbench",
+                             gateway_processes=extra["gateway_processes"])
+            up(dep, foreground=False)
+        else:
+            if a.mode == "fake":
+                extra["token_ms"] = a.token_ms
+                up_argv = [sys.executable, "-c", FAKE_UPSTREAM, str(port), str(a.max_tokens), str(a.token_ms)]
+            else:
+                up_argv = argv
+            procs.append(subprocess.Popen(up_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True, cwd=tmp))
+            wait_http(direct + "/health", 120)
+            gw_argv = [sys.executable, "-m", "orchestrator.cluster.gateway", "--port", str(gw_port),
+                       "--replica", f"bench={direct}"]
+            if a.gateway_cmd:
+                import shlex
+
+                gw_argv = [w.replace("{port}", str(gw_port)).replace("{upstream}", direct)
+                           for w in shlex.split(a.gateway_cmd)]
+                extra["gateway_cmd"] = a.gateway_cmd
+            procs.append(subprocess.Popen(gw_argv, cwd=REPO,
+                                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                              [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+                                                  os.pathsep) if p])}, start_new_session=True,
+                                          stdout=subprocess.DEVNULL))
+        wait_http(gateway + "/health", 120)
+        gpids = gateway_pids(a.mode, procs)
+        cpu0 = cpu_seconds(gpids)
+        raw = asyncio.run(measure(direct, gateway, a.streams, a.rounds, a.max_tokens, a.warmup))
+        chunks = (a.rounds + a.warmup) * a.streams * (a.max_tokens + 1)
+        extra["gateway_cpu_us_per_chunk"] = (cpu_seconds(gpids) - cpu0) / chunks * 1e6
+        extra["resent"] = {"direct": RETRIED.get(direct + "/v1/completions", 0),
+                           "gateway": RETRIED.get(gateway + "/v1/completions", 0)}
+    finally:
+        if a.mode == "ray":
+            from orchestrator.cluster import down, state
+
+            if state.read("gwbench") is not None:
+                down("gwbench")
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(30)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    s = summarize(raw, a, extra)
+    print(report(s))
+    if a.json:
+        print(json.dumps(s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

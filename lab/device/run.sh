@@ -1,0 +1,334 @@
+#!/usr/bin/env bash
+# The benchmarks that need the GPU machines, as named steps. Every row of docs/benchmarks.md measured there names
+# the step that produced it. Several steps run back to back in one device command while the machine stays up
+# (build outputs and models live under /root, and survive to the next command only while the machine is held):
+#
+#   bash lab/device/run.sh STEP[=ARG] [STEP[=ARG] ...]          e.g.  run.sh build up-proof gateway=1
+#   bash lab/device/run.sh help                                  this text
+#
+# W1 is Qwen3-30B-A3B q4_0 (16.1 GiB), W2 the Qwen3-235B-A22B shape cut to 24 layers (32.1 GiB), both written by
+# `orchestrator synth-model` when a step first needs them. topologies/h200.yaml describes both GPU machines.
+#
+# One H200 (nvidia-h200):
+#   build             the CUDA build through `orchestrator build` (16 jobs) beside W1's synthesis, and the
+#                     bytecode of the bundle compiled as pip would; ends the command if the build fails
+#   machine           nvidia-smi, numactl -H, lscpu; `orchestrator inspect --save`, `probe --refresh`, doctor,
+#                     and W1's plans at 8, 12 and 16 GiB (on the x2 too: the recorded h200x2 machine)
+#   llama-bench       llama-bench with W1 whole on the GPU (-ngl 99 -fa 1 -p 512 -n 128 -r 3)
+#   probe-vs-torch    lab.bench_probe: our pinned PCIe copies against torch's, same run
+#   calib-gpu         the memory model's 8 mixed CPU/GPU calibration cases (lab.calibrate gpu), then the report
+#   up-proof          `orchestrator up` on the GPU, W1 at 12 GiB: ready time against llama-server's own load,
+#                     completions through the gateway, metrics, kill -9 of llama-server, down (lab/device/up-proof.sh)
+#   gateway[=N]       gateway overhead, W1 all on the GPU, 16 streams, N gateway processes (default 1);
+#                     GATEWAY_ROUNDS rounds (default 10)
+#   w1-budgets        W1 at 12 GiB: plan / --fit / the plan again (A/A) / --n-cpu-moe 18, 2 rounds; then at 8 and
+#                     16 GiB: plan / --fit
+#   w1-why[=GIB]      W1 under GIB (default 8): plan / --fit / the plan at -ub 512 / the plan with its CPU expert
+#                     layers at the back (where --fit puts them), 4 rounds, 3 generation samples per start
+#   w1-sweep          W1 at 12 GiB: the plan against --n-cpu-moe 18..20 x -ub 512,1024 (3 tg samples per start)
+#   w1-offload        W1 at 12 GiB: the plan against --n-cpu-moe x -ub and op-offload never / from 256 tokens
+#   w1-cpu-flags      W1 at 12 GiB: plan / --fit / the plan with --no-host, --cpu-strict 1, --prio 2, --poll 100
+#   w1-load-modes     W1 at 8 GiB: plan / --fit / the plan memory-mapped / the plan with --no-host
+#   w2                W2 under 24 GiB: plan / --fit
+#
+# Two H200s (nvidia-h200-x2):
+#   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
+#   w2-x2             W2 at 12 GiB per GPU: plan / --fit, 2 rounds
+#   w2-x2-split       W2 at 12 GiB per GPU: plan / -sm layer with the planner's ranges / --fit
+#   w1-x2             W1 at 6 GiB per GPU: plan / --fit
+#   build-ik          the ik_llama.cpp CUDA build alone (32 jobs; resumes a build cut by the time limit)
+#   w2-x2-ik          W2 at 12 GiB per GPU: ik_llama.cpp's plan (-sm graph) / ik -sm layer / mainline's plan
+#
+# Without a CUDA build (a CPU llama-server carried xz-compressed in .devcpu/:
+#   mkdir -p .devcpu && xz -c ~/.cache/orchestrator/llama.cpp/mainline-cpu-*/bin/llama-server > .devcpu/llama-server.xz):
+#   cpu-up            `up` proof twice with the demo model, then gateway overhead with 1 and 4 gateway processes
+#   cpu-early         `up` to ready with and without workers.early_start, W1's shape at 12 layers, --no-mmap
+#   gateway-cpu[=OLD]  gateway overhead against the small generated llama: ray mode twice; stand-in upstream
+#                     twice, interleaved with another gateway.py given as OLD (a path in the working tree)
+#
+# Needs .devbundle/ carried along (`../shared/device/make-bundle.sh .devbundle rich markdown-it-py mdurl pygments`:
+# the machine's python3 lacks rich, which the tables need; plus `orchestrator build --export-source
+# .devbundle/llama-src.tar.xz`, and ik-src.tar.xz for the ik steps). Each step writes under /root/work/out/STEP; all of
+# them are packed into $OUT/device.tgz at the end. RUN_SECONDS (default 570) bounds the whole command: the
+# benchmark steps size their --max-minutes to what is left.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+STEPS=(build machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
+       w1-cpu-flags w1-load-modes w2 w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
+       gateway-cpu)
+known() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+
+[ $# -gt 0 ] || { usage >&2; exit 2; }
+[ "$1" = help ] && { usage; exit 0; }
+for a in "$@"; do known "${a%%=*}" || { echo "run.sh: unknown step '${a%%=*}' (run.sh help lists them)" >&2; exit 2; }; done
+
+W=/root/work
+M=$W/models
+t0=$(date +%s)
+DEADLINE=$(( t0 + ${RUN_SECONDS:-570} ))
+mkdir -p "$M" "$W/out"
+source .devbundle/on-device.sh .devbundle >/dev/null
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export ORCHESTRATOR_CACHE=/root/.cache/orchestrator
+finish() { tar czf "${OUT:-/tmp}/device.tgz" -C "$W/out" . 2>/dev/null; }
+trap finish EXIT
+log() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+left() { echo $(( DEADLINE - $(date +%s) )); }      # seconds left in this command
+mins() { python3 -c "print(max(0.3, ($(left) - ${1:-12}) / 60))"; }   # --max-minutes that leaves $1 s
+orch() { python3 -m orchestrator "$@"; }
+build_args=(--source .devbundle/llama-src.tar.xz --cuda --cuda-arch 90 --native -j 16)
+Q30=$M/qwen3-30b-a3b-q4_0.gguf
+Q235=$M/qwen3-235b-a22b-24l-q4_0.gguf
+H200=topologies/h200.yaml
+BENCH=(python3 -m orchestrator bench "$H200" --progress plain)   # `timeout` needs a program, not a function
+SERVER=
+
+synth() {   # synth q30 | q235: write the model unless it is there
+  case "$1" in
+    q30) [ -f "$Q30" ] || ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1 ;;
+    q235) [ -f "$Q235" ] || ( time orch synth-model "$Q235" --like qwen3-235b-a22b --layers 24 --quant q4_0 ) \
+            >> "$O/synth.log" 2>&1 ;;
+  esac
+}
+need_server() {   # SERVER = the CUDA llama-server `build` made (instant: from the cache)
+  [ -n "$SERVER" ] && return 0
+  SERVER=$(orch build "${build_args[@]}" 2>/dev/null) || { echo "no CUDA build on this machine: run the build step first"; exit 1; }
+}
+cpu_server() {   # the CPU llama-server of .devcpu/ as LLAMA_SERVER, and the bundle's bytecode compiled
+  mkdir -p models /root/bin
+  xz -dc .devcpu/llama-server.xz > /root/bin/llama-server && chmod +x /root/bin/llama-server
+  export LLAMA_SERVER=/root/bin/llama-server
+  ( time python3 -m compileall -q -j 16 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1; log "bytecode"
+}
+gateway_on_gpu() {   # gateway_on_gpu PROCESSES ROUNDS
+  need_server; synth q30
+  log "gateway overhead, $1 gateway process(es), $2 rounds ($(left) s left)"
+  timeout $(( $(left) - 8 )) python3 lab/bench/gateway_overhead.py --mode ray --rounds "$2" --model "$Q30" \
+    --binary "$SERVER" --ngl 99 --threads 8 --gateway-processes "$1" --json > "$O/gateway-$1.txt" 2>&1
+}
+
+step() {   # step NAME [ARG]
+  local name=$1 arg=${2:-}
+  O=$W/out/$name${arg:+-$arg}
+  mkdir -p "$O"
+  log "step $name${arg:+=$arg} ($(left) s left)"
+  case "$name" in
+  build)
+    ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
+    local b=$!
+    ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
+    synth q30
+    wait $b; local rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
+    [ $rc -eq 0 ] || exit 1
+    wait
+    need_server; log "server $SERVER"
+    ;;
+  machine)
+    { nvidia-smi; nvidia-smi topo -m; numactl -H; lscpu; nproc; free -g; df -h /root; uname -a; } > "$O/machine.txt" 2>&1
+    orch doctor > "$O/doctor.txt" 2>&1
+    orch inspect --json --save "$O/machine.tar.gz" > "$O/inspect.json" 2>"$O/inspect.err"; orch inspect > "$O/inspect.txt" 2>&1
+    timeout 90 python3 -m orchestrator probe --refresh --json > "$O/probe.json" 2>"$O/probe.err"
+    orch probe > "$O/probe.txt" 2>&1
+    synth q30
+    for b in 8 12 16; do
+      orch plan "$H200" --set "model.path=$Q30" --set "nodes.0.vram_limit=${b}GiB" --json > "$O/plan-q30-${b}g.json" 2>&1
+    done
+    ;;
+  llama-bench)
+    need_server; synth q30
+    timeout 60 "$(dirname "$SERVER")/llama-bench" -m "$Q30" -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o jsonl \
+      > "$O/llama-bench.jsonl" 2>"$O/llama-bench.err"
+    ;;
+  probe-vs-torch)
+    timeout $(( $(left) - 3 )) python3 -m lab.bench_probe --backends nvcc --allocs register,hostalloc \
+      --json "$O/bench_probe.json" > "$O/bench_probe.txt" 2>&1
+    ;;
+  calib-gpu)
+    need_server
+    timeout $(( $(left) - 12 )) python3 -m lab.calibrate gpu --server "$SERVER" --out "$O/calib-gpu" \
+      --models "$W/calib-models" --only cpu-moe-c --timeout 120 > "$O/calib-gpu.log" 2>&1
+    log "calibration rc=$?"
+    timeout 8 python3 -m lab.calibrate report "$O/calib-gpu" --models "$W/calib-models" > "$O/calib-gpu-report.txt" 2>&1
+    tail -4 "$O/calib-gpu-report.txt"
+    ;;
+  up-proof)
+    need_server; synth q30
+    timeout 130 bash lab/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
+    ;;
+  gateway)
+    gateway_on_gpu "${arg:-1}" "${GATEWAY_ROUNDS:-10}"
+    ;;
+  w1-budgets)
+    need_server; synth q30
+    timeout 320 "${BENCH[@]}" --set "model.path=$Q30" --vram-budget 12GiB \
+      --configs plan,fit,control,ncmoe-sweep --ncmoe 18 --ub 1024 --load-modes pinned --rounds 2 \
+      --pp 8,32,128,512,4096 --pp-reps 2 --tg-depths 0,4096 --tg-reps 3 --concurrency none --max-minutes 5.2 \
+      --out "$O/w1-12g" > "$O/w1-12g.log" 2>&1
+    for b in 8 16; do
+      timeout 100 "${BENCH[@]}" --set "model.path=$Q30" --vram-budget ${b}GiB \
+        --configs plan,fit --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency none \
+        --max-minutes 1.5 --out "$O/w1-${b}g" > "$O/w1-${b}g.log" 2>&1
+    done
+    ;;
+  w1-why)
+    need_server; synth q30
+    local gib=${arg:-8}
+    orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=${gib}GiB --json > "$O/plan-w1.json"
+    local n back A B
+    n=$(python3 -c "import json,re,sys; a=json.load(open(sys.argv[1]))['workers'][0]['args']; \
+print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|')))" "$O/plan-w1.json")
+    back=$(python3 -c "import sys; n=int(sys.argv[1]); print('|'.join(str(i) for i in range(48 - n, 48)))" "$n")
+    A=$(python3 lab/device/plan-config.py plan-ub512 "$O/plan-w1.json" --replace=-ub=512)
+    B=$(python3 lab/device/plan-config.py plan-back "$O/plan-w1.json" \
+        --replace="-ot=blk\.($back)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU")
+    timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q30" --vram-budget ${gib}GiB --configs plan,fit \
+      --config "$A" --config "$B" --rounds 4 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none \
+      --max-minutes "$(mins)" --out "$O/w1-${gib}g-why" > "$O/w1-${gib}g-why.log" 2>&1
+    ;;
+  w1-sweep)
+    need_server; synth q30
+    timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q30" --vram-budget 12GiB --configs plan,ncmoe-sweep \
+      --ncmoe 18,19,20 --ub 512,1024 --load-modes pinned --rounds 1 --pp 32,512,4096 --pp-reps 1 --tg-depths 0 \
+      --tg-reps 3 --concurrency none --max-minutes "$(mins 15)" --out "$O/w1-12g-sweep" > "$O/w1-12g-sweep.log" 2>&1
+    ;;
+  w1-offload)
+    need_server; synth q30
+    timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q30" --vram-budget 12GiB \
+      --configs plan,ncmoe-sweep,offload-sweep --load-modes pinned --offload never,256 --rounds 1 \
+      --pp 8,32,64,128,512,4096 --pp-reps 1 --tg-depths 0 --concurrency none --max-minutes "$(mins 15)" \
+      --out "$O/w1-12g-sweep" > "$O/w1-12g-sweep.log" 2>&1
+    ;;
+  w1-cpu-flags)
+    need_server; synth q30
+    orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=12GiB --json > "$O/plan-w1-12g.json" 2>&1
+    local V=() v
+    for v in "no-host:--no-host" "cpu-strict:--cpu-strict 1" "prio2:--prio 2" "poll100:--poll 100"; do
+      V+=(--config "$(python3 lab/device/plan-config.py "plan-${v%%:*}" "$O/plan-w1-12g.json" --add="${v#*:}")")
+    done
+    timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q30" --vram-budget 12GiB --configs plan,fit "${V[@]}" \
+      --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none --max-minutes "$(mins)" \
+      --out "$O/w1-12g-cpu" > "$O/w1-12g-cpu.log" 2>&1
+    ;;
+  w1-load-modes)
+    need_server; synth q30
+    orch plan "$H200" --set "model.path=$Q30" --set nodes.0.vram_limit=8GiB --json > "$O/plan-w1-8g.json"
+    local A B
+    A=$(python3 lab/device/plan-config.py plan-mmap "$O/plan-w1-8g.json" --add="--load-mode mmap")
+    B=$(python3 lab/device/plan-config.py plan-no-host "$O/plan-w1-8g.json" --add="--no-host")
+    timeout 400 "${BENCH[@]}" --set "model.path=$Q30" --vram-budget 8GiB --configs plan,fit --config "$A" --config "$B" \
+      --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none --max-minutes 6 \
+      --out "$O/w1-8g-mem" > "$O/w1-8g-mem.log" 2>&1
+    ;;
+  w2)
+    need_server; synth q235
+    timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q235" --vram-budget 24GiB --configs plan,fit --rounds 1 \
+      --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --concurrency none --max-minutes "$(mins 15)" \
+      --out "$O/w2-24g" > "$O/w2-24g.log" 2>&1
+    ;;
+  w1-threads)
+    need_server; synth q30
+    timeout 250 "${BENCH[@]}" --set "model.path=$Q30" --set "nodes.0.gpus=[0]" --gpus 0 --vram-budget 12GiB \
+      --configs plan,fit,threads-sweep --threads 8,16,24 --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 \
+      --concurrency none --max-minutes 4.0 --out "$O/w1-12g-threads" > "$O/w1-12g-threads.log" 2>&1
+    ;;
+  w2-x2)
+    need_server; synth q235
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB > "$O/plan-w2.txt" 2>&1
+    timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q235" --vram-budget 12GiB --configs plan,fit --rounds 2 \
+      --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none --max-minutes "$(mins)" \
+      --out "$O/w2-2x12g" > "$O/w2-2x12g.log" 2>&1
+    ;;
+  w2-x2-split)
+    need_server; synth q235
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set workers.split_mode=layer \
+      --json > "$O/plan-x2-layer.json" 2>&1
+    local LAYER
+    LAYER=$(python3 lab/device/plan-config.py sm-layer "$O/plan-x2-layer.json")
+    echo "$LAYER" > "$O/layer-config.txt"
+    timeout 240 "${BENCH[@]}" --set "model.path=$Q235" --vram-budget 12GiB --configs plan,fit --config "$LAYER" --rounds 1 \
+      --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none --max-minutes 3.8 \
+      --out "$O/w2-2x12g" > "$O/w2-2x12g.log" 2>&1
+    ;;
+  w1-x2)
+    need_server; synth q30
+    timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q30" --vram-budget 6GiB --configs plan,fit --rounds 1 \
+      --pp 32,512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none --max-minutes "$(mins)" \
+      --out "$O/w1-2x6g" > "$O/w1-2x6g.log" 2>&1
+    ;;
+  build-ik)
+    ( time timeout $(( $(left) - 10 )) python3 -m orchestrator build --flavor ik_llama.cpp \
+        --source .devbundle/ik-src.tar.xz --cuda --cuda-arch 90 --native -j 32 ) > "$O/build-ik.log" 2>&1 &
+    local b=$!
+    synth q235
+    synth q30
+    wait $b; log "ik build rc=$? (124: cut by the time limit; the next build-ik resumes it)"; tail -3 "$O/build-ik.log"
+    ;;
+  w2-x2-ik)
+    need_server; synth q235
+    local IK IKLAYER MAIN
+    IK=$(ls "$ORCHESTRATOR_CACHE"/llama.cpp/ik_llama.cpp-cuda-*/bin/llama-server 2>/dev/null | head -1)
+    [ -n "$IK" ] || { log "no ik_llama.cpp CUDA build: run build-ik first"; return; }
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
+      > "$O/plan-w2-ik.txt" 2>&1
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$IK" \
+      --set workers.split_mode=layer --json > "$O/plan-w2-ik-layer.json" 2>&1
+    orch plan "$H200" --set "model.path=$Q235" --set nodes.0.vram_limit=12GiB --set "backend.binary=$SERVER" \
+      --json > "$O/plan-w2.json" 2>&1
+    IKLAYER=$(python3 lab/device/plan-config.py ik-layer "$O/plan-w2-ik-layer.json")
+    MAIN=$(python3 lab/device/plan-config.py mainline-plan "$O/plan-w2.json" --server)
+    timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q235" --set "backend.binary=$IK" --vram-budget 12GiB \
+      --configs plan --config "$IKLAYER" --config "$MAIN" --rounds 1 --pp 32,512,4096 --pp-reps 1 \
+      --tg-depths 0,4096 --tg-reps 2 --concurrency none --max-minutes "$(mins)" --out "$O/w2-2x12g-ik" \
+      > "$O/w2-2x12g-ik.log" 2>&1
+    ;;
+  cpu-up)
+    cpu_server
+    python3 -m orchestrator synth-model models/demo-moe.gguf --like qwen3-30b-a3b --scale 0.125 --quant q8_0 \
+      > "$O/synth.log" 2>&1; log "demo model rc=$?"
+    local run n
+    for run in 1 2; do
+      timeout 100 bash lab/device/up-proof.sh topologies/demo.yaml models/demo-moe.gguf "$O/up$run" \
+        --set nodes.0.gpus=none > "$O/up-proof-$run.log" 2>&1
+      log "up-proof $run rc=$?"; grep -E "direct_load|ready in|left:" "$O/up-proof-$run.log"
+    done
+    for n in 1 4; do
+      timeout 60 python3 lab/bench/gateway_overhead.py --mode ray --rounds 8 --gateway-processes $n --json \
+        > "$O/gateway-$n.txt" 2>&1; log "gateway, $n process(es)"; tail -2 "$O/gateway-$n.txt" | cut -c1-300
+    done
+    ;;
+  cpu-early)
+    cpu_server
+    python3 -m orchestrator synth-model models/q30-12l.gguf --like qwen3-30b-a3b --layers 12 > "$O/synth.log" 2>&1
+    log "model rc=$?"
+    timeout $(( $(left) - 5 )) bash lab/bench/up_ready.sh topologies/demo.yaml models/q30-12l.gguf 3 \
+      --set workers.replicas=1 --set workers.load_mode=pinned --set nodes.0.gpus=none 2>&1 | tee "$O/up_ready.log"
+    log "left: llama-server $(pgrep -xc llama-server) keeper $(pgrep -fc '[o]rchestrator.cluster.keeper')"
+    ;;
+  gateway-cpu)
+    cpu_server
+    local i v cmd
+    for i in 1 2; do
+      log "ray mode, run $i"
+      timeout 70 python3 lab/bench/gateway_overhead.py --mode ray --rounds 20 --threads 8 --json > "$O/ray-$i.txt" 2>&1
+      grep -v '^{' "$O/ray-$i.txt" | tail -10
+    done
+    for i in 1 2; do
+      for v in new ${arg:+old}; do
+        log "stand-in upstream, $v gateway, run $i"
+        cmd=()
+        [ "$v" = old ] && cmd=(--gateway-cmd "python3 $arg --port {port} --replica bench={upstream}")
+        timeout 40 python3 lab/bench/gateway_overhead.py --mode fake --rounds 12 "${cmd[@]}" --json \
+          > "$O/fake-$v-$i.txt" 2>&1
+        grep -E 'first token p50|total p50|tokens/s|CPU' "$O/fake-$v-$i.txt"
+      done
+    done
+    ;;
+  esac
+}
+
+for a in "$@"; do
+  case "$a" in *=*) step "${a%%=*}" "${a#*=}" ;; *) step "$a" ;; esac
+done
+log "done"

@@ -1,0 +1,32 @@
+"""The lab's benchmark scripts still run against the current code (the numbers are for docs/benchmarks.md; here
+only that each one runs end to end and prints its verdict)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def test_plan_speed_plans_deepseek_on_two_sockets_and_eight_gpus():
+    res = subprocess.run([sys.executable, str(REPO / "lab" / "bench" / "plan_speed.py"), "--repeat", "2"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "make_plan DeepSeek-V3 q4_0, 2 sockets x 8 GPUs, 2 runs: median" in res.stdout
+    assert "expert layers in host memory" in res.stdout
+
+
+@pytest.mark.integration
+def test_gateway_overhead_against_a_stand_in_upstream():
+    """The real gateway process in front of a stand-in upstream: both paths answered every request."""
+    res = subprocess.run([sys.executable, str(REPO / "lab" / "bench" / "gateway_overhead.py"), "--mode", "fake",
+                          "--rounds", "1"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "time to first token p50" in res.stdout and "gateway CPU per streamed chunk" in res.stdout
+    assert "target p50 added <= 1 ms" in res.stdout
