@@ -86,6 +86,17 @@ def load_machines(topo: Topology) -> tuple[dict[str, Machine], list[str]]:
     return machines, notes
 
 
+def remote_note(remote) -> str:
+    from orchestrator.model.remote import bytes_to_download
+
+    left = bytes_to_download(remote.files)
+    where = remote.files[0].cache_path
+    if not left:
+        return f"model: {remote.ref}, downloaded in {where}"
+    return (f"model: {remote.ref} read over the network (headers only); `up` or `orchestrator pull` downloads "
+            f"{left / 2**30:.1f} GiB into {where}")
+
+
 def nominal_backend(flavor: str, cuda: bool) -> BackendInfo:
     return BackendInfo(server="llama-server", flavor=flavor, version="(planned without a binary)", cuda=cuda,
                        gpu_offload=True, features=NOMINAL_FEATURES[flavor], split_modes=SPLIT_MODES[flavor])
@@ -122,7 +133,7 @@ def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendI
 def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
             backend: BackendInfo | None = None) -> Resolved:
     """``backend``: use this llama-server description instead of finding and detecting the binary."""
-    from orchestrator.model import read_model
+    from orchestrator.model.remote import load_model
     from orchestrator.plan import make_plan
 
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
@@ -130,7 +141,9 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
         topo = topo.override(overrides)
     topo.check_files()
     machines, notes = load_machines(topo)
-    model = read_model(str(topo.model.path))
+    model, remote = load_model(str(topo.model.path))
+    if remote is not None:
+        notes.append(remote_note(remote))
     if backend is None:
         backend, bnotes = find_backend(topo, machines)
         notes += bnotes
