@@ -123,7 +123,9 @@ def _hub_error(what: str, err: Exception) -> ModelError:
         return MissingFile(f"{what}: not found (HTTP 404)")
     if isinstance(err, HfHubHTTPError) and status is not None:
         return ModelError(f"{what}: the Hub answered HTTP {status}")
-    return ModelError(f"{what}: cannot reach {hf_endpoint()}: {_reason(err)}")
+    if isinstance(err, _transport_errors()):
+        return ModelError(f"{what}: cannot reach {hf_endpoint()}: {_reason(err)}")
+    return ModelError(f"{what}: unexpected answer from {hf_endpoint()}: {type(err).__name__}: {_reason(err)}")
 
 
 def _reason(err: Exception) -> str:
@@ -399,6 +401,15 @@ def _part(f: RemoteFile) -> Path:
     return Path(f.cache_path + ".part")
 
 
+def _part_marker(f: RemoteFile) -> Path:
+    """Which version of the file the part holds: a part of another version is not resumed."""
+    return Path(f.cache_path + ".part.json")
+
+
+def _source_doc(f: RemoteFile) -> str:
+    return json.dumps({"url": f.url, "etag": f.etag, "size": f.size, "sha256": f.sha256})
+
+
 def _done_marker(f: RemoteFile) -> Path:
     return Path(f.cache_path + ".source.json")
 
@@ -485,12 +496,14 @@ def _download(f: RemoteFile, client, report) -> None:
         digest = _sha256(part)
         if digest != f.sha256:
             part.unlink()
+            _part_marker(f).unlink(missing_ok=True)
             raise ModelError(f"{f.url}: SHA-256 mismatch: the Hub publishes {f.sha256}, the download is {digest} "
                              f"(the part file was removed; pull again)")
     from orchestrator.fsutil import write_atomic
 
+    write_atomic(_done_marker(f), _source_doc(f))
     os.replace(part, f.cache_path)
-    write_atomic(_done_marker(f), json.dumps({"url": f.url, "etag": f.etag, "size": f.size, "sha256": f.sha256}))
+    _part_marker(f).unlink(missing_ok=True)
 
 
 def _sha256(path: Path) -> str:
@@ -504,9 +517,14 @@ def _sha256(path: Path) -> str:
 def _fetch_into(f: RemoteFile, part: Path, client, report) -> None:
     """Append the rest of ``f`` to ``part`` (created on the first byte received)."""
     have = part.stat().st_size if part.exists() else 0
-    if have > f.size:
-        part.unlink()
-        have = 0
+    if have:
+        try:
+            same = json.loads(_part_marker(f).read_text()) == json.loads(_source_doc(f))
+        except (OSError, ValueError):
+            same = False
+        if not same or have > f.size:
+            part.unlink()
+            have = 0
     report(have)
     if have == f.size:
         return
@@ -527,8 +545,12 @@ def _fetch_into(f: RemoteFile, part: Path, client, report) -> None:
         part.parent.mkdir(parents=True, exist_ok=True)
         out = None
         try:
-            for chunk in r.iter_bytes(CHUNK):
+            for chunk in r.iter_bytes():     # as it arrives: a drop loses nothing received
                 if out is None:
+                    if not have:
+                        from orchestrator.fsutil import write_atomic
+
+                        write_atomic(_part_marker(f), _source_doc(f))
                     out = open(part, "r+b" if have and part.exists() else "wb")
                     out.seek(have)
                     out.truncate()

@@ -227,7 +227,8 @@ class HubServer(FileServer):
             return True
         files = self.repos[repo]
         if m:
-            siblings = [{"rfilename": n, "size": b.size, "lfs": {"sha256": self.sha(repo, n), "size": b.size}}
+            siblings = [{"rfilename": n, "size": b.size, "lfs": {"sha256": self.sha(repo, n), "size": b.size,
+                                                                           "pointerSize": 134}}
                         for n, b in files.items()]
             doc = json.dumps({"id": repo, "modelId": repo, "sha": "0" * 40, "private": False,
                               "siblings": siblings}).encode()
