@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 HELP = "Download a model given by URL or Hugging Face id (or a topology's) into the cache, resumably"
 DESCRIPTION = """\
@@ -39,16 +40,16 @@ def model_of(target: str, overrides: list[str]) -> str:
 
 def download(model_path: str, *, progress: bool = True) -> list[str] | None:
     """Download a remote model's files not yet in the cache (None for a local model: nothing to do)."""
-    from orchestrator.model.remote import bytes_to_download, is_remote, pull, read_remote_model
+    from orchestrator.model import remote
 
-    if not is_remote(model_path):
+    if not remote.is_remote(model_path):
         return None
-    remote = read_remote_model(model_path)
-    left = bytes_to_download(remote.files)
+    target = remote.locate(model_path)
+    left = remote.bytes_to_download(target.files)
     if left:
-        print(f"pull: {remote.ref}: {len(remote.files)} file(s), {left / 2**30:.2f} GiB to download into "
-              f"{remote.files[0].cache_path}", file=sys.stderr)
-    return pull(remote, progress=progress)
+        print(f"pull: {target.ref}: {len(target.files)} file(s), {left / 2**30:.2f} GiB to download into "
+              f"{Path(target.files[0].cache_path).parent}", file=sys.stderr)
+    return remote.download(model_path, progress=progress)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from orchestrator.errors import ModelError
 from orchestrator.model.info import ModelInfo
-from orchestrator.model.reader import GgufFile, MissingFile, read_gguf_source, read_model
+from orchestrator.model.reader import GgufFile, MissingFile, read_gguf_source, read_model, shard_paths
 from orchestrator.paths import cache_dir
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -386,6 +386,48 @@ def read_remote_model(text: str) -> RemoteModel:
     return RemoteModel(text, info, tuple(files[u] for u in info.paths), fetched)
 
 
+@dataclass(frozen=True)
+class RemoteFiles:
+    """The files a remote reference names, without reading them (what a download needs)."""
+
+    ref: str
+    files: tuple[RemoteFile, ...]
+
+
+def locate(text: str) -> RemoteFiles:
+    """Every file (shard) of the remote model ``text`` names, with sizes, versions and hashes; reads none."""
+    ref = parse_ref(text)
+    if ref is None:
+        raise ModelError(f"{text}: not a URL or Hugging Face reference")
+    urls = shard_paths(first_url(ref))
+    with _client() as client:
+        files = []
+        for i, u in enumerate(urls):
+            try:
+                files.append(file_metadata(u, client))
+            except MissingFile:
+                if i == 0:
+                    raise
+                raise MissingFile(f"{u}: missing shard {i + 1} of {len(urls)} (of {urls[0]})") from None
+    return RemoteFiles(text, tuple(files))
+
+
+def download(text: str, *, progress: bool = True) -> list[str]:
+    """Download the remote model ``text`` names into the cache (what is not there yet), check that it reads as a
+    GGUF model, and return the local paths."""
+    target = locate(text)
+    paths = pull(target, progress=progress)
+    try:
+        read_model(paths[0])
+    except ModelError as err:
+        for f in target.files:
+            for p in (Path(f.cache_path), _done_marker(f)):
+                p.unlink(missing_ok=True)
+        raise ModelError(f"{target.files[0].url}: downloaded, but it is not a usable GGUF model (removed): "
+                         f"{str(err).removeprefix(paths[0] + ': ')}") from None
+    return paths
+
+
 def load_model(path: str) -> tuple[ModelInfo, RemoteModel | None]:
     """A local model read from its file(s), or a remote one read from its headers (its ModelInfo then names the
     cache paths the files are downloaded to)."""
@@ -438,7 +480,7 @@ def bytes_to_download(files: tuple[RemoteFile, ...]) -> int:
     return left
 
 
-def check_disk(model: RemoteModel) -> int:
+def check_disk(model: RemoteModel | RemoteFiles) -> int:
     """The bytes left to download; refuses with the numbers when the cache's file system cannot hold them."""
     need = bytes_to_download(model.files)
     if not need:
@@ -455,7 +497,7 @@ def check_disk(model: RemoteModel) -> int:
     return need
 
 
-def pull(model: RemoteModel, *, progress: bool = True) -> list[str]:
+def pull(model: RemoteModel | RemoteFiles, *, progress: bool = True) -> list[str]:
     """Download every file of ``model`` not yet in the cache; returns the local paths."""
     from rich.console import Console
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,

@@ -374,3 +374,14 @@ def test_gated_repository_needs_hf_token_which_is_never_printed(cache, hub, writ
                        text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "hf_wrong" not in r.stderr
     assert "gated repository" in r.stderr
+
+
+def test_download_checks_the_file_reads_as_a_model_and_keeps_nothing_that_does_not(cache, server):
+    from orchestrator.model.remote import download
+
+    server.files["/junk.gguf"] = Blob(head=b"<html>not a model</html>" * 100)
+    with pytest.raises(ModelError) as e:
+        download(server.url("/junk.gguf"), progress=False)
+    assert str(e.value) == (f"{server.url('/junk.gguf')}: downloaded, but it is not a usable GGUF model (removed): "
+                            "not a GGUF file (starts with b'<htm', expected b'GGUF')")
+    assert not [p for p in (cache / "models").rglob("*") if p.is_file()]
