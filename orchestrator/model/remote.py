@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
@@ -505,8 +504,8 @@ def pull(model: RemoteModel | RemoteFiles, *, progress: bool = True) -> list[str
 
     check_disk(model)
     console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+               TransferSpeedColumn(), TimeRemainingColumn())
     with _client() as client, Progress(*columns, console=console, disable=not progress,
                                        transient=False) as bar:
         for f in model.files:
@@ -514,16 +513,15 @@ def pull(model: RemoteModel | RemoteFiles, *, progress: bool = True) -> list[str
                 continue
             task = bar.add_task(Path(f.cache_path).name, total=f.size)
             _download(f, client, lambda n, t=task: bar.update(t, completed=n))
-            if not console.is_terminal and progress:
-                print(f"pull: {f.url} -> {f.cache_path} ({f.size / 2**30:.2f} GiB)", file=sys.stderr)
     return [f.cache_path for f in model.files]
 
 
 def _download(f: RemoteFile, client, report) -> None:
     part = _part(f)
+    hasher = _PartHash() if f.sha256 else None
     for attempt in (1, 2):
         try:
-            _fetch_into(f, part, client, report)
+            _fetch_into(f, part, client, report, hasher)
             break
         except _transport_errors() as err:
             have = part.stat().st_size if part.exists() else 0
@@ -534,8 +532,9 @@ def _download(f: RemoteFile, client, report) -> None:
     if have != f.size:
         raise ModelError(f"{f.url}: downloaded {have} bytes but the file has {f.size}; run `orchestrator pull` "
                          f"again to resume")
-    if f.sha256:
-        digest = _sha256(part)
+    if hasher is not None:
+        hasher.catch_up(part, have)
+        digest = hasher.h.hexdigest()
         if digest != f.sha256:
             part.unlink()
             _part_marker(f).unlink(missing_ok=True)
@@ -548,15 +547,32 @@ def _download(f: RemoteFile, client, report) -> None:
     _part_marker(f).unlink(missing_ok=True)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 * CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+class _PartHash:
+    """SHA-256 of a part file as it grows: bytes are hashed as they arrive, and what an earlier pull left is
+    read once from disk, so a 400 GB download is not read back whole to be checked."""
+
+    def __init__(self) -> None:
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def catch_up(self, part: Path, have: int) -> None:
+        """Hash the part's bytes ``n..have`` (starting over when the part was cut below what was hashed)."""
+        if have < self.n:
+            self.h, self.n = hashlib.sha256(), 0
+        if have == self.n:
+            return
+        with open(part, "rb") as fh:
+            fh.seek(self.n)
+            while self.n < have and (chunk := fh.read(min(8 * CHUNK, have - self.n))):
+                self.h.update(chunk)
+                self.n += len(chunk)
+
+    def update(self, chunk: bytes) -> None:
+        self.h.update(chunk)
+        self.n += len(chunk)
 
 
-def _fetch_into(f: RemoteFile, part: Path, client, report) -> None:
+def _fetch_into(f: RemoteFile, part: Path, client, report, hasher: _PartHash | None) -> None:
     """Append the rest of ``f`` to ``part`` (created on the first byte received)."""
     have = part.stat().st_size if part.exists() else 0
     if have:
@@ -573,8 +589,11 @@ def _fetch_into(f: RemoteFile, part: Path, client, report) -> None:
     headers = dict(_headers_for(f.location))
     if have:
         headers["Range"] = f"bytes={have}-"
-        if f.etag:
-            headers["If-Range"] = f.etag if f.etag.startswith(('"', "W/")) else f'"{f.etag}"'
+        # a plain URL's ETag is the resource's own: resume only the same version. A Hub file's ETag is its LFS
+        # hash, not the CDN's ETag (that would never match): its CDN address names the content, and the hash
+        # is checked at the end.
+        if f.etag and not f.sha256:
+            headers["If-Range"] = f.etag
     with client.stream("GET", f.location, headers=headers) as r:
         if r.status_code == 200:
             have = 0            # no range support, or the file changed since the part was written: start over
@@ -584,6 +603,8 @@ def _fetch_into(f: RemoteFile, part: Path, client, report) -> None:
                                  f"({r.headers.get('Content-Range')!r} for bytes {have}-)")
         else:
             raise _status_error(f.url, r.status_code)
+        if hasher is not None:
+            hasher.catch_up(part, have)
         part.parent.mkdir(parents=True, exist_ok=True)
         out = None
         try:
@@ -598,6 +619,8 @@ def _fetch_into(f: RemoteFile, part: Path, client, report) -> None:
                     out.truncate()
                 try:
                     out.write(chunk)
+                    if hasher is not None:
+                        hasher.update(chunk)
                 except OSError as err:
                     raise ModelError(f"{f.url}: cannot write {part}: {err.strerror or err}; the part is kept, "
                                      f"pull again to resume once there is room") from None

@@ -385,3 +385,30 @@ def test_download_checks_the_file_reads_as_a_model_and_keeps_nothing_that_does_n
     assert str(e.value) == (f"{server.url('/junk.gguf')}: downloaded, but it is not a usable GGUF model (removed): "
                             "not a GGUF file (starts with b'<htm', expected b'GGUF')")
     assert not [p for p in (cache / "models").rglob("*") if p.is_file()]
+
+
+def test_a_resumed_hub_download_is_checked_whole(cache, hub, write_model, tiny_specs, tiny_models):
+    repo, _ = hub_repo(hub, write_model, tiny_specs, tiny_models)
+    remote = read_remote_model(f"{repo}:Q8_0")
+    (f,) = remote.files
+    size = f.size
+    hub.cdn.drop_after, hub.cdn.drops = size // 4, 2     # two drops leave half of it
+    with pytest.raises(ModelError, match="again to resume"):
+        pull(remote, progress=False)
+    part = Path(f.cache_path + ".part")
+    have = part.stat().st_size
+    sent = hub.cdn.stats.sent
+    pull(remote, progress=False)            # resumes; the hash covers the bytes of both pulls
+    assert hub.cdn.stats.gets()[-1][2] == f"bytes={have}-" and hub.cdn.stats.sent - sent == size - have
+    assert Path(f.cache_path).read_bytes() == tiny_models["deepseek2"].read_bytes()
+    # the same again, with a byte of the first pull's part spoiled on disk: the check catches it
+    Path(f.cache_path).unlink()
+    hub.cdn.drops = 2
+    with pytest.raises(ModelError, match="again to resume"):
+        pull(remote, progress=False)
+    data = bytearray(part.read_bytes())
+    data[100] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="SHA-256 mismatch"):
+        pull(remote, progress=False)
+    assert not part.exists() and not Path(f.cache_path).exists()
