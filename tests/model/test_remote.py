@@ -412,3 +412,14 @@ def test_a_resumed_hub_download_is_checked_whole(cache, hub, write_model, tiny_s
     with pytest.raises(ModelError, match="SHA-256 mismatch"):
         pull(remote, progress=False)
     assert not part.exists() and not Path(f.cache_path).exists()
+
+
+def test_a_server_that_is_not_there(cache):
+    import socket
+
+    with socket.socket() as s:            # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/m.gguf"
+    with pytest.raises(ModelError) as e:
+        read_remote_model(url)
+    assert str(e.value).startswith(f"{url}: cannot connect: ") and "\n" not in str(e.value)
