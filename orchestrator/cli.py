@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "model": "orchestrator.commands.model",
     "synth-model": "orchestrator.commands.synth_model",
     "plan": "orchestrator.commands.plan",
+    "pull": "orchestrator.commands.pull",
     "up": "orchestrator.commands.up",
     "status": "orchestrator.commands.status",
     "down": "orchestrator.commands.down",

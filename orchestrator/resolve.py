@@ -19,6 +19,7 @@ from orchestrator.model import ModelInfo
 from orchestrator.plan import Plan
 from orchestrator.plan.from_topology import request_from_topology
 
+
 @dataclass(frozen=True)
 class Resolved:
     topology: Topology
@@ -74,6 +75,17 @@ def load_machines(topo: Topology) -> tuple[dict[str, Machine], list[str]]:
     return machines, notes
 
 
+def remote_note(remote) -> str:
+    from orchestrator.model.remote import bytes_to_download
+
+    left = bytes_to_download(remote.files)
+    where = remote.files[0].cache_path
+    if not left:
+        return f"model: {remote.ref}, downloaded in {where}"
+    return (f"model: {remote.ref} read over the network (headers only); `up` or `orchestrator pull` downloads "
+            f"{left / 2**30:.1f} GiB into {where}")
+
+
 def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendInfo, list[str]]:
     notes = []
     all_recorded = all(n.machine != "live" for n in topo.nodes)
@@ -105,7 +117,7 @@ def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendI
 def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
             backend: BackendInfo | None = None) -> Resolved:
     """``backend``: use this llama-server description instead of finding and detecting the binary."""
-    from orchestrator.model import read_model
+    from orchestrator.model.remote import load_model
     from orchestrator.plan import make_plan
 
     topo = topology if isinstance(topology, Topology) else load_topology(topology)
@@ -113,7 +125,9 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
         topo = topo.override(overrides)
     topo.check_files()
     machines, notes = load_machines(topo)
-    model = read_model(str(topo.model.path))
+    model, remote = load_model(str(topo.model.path))
+    if remote is not None:
+        notes.append(remote_note(remote))
     if backend is None:
         backend, bnotes = find_backend(topo, machines)
         notes += bnotes

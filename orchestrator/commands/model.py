@@ -28,7 +28,8 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="model .gguf (for a split model, any of its shards)")
+    p.add_argument("path", metavar="PATH", help="model .gguf (for a split model, any of its shards), or a model URL, "
+                   "hf://ORG/REPO/FILE.gguf or ORG/REPO:QUANT (only the header is read)")
     p.add_argument("--ctx", type=_positive, default=4096, help="context size in tokens (default: 4096)")
     p.add_argument("--parallel", type=_positive, default=1, help="parallel sequences, llama-server -np (default: 1)")
     p.add_argument("--ubatch", type=_positive, default=512, help="micro-batch, llama-server -ub (default: 512)")
@@ -49,9 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orchestrator.model.reader import read_model
+    from orchestrator.model.remote import is_remote, read_model, read_remote_model
 
-    model = read_model(args.path)
+    model = read_remote_model(args.path).info if is_remote(args.path) else read_model(args.path)
     for w in model.warnings:
         print(f"orchestrator model: warning: {w}", file=sys.stderr)
     mem = _memory(model, args)

@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with stop_signals:
             res = resolve(topo)
+            from orchestrator.commands.pull import download
+            download(res.topology.model.path)   # a remote model: into the cache, where the plan's -m points
             dep = deployment_from(res)
             early_start = early is not None and res.topology.workers.early_start
             if res.topology.workers.prefetch and not res.topology.workers.warmup and not early_start:

@@ -14,7 +14,8 @@ from pydantic_core import PydanticCustomError
 from orchestrator.config.keys import display_key, split_key
 from orchestrator.config.types import (
     AUTO, Alias, ArgList, AutoBool, AutoInt, AutoSize, AutoSizeList, Bool, Choice, Duration, EnvVarName,
-    FilePath, GpuSelection, Host, Int, Name, Namespace, Port, RayAddress, Text, TiB, fail, is_auto,
+    FilePath, GpuSelection, Host, Int, ModelPath, Name, Namespace, Port, RayAddress, Text, TiB, fail, is_auto,
+    is_remote_model,
 )
 from orchestrator.launch.llama_args import API_KEY_FLAGS, DEVICE_FLAGS, flags_of
 from orchestrator.units import MiB
@@ -79,9 +80,12 @@ class ModelConfig(Section):
     """What to serve, and the llama-server settings that belong to the model. Required; `model: FILE.gguf` is
     short for `model: {path: FILE.gguf}`."""
 
-    path: FilePath("a .gguf file, relative to the topology file's folder", suffixes=(".gguf",))
+    path: ModelPath("a .gguf file (relative to the topology file's folder), a model URL or a Hugging Face id")
     """The GGUF model file; a relative path is relative to the folder of the topology file. For a model split
-    into parts (`…-00001-of-00004.gguf`) give the first part."""
+    into parts (`…-00001-of-00004.gguf`) give the first part. Or a remote model: an `https://` URL,
+    `hf://ORG/REPO/FILE.gguf`, or `ORG/REPO:QUANT` (that quantization's file(s) in a Hugging Face repository):
+    `plan` reads only its header over the network; `up` (or `orchestrator pull`) downloads it into the cache
+    first (docs/model.md)."""
 
     context: AutoInt(256, 16_777_216) = AUTO
     """Context size in tokens of each worker, shared by its parallel slots (llama-server `-c`). The plan never
@@ -519,7 +523,8 @@ class Topology(Section):
         machine, an explicit binary). Separate from loading, so a topology can be checked elsewhere."""
         import os
 
-        wanted: list[tuple[str, str, str]] = [("model.path", self.model.path, "model file")]
+        wanted: list[tuple[str, str, str]] = [] if is_remote_model(self.model.path) else [
+            ("model.path", self.model.path, "model file")]   # a remote model is downloaded by up / pull
         if self.backend.binary != AUTO:
             wanted.append(("backend.binary", self.backend.binary, "llama-server binary"))
         for i, node in enumerate(self.nodes):

@@ -477,3 +477,25 @@ def FilePath(accepts: str, *, words: tuple[str, ...] = (), suffixes: tuple[str, 
         return resolve_path(v, _base_dir(info))
 
     return Annotated[str, PlainValidator(check), Accepts(full)]
+
+
+# A model named by URL (https://, http://), Hub file (hf://ORG/REPO/FILE.gguf) or Hub quantization (ORG/REPO:QUANT):
+# kept as written (orchestrator.model.remote reads and downloads it); anything else is a local path.
+_REMOTE_MODEL_RE = re.compile(r"^(?:(?:https?|hf)://\S+|[A-Za-z0-9][\w.-]*/[\w.-]+:[\w.-]+)$")
+
+
+def is_remote_model(text: str) -> bool:
+    return bool(_REMOTE_MODEL_RE.match(text))
+
+
+def ModelPath(accepts: str) -> Any:
+    """A local .gguf path (resolved like :func:`FilePath`) or a remote model reference, kept verbatim."""
+    local = FilePath(accepts, suffixes=(".gguf",))
+    check_local = local.__metadata__[0].func
+
+    def check(v: Any, info: ValidationInfo) -> str:
+        if isinstance(v, str) and is_remote_model(v.strip()):
+            return v.strip()
+        return check_local(v, info)
+
+    return Annotated[str, PlainValidator(check), Accepts(accepts)]

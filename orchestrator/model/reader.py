@@ -11,6 +11,10 @@ also runs under the bare ``python3`` of the GPU machine.
 
 Sharded models (``NAME-00001-of-00004.gguf`` with ``split.*`` keys) are read as one: pass any shard; every
 shard must exist and agree on ``split.count``, its ``split.no`` and the total tensor count.
+
+The parser reads through a :class:`ByteSource`: a local file is memory-mapped whole (the page cache does the
+rest); a remote file (:mod:`orchestrator.model.remote`) is read as a growing prefix of range requests, so only
+the header and tensor index ever travel, never tensor data.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from orchestrator.errors import ModelError
 from orchestrator.model.classes import TensorClass, classify
@@ -88,16 +92,58 @@ class GgufFile:
     file_size: int
 
 
+class MissingFile(ModelError):
+    """The file (or URL) does not exist: lets :func:`read_shards` say which shard of a split model is missing."""
+
+
+class ByteSource(Protocol):
+    """Bytes of one file read from the front: ``name`` (for messages), ``size`` (the whole file's), and
+    ``read(offset, n)`` returning exactly ``n`` bytes. The parser asks only for a growing prefix, in order."""
+
+    name: str
+    size: int
+
+    def read(self, offset: int, n: int) -> bytes: ...
+
+
+# A source without a memory map is read in requests that double the prefix, from FIRST_READ up, and that go at
+# most MAX_READAHEAD past what the parser asked for: few round trips for a large vocabulary, little over-read.
+FIRST_READ = 1 << 20
+MAX_READAHEAD = 16 << 20
+
+
+class _Prefix:
+    """The front of a :class:`ByteSource`, extended on demand; ``grow(upto)`` returns a buffer of at least
+    ``upto`` bytes."""
+
+    def __init__(self, source: ByteSource) -> None:
+        self.source = source
+        self.data = bytearray()
+
+    def grow(self, upto: int) -> bytearray:
+        have = len(self.data)
+        want = min(self.source.size, max(upto, FIRST_READ, min(2 * have, upto + MAX_READAHEAD)))
+        chunk = self.source.read(have, want - have)
+        if len(chunk) != want - have:
+            raise ModelError(f"{self.source.name}: short read: asked for {want - have} bytes at offset {have}, "
+                             f"got {len(chunk)}")
+        self.data += chunk
+        return self.data
+
+
 class _Cursor:
-    """Bounds-checked little-endian reads over a memory map. Every read names the section it is in, so a
-    truncated file says where it ends."""
+    """Bounds-checked little-endian reads over a buffer that holds the file's first ``avail`` bytes (all of it
+    for a memory map; a growing prefix for a remote file, extended by ``grow``). Every read names the section
+    it is in, so a truncated file says where it ends."""
 
-    __slots__ = ("buf", "pos", "end", "path", "section")
+    __slots__ = ("buf", "pos", "end", "avail", "grow", "path", "section")
 
-    def __init__(self, buf, path: str, end: int) -> None:
+    def __init__(self, buf, path: str, end: int, grow: Callable[[int], Any] | None = None) -> None:
         self.buf = buf
         self.pos = 0
         self.end = end
+        self.avail = end if grow is None else len(buf)
+        self.grow = grow
         self.path = path
         self.section = "header"
 
@@ -108,6 +154,9 @@ class _Cursor:
         if n < 0 or self.pos + n > self.end:
             raise self.fail(f"truncated GGUF: the {self.section} needs {n} more bytes at offset {self.pos} "
                             f"but the file has {self.end} bytes")
+        if self.pos + n > self.avail:
+            self.buf = self.grow(self.pos + n)
+            self.avail = len(self.buf)
 
     def u32(self) -> int:
         self.need(4)
@@ -133,6 +182,7 @@ class _Cursor:
         if n > self.end - self.pos:
             raise self.fail(f"truncated or corrupt GGUF: {what} claims {n} bytes at offset {self.pos - 8} "
                             f"but only {self.end - self.pos} remain")
+        self.need(n)
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         try:
@@ -141,12 +191,13 @@ class _Cursor:
             raise self.fail(f"corrupt GGUF: {what} at offset {self.pos - n} is not UTF-8") from None
 
     def skip_strings(self, count: int, what: str) -> None:
-        buf, pos, end = self.buf, self.pos, self.end
+        buf, pos, end, avail = self.buf, self.pos, self.end, self.avail
         unpack = struct.Struct("<Q").unpack_from
         for i in range(count):
-            if pos + 8 > end:
+            if pos + 8 > avail:
                 self.pos = pos
                 self.need(8)
+                buf, avail = self.buf, self.avail
             n = unpack(buf, pos)[0]
             pos += 8
             if n > end - pos:
@@ -162,7 +213,7 @@ def _open_map(path: str):
     try:
         st = p.stat()
     except FileNotFoundError:
-        raise ModelError(f"{path}: no such file") from None
+        raise MissingFile(f"{path}: no such file") from None
     except OSError as e:
         raise ModelError(f"{path}: cannot read: {e.strerror or e}") from None
     if p.is_dir():
@@ -184,22 +235,29 @@ def _open_map(path: str):
 
 
 def read_gguf(path: str | os.PathLike) -> GgufFile:
-    """Parse one GGUF file's header and tensor index, validating every count and offset."""
+    """Parse one local GGUF file's header and tensor index, validating every count and offset."""
     path = str(path)
     f, buf, size = _open_map(path)
     try:
-        return _parse(path, buf, size)
+        return _parse(_Cursor(buf, path, size))
     finally:
         if isinstance(buf, mmap.mmap):
             buf.close()
         f.close()
 
 
-def _parse(path: str, buf, size: int) -> GgufFile:
-    c = _Cursor(buf, path, size)
+def read_gguf_source(source: ByteSource) -> GgufFile:
+    """Parse one GGUF file's header and tensor index from ``source``, reading only the prefix they occupy."""
+    prefix = _Prefix(source)
+    return _parse(_Cursor(prefix.data, source.name, source.size, grow=prefix.grow))
+
+
+def _parse(c: _Cursor) -> GgufFile:
+    path, size = c.path, c.end
     if size < 4:
         raise ModelError(f"{path}: not a GGUF file ({size} bytes, too short for the 'GGUF' magic)")
-    magic = bytes(buf[0:4])
+    c.need(4)
+    magic = bytes(c.buf[0:4])
     if magic != GGUF_MAGIC:
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     c.pos = 4
@@ -306,6 +364,7 @@ def _read_value(c: _Cursor, t: int, key: str) -> Any:
         if n > KEEP_ARRAY_MAX:
             c.pos += n * es
             return ArrayInfo(_TYPE_NAMES[et], n)
+        c.need(n * es)
         vals = list(struct.unpack_from(f"<{n}{_SCALAR_FMT[et][1]}", c.buf, c.pos))
         c.pos += n * es
         return vals
@@ -326,11 +385,11 @@ def shard_paths(path: str | os.PathLike) -> list[str]:
     return [f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
-def read_shards(path: str | os.PathLike) -> list[GgufFile]:
+def read_shards(path: str | os.PathLike, read: Callable[[str], GgufFile] = read_gguf) -> list[GgufFile]:
+    """The headers of every shard of the model ``path`` names. ``read`` parses one shard by name (a local path,
+    or a URL through :mod:`orchestrator.model.remote`); shards are named alike either way."""
     path = str(path)
-    if not Path(path).exists():
-        raise ModelError(f"{path}: no such file")
-    first = read_gguf(path)
+    first = read(path)
     split_count = first.metadata.get("split.count")
     named = shard_paths(path)
     if split_count is None:
@@ -350,9 +409,10 @@ def read_shards(path: str | os.PathLike) -> list[GgufFile]:
         if p == path:
             g = first
         else:
-            if not Path(p).exists():
-                raise ModelError(f"{p}: missing shard {i + 1} of {split_count} (of {named[0]})")
-            g = read_gguf(p)
+            try:
+                g = read(p)
+            except MissingFile:
+                raise MissingFile(f"{p}: missing shard {i + 1} of {split_count} (of {named[0]})") from None
         no = g.metadata.get("split.no")
         cnt = g.metadata.get("split.count")
         if cnt != split_count or no != i:
@@ -481,9 +541,10 @@ def _vocab_size(md: dict[str, Any], m: _Meta, tensors: list[TensorInfo]) -> int:
     return 0
 
 
-def read_model(path: str | os.PathLike) -> ModelInfo:
-    """Read a model's metadata and tensor index (all shards) -- never its tensor data."""
-    files = read_shards(path)
+def read_model(path: str | os.PathLike, read: Callable[[str], GgufFile] = read_gguf) -> ModelInfo:
+    """Read a model's metadata and tensor index (all shards) -- never its tensor data. ``read``: see
+    :func:`read_shards`."""
+    files = read_shards(path, read)
     first = files[0]
     p = first.path
     md = first.metadata

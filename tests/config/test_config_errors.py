@@ -82,7 +82,8 @@ CASES = [
      "3: nodes[0].machine: got 'lvie' (expected live or a recorded machine: a .tar.gz from `orchestrator inspect "
      "--save` or a .json from `orchestrator inspect --json`; did you mean 'live'?)"),
     ("model: m.txt\n",
-     "1: model.path: got 'm.txt' (expected a .gguf file, relative to the topology file's folder)"),
+     "1: model.path: got 'm.txt' (expected a .gguf file (relative to the topology file's folder), "
+     "a model URL or a Hugging Face id)"),
     # --- negative, absurd and out-of-range numbers and sizes
     (M + "nodes:\n  - vram_reserve: -1GiB\n",
      "3: nodes[0].vram_reserve: -1GiB is negative (expected auto or a size like 24GiB or 512MiB, 0..1TiB)"),
@@ -120,7 +121,8 @@ CASES = [
      "ORCHESTRATOR_API_KEY) or null)"),
     # --- missing keys
     ("model:\n  context: 8192\n",
-     "1: model.path: missing required key (expected a .gguf file, relative to the topology file's folder)"),
+     "1: model.path: missing required key (expected a .gguf file (relative to the topology file's folder), "
+     "a model URL or a Hugging Face id)"),
     ("workers:\n  threads: 4\n",
      "1: model: missing required key (every topology names its model: `model: FILE.gguf`)"),
     (M + "nodes: []\n",
