@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.model.calibmodels import PRESETS, build
-from orchestrator.model.ggufwrite import write_gguf, write_gguf_split
+from lab.calibmodels import PRESETS, build
+from lab.ggufwrite import write_gguf, write_gguf_split
 
 from .remote_servers import Blob, FileServer, HubServer
 
