@@ -40,8 +40,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 if [ "${ORCHESTRATOR_SKIP_BUILD:-0}" != 1 ]; then
-  # finds $LLAMA_SERVER / PATH / cached build first; builds only when none is there
-  if ! "$VENV/bin/orchestrator" doctor --json >/dev/null 2>&1; then
+  # $LLAMA_SERVER or a llama-server on PATH is used as it is; otherwise the pinned source with our patch series
+  # (instant when that exact build is cached; a changed patch series builds again)
+  if [ -z "${LLAMA_SERVER:-}" ] && ! command -v llama-server >/dev/null; then
     "$VENV/bin/orchestrator" build >/dev/null
   fi
 fi
