@@ -5,7 +5,9 @@
 - resident memory of the llama-server process tree (psutil);
 - per GPU the worker uses (NVML, when GPUs exist): memory used, utilisation, temperature, power, and the VRAM
   held by the worker's processes;
-- the node's NUMA-balancing state (``/proc/sys/kernel/numa_balancing``, read under a root path).
+- the node's NUMA-balancing state (``/proc/sys/kernel/numa_balancing``, read under a root path);
+- the expert cache's counters (``llamacpp:moe_cache_*``, when llama-server runs one): lookups, misses, uploaded
+  bytes, the slots' VRAM and the hit ratio of the last interval.
 
 Values go to a :class:`MetricsSink`; in an actor that is :class:`orchestrator.cluster.ray_api.RayMetricsSink`
 (``ray.util.metrics``, shown by the Ray dashboard and its Prometheus endpoint), in tests a dict.
@@ -36,6 +38,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "orchestrator_gpu_utilization_percent": ("gauge", "GPU utilisation"),
     "orchestrator_gpu_temperature_celsius": ("gauge", "GPU temperature"),
     "orchestrator_gpu_power_watts": ("gauge", "GPU power draw"),
+    "orchestrator_worker_expert_cache_hit_ratio": ("gauge", "expert cache: hits / lookups since the last scrape "
+                                                   "(the last value while nothing was looked up)"),
+    "orchestrator_worker_expert_cache_lookups": ("counter", "expert cache: experts looked up (per batch and tensor)"),
+    "orchestrator_worker_expert_cache_misses": ("counter", "expert cache: lookups that uploaded the expert"),
+    "orchestrator_worker_expert_cache_uploaded_bytes": ("counter", "expert cache: bytes uploaded from host memory"),
+    "orchestrator_worker_expert_cache_bytes": ("gauge", "expert cache: GPU memory held by its slots"),
     "orchestrator_node_numa_balancing": ("gauge", "kernel.numa_balancing on the worker's node (0 = off)"),
     "orchestrator_gateway_requests": ("counter", "requests the gateway answered, by model and HTTP status"),
     "orchestrator_gateway_requests_in_flight": ("gauge", "requests the gateway is proxying, per replica"),
@@ -131,6 +139,32 @@ class TokenRates:
 
 
 # --- process tree memory --------------------------------------------------------------------------------------------
+@dataclass
+class ExpertCacheCounters:
+    """The expert cache's cumulative counters on llama-server's page (``llamacpp:moe_cache_*``, our patched build)
+    turned into increments and an interval hit ratio; a restart resets the counters."""
+
+    prev: dict[str, float] | None = None
+    hit_ratio: float | None = None
+
+    KEYS = {"lookups": "llamacpp:moe_cache_lookups_total", "hits": "llamacpp:moe_cache_hits_total",
+            "misses": "llamacpp:moe_cache_misses_total", "uploaded": "llamacpp:moe_cache_uploaded_bytes_total"}
+
+    def update(self, sample: Mapping[str, float]) -> dict[str, float] | None:
+        """Increments since the last page (all since the start on the first one), or None when the page has no
+        active cache."""
+        if not sample.get("llamacpp:moe_cache_active"):
+            self.prev = None
+            return None
+        cur = {k: sample.get(v, 0.0) for k, v in self.KEYS.items()}
+        prev = self.prev if self.prev and all(cur[k] >= self.prev[k] for k in cur) else dict.fromkeys(cur, 0.0)
+        delta = {k: cur[k] - prev[k] for k in cur}
+        if delta["lookups"] > 0:
+            self.hit_ratio = delta["hits"] / delta["lookups"]
+        self.prev = cur
+        return delta
+
+
 def tree_pids(pid: int) -> list[int]:
     import psutil
 
@@ -234,6 +268,7 @@ class WorkerSampler:
     nvml: Any = None
     root: str = "/"
     rates: TokenRates = field(default_factory=TokenRates)
+    cache: ExpertCacheCounters = field(default_factory=ExpertCacheCounters)
     last: dict = field(default_factory=dict)
     _restarts_reported: int = 0
 
@@ -264,6 +299,15 @@ class WorkerSampler:
             out["generation_tps"] = round(self.rates.generation_tps, 2)
             out["requests_in_flight"] = int(m.get("llamacpp:requests_processing", 0))
             out["requests_deferred"] = int(m.get("llamacpp:requests_deferred", 0))
+            delta = self.cache.update(m)
+            if delta is not None:
+                s.inc("orchestrator_worker_expert_cache_lookups", delta["lookups"], tags)
+                s.inc("orchestrator_worker_expert_cache_misses", delta["misses"], tags)
+                s.inc("orchestrator_worker_expert_cache_uploaded_bytes", delta["uploaded"], tags)
+                s.set("orchestrator_worker_expert_cache_bytes", m.get("llamacpp:moe_cache_bytes", 0.0), tags)
+                if self.cache.hit_ratio is not None:
+                    s.set("orchestrator_worker_expert_cache_hit_ratio", self.cache.hit_ratio, tags)
+                    out["expert_cache_hit_ratio"] = round(self.cache.hit_ratio, 4)
         else:
             self.rates = TokenRates()
         s.set("orchestrator_worker_prompt_tokens_per_second", out["prompt_tps"], tags)

@@ -168,6 +168,43 @@ def test_sampler_writes_every_metric_with_tags(tmp_path):
         assert name in METRICS and tuple(sorted(TAG_KEYS[name])) == tuple(sorted(k for k, _ in tagset))
 
 
+def test_sampler_exports_the_expert_cache_counters():
+    pages = iter([
+        # a build without the cache, then the cache, then more lookups, then a restart of llama-server
+        "llamacpp:prompt_tokens_total 1\n",
+        "llamacpp:moe_cache_active 1\nllamacpp:moe_cache_bytes 2.5e+09\nllamacpp:moe_cache_lookups_total 1000\n"
+        "llamacpp:moe_cache_hits_total 900\nllamacpp:moe_cache_misses_total 100\n"
+        "llamacpp:moe_cache_uploaded_bytes_total 8.8e+07\n",
+        "llamacpp:moe_cache_active 1\nllamacpp:moe_cache_bytes 2.5e+09\nllamacpp:moe_cache_lookups_total 1500\n"
+        "llamacpp:moe_cache_hits_total 1300\nllamacpp:moe_cache_misses_total 200\n"
+        "llamacpp:moe_cache_uploaded_bytes_total 1.76e+08\n",
+        "llamacpp:moe_cache_active 1\nllamacpp:moe_cache_bytes 2.5e+09\nllamacpp:moe_cache_lookups_total 10\n"
+        "llamacpp:moe_cache_hits_total 5\nllamacpp:moe_cache_misses_total 5\n"
+        "llamacpp:moe_cache_uploaded_bytes_total 4.4e+06\n",
+    ])
+    sink = DictSink()
+    s = WorkerSampler("w0", "n", "http://x", None, sink, fetch=lambda *a: next(pages), rss=lambda pid: 0,
+                      pids=lambda pid: [], nvml=SimpleNamespace(available=False), root="/nonexistent")
+    tags = {"worker": "w0", "node": "n"}
+    out = s.sample({"healthy": True, "pid": None, "restarts": 0}, 1.0)
+    assert "expert_cache_hit_ratio" not in out
+    assert sink.get("orchestrator_worker_expert_cache_lookups", **tags) is None
+    out = s.sample({"healthy": True, "pid": None, "restarts": 0}, 2.0)
+    assert out["expert_cache_hit_ratio"] == 0.9
+    assert sink.get("orchestrator_worker_expert_cache_lookups", **tags) == 1000
+    assert sink.get("orchestrator_worker_expert_cache_bytes", **tags) == 2.5e9
+    out = s.sample({"healthy": True, "pid": None, "restarts": 0}, 3.0)
+    assert out["expert_cache_hit_ratio"] == 0.8                   # 400 hits of the last 500 lookups
+    assert sink.get("orchestrator_worker_expert_cache_lookups", **tags) == 1500
+    assert sink.get("orchestrator_worker_expert_cache_misses", **tags) == 200
+    assert sink.get("orchestrator_worker_expert_cache_uploaded_bytes", **tags) == 1.76e8
+    out = s.sample({"healthy": True, "pid": None, "restarts": 0}, 4.0)   # restarted: counting starts again
+    assert out["expert_cache_hit_ratio"] == 0.5
+    assert sink.get("orchestrator_worker_expert_cache_lookups", **tags) == 1510
+    for (name, tagset) in sink.values:
+        assert name in METRICS and tuple(sorted(TAG_KEYS[name])) == tuple(sorted(k for k, _ in tagset))
+
+
 def test_sampler_without_health_reports_zero_and_does_not_scrape():
     calls = []
     sink = DictSink()
