@@ -59,6 +59,7 @@ class CacheInputs:
     host_layer_overhead_s: float = 0.0   # per host-resident layer whose experts the CPU computes
     cache_layer_overhead_s: float = 0.0  # per host-resident layer the cache serves (expert ids read back)
     cache_fixed_s: float = 0.0           # per token on the cache path, beyond the bytes
+    min_gpu_layers: int = 0              # fewer whole layers on the GPU would not fit host memory
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def candidates(inp: CacheInputs, cache_bytes: int | None = None) -> tuple[CacheC
     modes = ("upload", "cpu") if inp.cpu_misses else ("upload",)
     out = []
     expert = inp.layer_expert_bytes / inp.n_expert if inp.n_expert else 0
-    for k in range(k_max + 1):
+    for k in range(min(inp.min_gpu_layers, k_max), k_max + 1):
         rest = free - k * inp.layer_expert_bytes
         rest = rest // MIB * MIB
         if cache_bytes is not None:

@@ -424,12 +424,21 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
     pcie = pinned * (R.PAGEABLE_FRACTION if load_mode == "mmap" else R.CACHE_UPLOAD_EFFICIENCY)
     size_req = req.expert_cache
     forced = req.expert_layers_on_cpu is not None
+    min_gpu_layers = 0
+    if load_mode != "mmap":
+        # layers moved to the cache stay in host memory, read into it: they must fit beside what is there
+        avail = sum(node_available(machine, n) for n in machine.numa_nodes
+                    if not cpu.host_nodes or n.id in cpu.host_nodes) or (machine.memory_available_bytes or 0)
+        if avail:
+            room = avail - (node_req.ram_reserve or 0) - best.placement.cpu_weights - best.placement.cpu_kv - GiB
+            min_gpu_layers = max(0, len(moe) - len(host) - max(0, room) // layer_bytes)
     inp = X.CacheInputs(curve=curve, layer_expert_bytes=layer_bytes, n_expert=costs.n_expert,
                         n_expert_used=costs.n_expert_used, n_moe_layers=len(moe),
                         vram_free=on_gpu + (size_req if forced else leftover), pcie_bw=pcie, host_bw=host_bw,
                         gpu_bw=gpu_bw, base_seconds=base, cpu_misses=False,
                         host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
-                        cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S)
+                        cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S,
+                        min_gpu_layers=min_gpu_layers)
     cplan = X.plan_expert_cache(inp, req.objective, cache_bytes=size_req)
     curve_note = f"; hit-rate curve: {curve.source}"
     if not cplan.use_cache:
