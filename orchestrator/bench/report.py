@@ -40,7 +40,7 @@ def _columns(summary: Mapping[str, Any], part: str) -> list[str]:
         keys.update(s.get("metrics", {}))
     if part == "speed":
         speed = sorted((k for k in keys if _PP.match(k) or _TG.match(k)), key=_metric_order)
-        return ["load_s"] * ("load_s" in keys) + speed
+        return ["load_s"] * ("load_s" in keys) + speed + ["moe_cache_hit_rate"] * ("moe_cache_hit_rate" in keys)
     ttft = sorted((k for k in keys if k.startswith("ttft_")),
                   key=lambda k: (int(k.rsplit("_c", 1)[1]), k))
     mem = sorted(k for k in keys if k.startswith("vram_peak_gpu")) + (["rss_peak"] if "rss_peak" in keys else [])
@@ -52,7 +52,7 @@ def _header(k: str) -> str:
     if k.startswith("ttft_p"):
         q, c = k[len("ttft_p"):].split("_c")
         return f"ttft p{q} c{c} s"
-    return {"load_s": "load s", "rss_peak": "RSS peak"}.get(k, k.replace("vram_peak_", "VRAM ")
+    return {"load_s": "load s", "rss_peak": "RSS peak", "moe_cache_hit_rate": "cache hits"}.get(k, k.replace("vram_peak_", "VRAM ")
                                                              .replace("power_mean_w_", "W ")
                                                              .replace("temp_max_c_", "°C "))
 
@@ -63,6 +63,8 @@ def _cell(k: str, m: Mapping[str, Any] | None) -> str:
     v = m["median"]
     if k.startswith(("vram_peak", "rss_peak")):
         return fmt_bytes(v)
+    if k == "moe_cache_hit_rate":
+        return f"{v:.1%}"
     if k.startswith("ttft_"):
         s = f"{v:.3f}"
     elif k == "load_s" or k.startswith(("power", "temp")):

@@ -150,7 +150,8 @@ def _configs(args: argparse.Namespace):
         return others
     which = args.configs or GROUPS
     derived = build_configs(plan, which, ncmoe_values=args.ncmoe, ubatches=args.ub, load_modes=args.load_modes,
-                            offload_values=args.offload, thread_values=args.threads)
+                            offload_values=args.offload, thread_values=args.threads,
+                            layer_expert_bytes=plan.params.get("layer_expert_bytes"))
     names = {c.name for c in derived}
     clash = [c.name for c in others if c.name in names]
     if clash:
@@ -193,6 +194,13 @@ def _plan_from_topology(args: argparse.Namespace):
     n_layers = res.plan.model.get("n_layers")
     if isinstance(n_layers, int):
         plan = replace(plan, params={**dict(plan.params), "n_layers": n_layers})
+    from orchestrator.plan.costs import model_costs
+
+    costs = model_costs(res.model)
+    if costs.moe_layers:
+        # the cache grid frees whole expert layers: the largest one's VRAM, as the plan counts it
+        plan = replace(plan, params={**dict(plan.params),
+                                     "layer_expert_bytes": max(costs.layer_experts[i] for i in costs.moe_layers)})
     if not args.server:
         args.server = res.backend.server
     if args.gpus is None and worker.gpus:

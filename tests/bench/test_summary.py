@@ -194,3 +194,12 @@ def test_recorded_h200_runs_get_intervals_and_a_target_inside_one_is_flagged():
         assert "ci90" not in rs2[("plan/fit", m)]
     tg2 = rs2[("plan/fit", "tg128@0")]                # four samples each: 1.24, clear of the 1.05 target
     assert tg2["ok"] is True and tg2["ci90"][0] > 1.05 and tg2["ci_spans_target"] is False
+
+
+def test_the_expert_cache_hit_rate_of_a_run():
+    from orchestrator.bench.summary import run_metrics
+
+    run = {"loaded": True, "samples": {"pp": [], "tg": [], "moe_cache": {"hits": 80.0, "lookups": 100.0}}}
+    assert run_metrics(run)["moe_cache_hit_rate"] == [0.8]
+    idle = {"loaded": True, "samples": {"pp": [], "tg": [], "moe_cache": {"hits": 0.0, "lookups": 0.0}}}
+    assert "moe_cache_hit_rate" not in run_metrics(idle)
