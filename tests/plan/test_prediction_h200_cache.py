@@ -183,3 +183,48 @@ def test_the_default_curve_is_said(models, h200):
     w = _plan(models, h200, 12, None)
     d = next(d for d in w.decisions if d.what == "expert cache")
     assert "default" in d.why and w.expert_cache.curve_source.startswith("default")
+
+
+def _resolve(model, **over):
+    from orchestrator.resolve import nominal_backend, resolve
+
+    return resolve(ROOT / "topologies" / "h200.yaml",
+                   overrides={"model.path": model.paths[0], "nodes.0.machine": str(FIX / "machines" /
+                                                                                    "h200.inspect.json"), **over},
+                   backend=nominal_backend("mainline", cuda=True))
+
+
+def test_plan_reads_the_cached_routing_profile_and_prints_the_arithmetic(models, tmp_path, monkeypatch):
+    """`orchestrator plan` end to end on the recorded H200 at 12 GiB: the routing profile cached beside the
+    model (as `orchestrator model M --routing` leaves it) decides; none cached: the default curve, said."""
+    from orchestrator.commands.plan import plan_document, render_text
+    from orchestrator.model.routing import profile_path
+
+    monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path))
+    model = models("qwen3-30b-a3b")
+    res = _resolve(model)
+    text = render_text(res)
+    assert "hit-rate curve: default" in text and "predicted hit rate" in text and "expert cache" in text
+    doc = plan_document(res)["workers"][0]
+    assert doc["expert_cache"]["use_cache"] and "--moe-cache-mib" in doc["argv"]
+    assert doc["memory"][0]["cache"] > 0 and doc["settings"]["moe_cache_mib"] == doc["expert_cache"]["chosen"][
+        "cache_mib"]
+
+    def cache_profile(locality):
+        trace = parse_trace((FIX / "routing" / f"demo-locality-{LOCALITY[locality]}.trace").read_bytes())
+        p = profile_path(model.paths[0])
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({"model": model.paths[0], "settings": {},
+                                 "profile": profile(trace, f"measured {locality}").to_json()}))
+
+    cache_profile("loc0")
+    flat = plan_document(_resolve(model))["workers"][0]
+    assert not flat["expert_cache"]["use_cache"] and "--moe-cache-mib" not in flat["argv"]
+    assert flat["expert_cache"]["curve_source"] == "measured loc0"
+    cache_profile("default")
+    local = plan_document(_resolve(model))["workers"][0]
+    assert local["expert_cache"]["use_cache"] and local["expert_cache"]["curve_source"] == "measured default"
+    off = plan_document(_resolve(model, **{"workers.expert_cache": "off"}))["workers"][0]
+    assert "--moe-cache-mib" not in off["argv"] and "expert_cache" not in off
+    sized = plan_document(_resolve(model, **{"workers.expert_cache": "1GiB"}))["workers"][0]
+    assert sized["settings"]["moe_cache_mib"] == 1024
