@@ -217,6 +217,8 @@ def _params(s: WorkerSettings, cpu_expert_layers: Sequence[int] | None) -> dict[
         cpu_expert_layers = cpu_expert_layers_of(s)
     if cpu_expert_layers is not None:
         params["n_cpu_moe"] = len(cpu_expert_layers)
+    if s.moe_cache_mib:
+        params["moe_cache_mib"] = s.moe_cache_mib
     return params
 
 

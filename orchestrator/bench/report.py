@@ -196,8 +196,9 @@ def _chart_metrics(summary: Mapping[str, Any]) -> list[str]:
 
 
 def write_charts(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
-    """``speed.png`` (t/s per configuration for pp512, pp4096 and each tg depth, error bars = min/max) and,
-    when there is a threshold sweep, ``offload.png`` (prompt t/s vs prompt length per threshold)."""
+    """``speed.png`` (t/s per configuration for pp512, pp4096 and each tg depth, error bars = min/max);
+    when there is a threshold sweep, ``offload.png`` (prompt t/s vs prompt length per threshold); when there is
+    a cache grid, ``cache.png`` (generation t/s against the cache size, the plan marked)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,6 +264,27 @@ def write_charts(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "offload.png"))
+        plt.close(fig)
+
+    grid = [n for n, s in summary.items() if s["group"] in ("cache-grid", "plan") and s["metrics"]]
+    tg = sorted({k for n in grid for k in summary[n]["metrics"] if _TG.match(k)}, key=_metric_order)
+    if tg and any(summary[n]["group"] == "cache-grid" for n in grid):
+        m = tg[0]                                   # generation at the shallowest depth
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        pts = [(float(summary[n]["params"].get("moe_cache_mib") or 0), summary[n]["metrics"][m], n)
+               for n in grid if m in summary[n]["metrics"]]
+        for x, v, n in sorted(pts):
+            plan = n == "plan"
+            ax.errorbar([x], [v["median"]], yerr=[[v["median"] - v["min"]], [v["max"] - v["median"]]],
+                        fmt="*" if plan else "o", markersize=14 if plan else 7, capsize=3,
+                        color="tab:red" if plan else "tab:blue")
+            ax.annotate(n, (x, v["median"]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+        ax.set_xlabel("expert cache (MiB, --moe-cache-mib)")
+        ax.set_ylabel("generation tokens/s")
+        ax.set_title(f"expert cache grid ({m}); the plan marked")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "cache.png"))
         plt.close(fig)
     return paths
 

@@ -115,6 +115,9 @@ def test_predicted_slots_and_hit_rate_match_the_counters(models, h200):
         c = w.expert_cache.chosen
         slots = {r["cache_slots"] for r in recs}
         assert slots == {c.slots_per_layer}, (config, slots, c.slots_per_layer)
+        # the banks' device memory as the server reported it (printed to 6 significant digits)
+        cuda0 = next(m for m in w.memory if m.device == "CUDA0")
+        assert cuda0.cache == pytest.approx(recs[0]["cache_bytes"], rel=1e-5)
         measured = statistics.median(r["hit_rate"] for r in recs)
         assert abs(hit_rate(curve, c.fraction) - measured) <= 0.05, (stem, config, c.fraction, measured)
         checked += 1
