@@ -522,11 +522,22 @@ def moe_cache_size(model: ModelInfo, host_expert_layers: Iterable[int], cache_mi
     cap = min(max_batch, slots // used)
     if cap < 1:
         return MoeCacheSize(int(slots), 0, 0)
+    return MoeCacheSize(int(slots), int(cap), moe_cache_bank_bytes(model, layers, int(slots), int(cap)))
+
+
+def moe_cache_bank_bytes(model: ModelInfo, layers: Iterable[int], slots: int, batch_cap: int) -> int:
+    """Device memory of the banks of the routed-expert tensors of ``layers`` at ``slots`` slots each: a CUDA
+    tensor of ``slots`` experts (rows padded as weights are) plus an I32 id buffer for the batch cap. With
+    several GPUs each holds the banks of its own layers."""
+    layers = set(layers)
+    used = model.n_expert_used or 0
     total = 0
-    for t in tensors:
+    for t in model.tensors:
+        if t.cls is not TensorClass.ROUTED_EXPERT or t.layer not in layers or len(t.shape) < 3 or not t.shape[2]:
+            continue
         gt = ggml_type(t.type)
         size = t.bytes // t.shape[2] * slots
         if gt.block > 1 and t.shape[0] % CUDA_ROW_PADDING:
             size += gt.row_bytes(CUDA_ROW_PADDING - t.shape[0] % CUDA_ROW_PADDING) - gt.row_meta
-        total += pad(size, CUDA_ALIGN) + pad(4 * cap * used, CUDA_ALIGN)
-    return MoeCacheSize(int(slots), int(cap), int(total))
+        total += pad(size, CUDA_ALIGN) + pad(4 * batch_cap * used, CUDA_ALIGN)
+    return total

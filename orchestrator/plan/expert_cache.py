@@ -165,15 +165,26 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
                           host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)))
 
 
-def candidates(inp: CacheInputs, cache_bytes: int | None = None) -> tuple[CacheCandidate, ...]:
+def candidates(inp: CacheInputs, cache_bytes: int | None = None,
+               splits: tuple[tuple[int, int], ...] | None = None) -> tuple[CacheCandidate, ...]:
     """One candidate per number of whole layers (0 .. as many as fit), the rest of the VRAM as cache, with the
     faster miss mode; plus the no-cache split (most whole layers). ``cache_bytes``: a cache of this size only
-    (the most whole layers that fit beside it)."""
+    (the most whole layers that fit beside it). ``splits``: the (whole layers, cache bytes) pairs to weigh
+    instead, where the caller knows what fits (several GPUs, each with its own room); the no-cache split is
+    then the most whole layers of ``vram_free``."""
     free = max(0, int(inp.vram_free))
     k_max = min(inp.n_moe_layers, free // inp.layer_expert_bytes) if inp.layer_expert_bytes > 0 else 0
     modes = ("upload", "cpu") if inp.cpu_misses else ("upload",)
     out = []
     expert = inp.layer_expert_bytes / inp.n_expert if inp.n_expert else 0
+    if splits is not None:
+        for k, size in splits:
+            h = inp.n_moe_layers - k
+            if h <= 0 or size < h * inp.n_expert_used * expert:
+                continue
+            out.append(min((_candidate(inp, k, size, m) for m in modes), key=lambda c: c.expert_seconds))
+        out.append(_candidate(inp, k_max, 0, "none"))
+        return tuple(out)
     for k in range(min(inp.min_gpu_layers, k_max), k_max + 1):
         rest = free - k * inp.layer_expert_bytes
         rest = rest // MIB * MIB
@@ -191,15 +202,17 @@ def candidates(inp: CacheInputs, cache_bytes: int | None = None) -> tuple[CacheC
     return tuple(out)
 
 
-def plan_expert_cache(inp: CacheInputs, objective: str = "generation", cache_bytes: int | None = None) -> CachePlan:
+def plan_expert_cache(inp: CacheInputs, objective: str = "generation", cache_bytes: int | None = None,
+                      splits: tuple[tuple[int, int], ...] | None = None) -> CachePlan:
     """Pick the split of ``inp.vram_free`` between whole expert layers and the cache by ``objective``;
-    ``cache_bytes``: the cache has this size (set by the user), whole layers fill the rest."""
+    ``cache_bytes``: the cache has this size (set by the user), whole layers fill the rest; ``splits``: weigh
+    only these (whole layers, cache bytes) pairs (see :func:`candidates`)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: expected one of {OBJECTIVES}")
     for name in ("pcie_bw", "host_bw", "gpu_bw"):
         if not getattr(inp, name) > 0:
             raise ValueError(f"{name} must be positive")
-    cands = candidates(inp, cache_bytes)
+    cands = candidates(inp, cache_bytes, splits)
     no_cache = cands[-1]
     if inp.n_moe_layers == 0 or no_cache.host_layers == 0:
         return CachePlan(no_cache, no_cache, cands, objective, inp.curve.source,

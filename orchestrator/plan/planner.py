@@ -14,12 +14,12 @@ from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
 from orchestrator.plan.cpu import CpuChoice, choose_cpu, node_available
-from orchestrator.model.memory import moe_cache_size
+from orchestrator.model.memory import moe_cache_bank_bytes, moe_cache_size
 from orchestrator.model.routing_profile import DEFAULT_CURVE, HitCurve
 from orchestrator.plan import expert_cache as X
 from orchestrator.plan.placement import (
-    GpuBudget, Placement, _DoesNotFit, cpu_expert_override, place_cpu_only, place_graph_split, place_layer_split,
-    place_single,
+    GpuBudget, Placement, _DoesNotFit, cpu_expert_override, layer_split_placement, place_cpu_only,
+    place_graph_split, place_layer_split, place_single,
 )
 from orchestrator.plan.predict import SpeedInputs, op_offload_threshold, predict_pp, predict_tg
 from orchestrator.plan.request import NodeRequest, PlanRequest
@@ -374,7 +374,7 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
         memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
                                    compute=best.compute_gpu[k], overhead=best.overhead_gpu,
                                    budget=free - node_req.vram_reserve,
-                                   cache=cache_size.bytes if cache_size is not None and k == 0 else 0))
+                                   cache=cache_size[k] if cache_size else 0))
     cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
                                       n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
                                       type_v=req.type_v, has_layers=placement.n_gpu_layers <= model.n_layers,
@@ -399,10 +399,15 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
         return None, None, best, None
     if req.expert_cache == 0:
         return None, Decision("expert cache", "off", "set by the topology"), best, None
-    if len(gpus) != 1 or best.placement.n_gpu_layers <= costs.n_layers:
-        why = ("planned for workers of one GPU only" if len(gpus) != 1 else
-               "some layers' attention is in host memory: the cache serves layers computed on a GPU")
-        return None, Decision("expert cache", "off", why), best, None
+    if best.placement.n_gpu_layers <= costs.n_layers:
+        return None, Decision("expert cache", "off", "some layers' attention is in host memory: the cache serves "
+                                                     "layers computed on a GPU"), best, None
+    if len(gpus) > 1 and mode != "layer":
+        return None, Decision("expert cache", "off", f"-sm {mode} spreads every layer over all GPUs: the cache is "
+                                                     f"planned for one GPU or -sm layer"), best, None
+    if len(gpus) > 1 and req.expert_cache is not None:
+        return None, Decision("expert cache", "off", "a cache of a set size is planned for one-GPU workers; "
+                                                     "leave workers.expert_cache auto to split several GPUs"), best, None
     if req.expert_layers_on_cpu is not None and req.expert_cache is None:
         return None, Decision("expert cache", "off", "the expert placement is forced: set workers.expert_cache "
                                                      "to a size to add a cache beside it"), best, None
@@ -439,12 +444,21 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
                         host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
                         cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S,
                         min_gpu_layers=min_gpu_layers)
-    cplan = X.plan_expert_cache(inp, req.objective, cache_bytes=size_req)
+    splits, per_gpu_host = None, {}
+    if len(gpus) > 1:
+        splits, per_gpu_host = _layer_split_cache_splits(costs, best, moe, host, layer_bytes, min_gpu_layers)
+        inp = replace(inp, vram_free=on_gpu)
+    cplan = X.plan_expert_cache(inp, req.objective, cache_bytes=size_req, splits=splits)
     curve_note = f"; hit-rate curve: {curve.source}"
     if not cplan.use_cache:
         return cplan, Decision("expert cache", "off", cplan.reason + curve_note), best, None
     c = cplan.chosen
-    new_host = tuple(host) if forced else tuple(moe[:c.host_layers])
+    if forced:
+        new_host = tuple(host)
+    elif len(gpus) > 1:
+        new_host = per_gpu_host[(c.gpu_layers, c.cache_bytes)]
+    else:
+        new_host = tuple(moe[:c.host_layers])
     size = moe_cache_size(model, new_host, c.cache_mib)
     if not size.active:
         return cplan, Decision("expert cache", "off", f"{c.cache_mib} MiB holds less than one token's experts "
@@ -452,15 +466,76 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
     cand = best
     if set(new_host) != set(host):
         kv_ub = _kv_layers(model, req, ub=best.ubatch, fa=fa, flavor=flavor)
-        cand = _evaluate(model, costs, kv_ub, gpus, node_req, req.copy(expert_layers_on_cpu=new_host), mode, fa,
-                         best.ubatch, load_mode, cpu.host_nodes, cpu.threads, machine, flavor)
+        if len(gpus) > 1:
+            cand = _relayout(costs, kv_ub, best, new_host, req)
+        else:
+            cand = _evaluate(model, costs, kv_ub, gpus, node_req, req.copy(expert_layers_on_cpu=new_host), mode,
+                             fa, best.ubatch, load_mode, cpu.host_nodes, cpu.threads, machine, flavor)
     tg_bytes = dict(cand.tg_bytes)
     gpu0 = next(iter(k for k in tg_bytes if k.startswith("CUDA")), "CUDA0")
     tg_bytes[gpu0] = int(tg_bytes.get(gpu0, 0) + c.cache_hit_bytes + c.pcie_bytes)
     tg_bytes["CPU"] = max(0, int(tg_bytes.get("CPU", 0) - c.host_layers * per_token))
     tg_bytes["PCIe"] = int(c.pcie_bytes)
     cand = replace(cand, tg=c.tokens_per_s, tg_bytes=tg_bytes)
-    return cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note), cand, size
+    banks = tuple(moe_cache_bank_bytes(model, [i for i in new_host if cand.placement.layer_gpu[i] == g],
+                                       size.slots, size.batch_cap) for g in range(len(gpus)))
+    return cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note), cand, banks
+
+
+def _layer_split_cache_splits(costs: ModelCosts, best: _Candidate, moe: list[int], host: list[int],
+                              layer_bytes: int, min_gpu_layers: int):
+    """With ``-sm layer`` every GPU holds the banks of its own layers, all with the same slot count: for each
+    slot count, the most whole layers each GPU keeps beside the banks of its host-resident layers (never more
+    than the placement gave it). Returns the (whole layers, cache bytes) pairs and, for each, the host-resident
+    layers (each GPU's first ones, as --n-cpu-moe would)."""
+    p = best.placement
+    expert = layer_bytes / costs.n_expert
+    host_set = set(host)
+    by_gpu: dict[int, list[int]] = {}
+    for i in moe:
+        by_gpu.setdefault(p.layer_gpu[i], []).append(i)
+    room = {}
+    for g, layers in by_gpu.items():
+        resident = sum(costs.layer_experts[i] for i in layers if i not in host_set)
+        room[g] = best.budgets[g].budget - (p.gpu_weights[g] - resident) - p.gpu_kv[g]
+    splits, hosts = [], {}
+    for s in range(costs.n_expert_used, costs.n_expert + 1):
+        keep, new_host = 0, []
+        for g, layers in by_gpu.items():
+            now = sum(1 for i in layers if i not in host_set)
+            n = len(layers)
+            # k layers whole + banks of s experts for the other n - k: k L + s (n - k) e <= room
+            free = room[g] - s * n * expert
+            if free < 0:
+                keep = -1
+                break
+            k = n if layer_bytes <= s * expert else int(free // (layer_bytes - s * expert))
+            k = max(0, min(k, now))
+            keep += k
+            new_host += layers[:n - k]
+        if keep < min_gpu_layers or not new_host:
+            continue
+        size = -(-int(s * len(new_host) * expert) // MiB) * MiB
+        if (keep, size) not in hosts:
+            splits.append((keep, size))
+            hosts[(keep, size)] = tuple(sorted(new_host))
+    return tuple(splits), hosts
+
+
+def _relayout(costs: ModelCosts, kv_layer: list[int], best: _Candidate, cpu_layers: tuple[int, ...],
+              req: PlanRequest) -> _Candidate:
+    """The plan's -sm layer ranges with the experts of ``cpu_layers`` in host memory: threshold and prompt speed
+    again (generation is the cache's prediction)."""
+    counts = list(best.placement.tensor_split)
+    counts[-1] -= 1                                   # the output layer
+    placement = layer_split_placement(costs, kv_layer, counts, cpu_layers)
+    if req.op_offload_min_batch is not None:
+        threshold, why = req.op_offload_min_batch, "set by the topology"
+    else:
+        threshold, why = op_offload_threshold(costs, placement, best.speed, max_batch=max(best.ubatch, 4096),
+                                              min_batch=req.parallel + 1)
+    pp = predict_pp(costs, placement, best.speed, best.ubatch, threshold)
+    return replace(best, placement=placement, threshold=threshold, threshold_why=why, pp=pp)
 
 
 def _cpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine: Machine, node_req: NodeRequest,

@@ -117,3 +117,30 @@ def test_bad_inputs():
         X.plan_expert_cache(_inputs(), "fastest")
     with pytest.raises(ValueError, match="pcie_bw"):
         X.plan_expert_cache(dataclasses.replace(_inputs(), pcie_bw=0))
+
+
+def test_several_gpus_each_hold_the_banks_of_their_own_layers(models):
+    """-sm layer over four GPUs: one slot count for every bank, each GPU's banks and whole layers within its
+    own budget, and the layers moved to the cache the first ones of each GPU's range."""
+    from planfixtures import machine
+
+    from orchestrator.plan import NodeRequest, PlanRequest, make_plan
+    from orchestrator.resolve import nominal_backend
+
+    m = machine("2socket-8gpu")
+    req = PlanRequest(context=32768, nodes=(NodeRequest(name="server", gpus=(0, 1, 2, 3)),))
+    model = models("qwen3-235b-a22b")
+    w = make_plan(machines={"server": m}, model=model, request=req,
+                  backend=nominal_backend("mainline", cuda=True)).workers[0]
+    off = make_plan(machines={"server": m}, model=model, request=req.copy(expert_cache=0),
+                    backend=nominal_backend("mainline", cuda=True)).workers[0]
+    assert w.expert_cache.use_cache and w.settings.split_mode == "layer"
+    assert set(off.cpu_expert_layers) < set(w.cpu_expert_layers)
+    gpu_mem = [mm for mm in w.memory if mm.device.startswith("CUDA")]
+    assert all(mm.total <= mm.budget for mm in gpu_mem) and sum(1 for mm in gpu_mem if mm.cache) >= 2
+    from orchestrator.model.memory import moe_cache_size
+
+    size = moe_cache_size(model, w.cpu_expert_layers, w.settings.moe_cache_mib)
+    assert size.slots == w.expert_cache.chosen.slots_per_layer
+    assert sum(mm.cache for mm in gpu_mem) == size.bytes
+    assert w.predicted.tg > off.predicted.tg
