@@ -43,7 +43,7 @@ OWNED_FLAGS: dict[str, str] = {
     **dict.fromkeys(flags_of("numa_flag"), "workers.numa"),
     **dict.fromkeys(flags_of("load_mode"), "workers.load_mode"),
     **dict.fromkeys(("--op-offload", "--no-op-offload"), "workers.op_offload_min_batch"),
-    **dict.fromkeys(flags_of("moe_cache_mib") + ("--moe-cache-max-batch",), "workers.expert_cache"),
+    **dict.fromkeys(flags_of("moe_cache_mib", "moe_cache_max_batch"), "workers.expert_cache"),
     **dict.fromkeys(flags_of("host"), "workers.host"),
     **dict.fromkeys(flags_of("port"), "workers.port_base"),
     **dict.fromkeys(API_KEY_FLAGS, "gateway.api_key_env"),

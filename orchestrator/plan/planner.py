@@ -14,7 +14,7 @@ from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
 from orchestrator.plan.cpu import CpuChoice, choose_cpu, node_available
-from orchestrator.model.memory import moe_cache_bank_bytes, moe_cache_size
+from orchestrator.model.memory import MOE_CACHE_MAX_BATCH, moe_cache_bank_bytes, moe_cache_size
 from orchestrator.model.routing_profile import DEFAULT_CURVE, HitCurve
 from orchestrator.plan import expert_cache as X
 from orchestrator.plan.placement import (
@@ -459,7 +459,8 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
         new_host = per_gpu_host[(c.gpu_layers, c.cache_bytes)]
     else:
         new_host = tuple(moe[:c.host_layers])
-    size = moe_cache_size(model, new_host, c.cache_mib)
+    # every busy slot adds a token to a generation batch: the cache must serve batches of that many
+    size = moe_cache_size(model, new_host, c.cache_mib, max_batch=_cache_max_batch(req))
     if not size.active:
         return cplan, Decision("expert cache", "off", f"{c.cache_mib} MiB holds less than one token's experts "
                                                       f"per layer" + curve_note), best, None
@@ -480,6 +481,10 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
     banks = tuple(moe_cache_bank_bytes(model, [i for i in new_host if cand.placement.layer_gpu[i] == g],
                                        size.slots, size.batch_cap) for g in range(len(gpus)))
     return cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note), cand, banks
+
+
+def _cache_max_batch(req: PlanRequest) -> int:
+    return max(MOE_CACHE_MAX_BATCH, req.parallel)
 
 
 def _layer_split_cache_splits(costs: ModelCosts, best: _Candidate, moe: list[int], host: list[int],
@@ -627,6 +632,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         main_gpu=gpus.index(side.main) if len(gpus) > 1 else None,
         tensor_overrides=overrides, fit=False, op_offload_min_batch=side.threshold, load_mode=load_mode,
         moe_cache_mib=side.cache_mib,
+        moe_cache_max_batch=_cache_max_batch(req) if side.cache_mib and req.parallel > MOE_CACHE_MAX_BATCH else None,
         numa=cpu.numa, numa_flag=cpu.numa_flag,
         disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
         threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=_n_batch(req, side.ubatch),

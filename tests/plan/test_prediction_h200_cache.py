@@ -182,6 +182,15 @@ def test_objective_prompt_and_off_keep_whole_layers(models, h200):
     assert sized.settings.moe_cache_mib == 2048
 
 
+def test_many_slots_widen_the_batch_the_cache_serves(models, h200):
+    """Every busy slot adds a token to a generation batch: with 16 slots the cache serves batches of 16."""
+    one = _plan(models, h200, 12, _curve("default"))
+    many = _plan(models, h200, 12, _curve("default"), parallel=16)
+    assert one.settings.moe_cache_max_batch is None and "--moe-cache-max-batch" not in one.args
+    assert many.settings.moe_cache_max_batch == 16
+    assert many.args[many.args.index("--moe-cache-max-batch") + 1] == "16"
+
+
 def test_the_default_curve_is_said(models, h200):
     w = _plan(models, h200, 12, None)
     d = next(d for d in w.decisions if d.what == "expert cache")
