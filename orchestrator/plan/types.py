@@ -157,7 +157,8 @@ class WorkerPlan:
             "op_offload_min_batch": self.op_offload_min_batch, "n_ubatch": self.n_ubatch, "n_batch": self.n_batch,
             "load_mode": self.load_mode, "model_alias": self.model_alias,
             "settings": s.to_dict(),
-            **({"expert_cache": self.expert_cache.to_json()} if self.expert_cache is not None else {}),
+            **({"expert_cache": {**self.expert_cache.to_json(), "arithmetic": self.expert_cache.arithmetic()}}
+               if self.expert_cache is not None else {}),
         }
 
 
