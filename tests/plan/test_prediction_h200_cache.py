@@ -91,9 +91,10 @@ def test_predicted_generation_within_15_percent_of_measured(models, h200):
         measured = statistics.median(r["tg"] for r in recs)
         ratio = w.predicted.tg / measured
         if config.endswith("ncmoe7"):
-            # 16 GiB, 7 host layers, no cache: measured 111 t/s here, 152 t/s with greedy decoding
-            # (docs/benchmarks/h200-2026-11-29-bench, the roofline's calibration); sampling costs more per token
-            # when little else does
+            # 16 GiB, 7 host layers, no cache: this run measured 111 t/s, the same placement 152 t/s on
+            # 2026-11-29 (docs/benchmarks/h200-2026-11-29-bench, greedy decoding), on which the roofline is
+            # calibrated (test_prediction_h200.py). The two records disagree by 37% and nothing in the model
+            # separates them; every other row here agrees with both.
             assert 0.85 <= w.predicted.tg / 151.8 <= 1.15
             continue
         assert 0.85 <= ratio <= 1.15, (stem, config, round(w.predicted.tg, 1), round(measured, 1))
