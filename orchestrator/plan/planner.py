@@ -212,8 +212,16 @@ def _n_batch(req: PlanRequest, ub: int) -> int:
     return max(req.batch or 2048, ub)
 
 
-def _choose(cands: list[_Candidate]) -> _Candidate:
-    """Largest prompt speed at 4096 tokens among candidates whose generation speed is within 3% of the best."""
+def _choose(cands: list[_Candidate], objective: str = "generation") -> _Candidate:
+    """Largest prompt speed at 4096 tokens among candidates whose generation speed is within 3% of the best
+    (objective ``generation``); the largest prompt speed (``prompt``); the best geometric mean of both, each
+    relative to its best (``balanced``)."""
+    if objective == "prompt":
+        return max(cands, key=lambda c: (round(c.pp.get(4096, 0.0), 1), c.tg, -c.ubatch))
+    if objective == "balanced":
+        top_tg = max(c.tg for c in cands) or 1.0
+        top_pp = max(c.pp.get(4096, 0.0) for c in cands) or 1.0
+        return max(cands, key=lambda c: (c.tg / top_tg * c.pp.get(4096, 0.0) / top_pp, -c.ubatch))
     best_tg = max(c.tg for c in cands)
     ok = [c for c in cands if c.tg >= 0.97 * best_tg]
     return max(ok, key=lambda c: (round(c.pp.get(4096, 0.0), 1), c.tg, -c.ubatch))
@@ -329,23 +337,30 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
     # the load mode again with the bytes the placement really leaves in host memory (whole layers of experts
     # can leave more there than the first guess); a change means evaluating again under the other mode
     final_mode, lm_why = choose_load_mode(placement.cpu_weights)
+    shown = cands
     if final_mode != load_mode:
         load_mode = final_mode
         cands2, _errors = evaluate(mode)
         if cands2:
             best = _choose(cands2)
             placement = best.placement
+            shown = cands2
+    cache_plan, cache_decision, cache_size = None, None, None
+    if backend is not None and backend.has("moe_cache"):
+        # the split between whole layers and the cache, for every micro-batch: a cache can make up for the
+        # layers a bigger compute buffer displaces, so the micro-batch is chosen again with it
+        results = [_expert_cache(model=model, costs=costs, req=req, backend=backend, gpus=gpus, best=c,
+                                 node_req=node_req, fa=fa, flavor=flavor, load_mode=load_mode, cpu=cpu,
+                                 machine=machine, mode=mode, curve=curve) for c in shown]
+        shown = [r[2] for r in results]
+        best = _choose(shown, req.objective)
+        cache_plan, cache_decision, _c, cache_size = next(r for r in results if r[2] is best)
+        placement = best.placement
     # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
     host_bytes = placement.cpu_weights + placement.cpu_kv
     cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
                      package=package, policy=req.numa, smt=req.smt, threads=req.threads,
                      threads_batch=req.threads_batch, share=share)
-    cache_plan, cache_decision, cache_size = None, None, None
-    if backend is not None:
-        cache_plan, cache_decision, best, cache_size = _expert_cache(
-            model=model, costs=costs, req=req, backend=backend, gpus=gpus, best=best, node_req=node_req, fa=fa,
-            flavor=flavor, load_mode=load_mode, cpu=cpu, machine=machine, mode=mode, curve=curve)
-        placement = best.placement
     gpu_names = [f"CUDA{k}" for k in range(len(gpus))]
     decisions.append(Decision("gpus", ",".join(str(g.index) for g in gpus),
                               f"main GPU {main.index} ({main.name}); host memory nearest to it: node {anchor}"))
@@ -359,8 +374,11 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
         f"in host memory" + (" (forced)" if req.expert_layers_on_cpu is not None else "")))
     decisions.append(Decision("ubatch", f"-b {_n_batch(req, best.ubatch)} -ub {best.ubatch}",
                               "candidates " + ", ".join(f"ub {c.ubatch}: tg {c.tg:.1f} t/s, pp4096 "
-                                                        f"{c.pp.get(4096, 0):.0f} t/s" for c in cands)
-                              + " -> fastest prompt within 3% of the best generation"))
+                                                        f"{c.pp.get(4096, 0):.0f} t/s" for c in shown)
+                              + {"generation": " -> fastest prompt within 3% of the best generation",
+                                 "prompt": " -> fastest prompt (objective prompt)",
+                                 "balanced": " -> best product of generation and prompt speed (objective "
+                                             "balanced)"}[req.objective]))
     decisions.append(Decision("load mode", load_mode, lm_why if n_cpu_exp else
                               "no CPU-resident experts: " + lm_why))
     decisions.append(Decision("op offload", str(best.threshold), best.threshold_why))

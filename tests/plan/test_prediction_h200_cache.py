@@ -161,7 +161,8 @@ def test_the_plan_chooses_a_cache_with_locality_and_none_without(models, h200, b
     # the no-cache candidate predicts exactly what the plan without a cache predicts
     assert not flat.expert_cache.use_cache and flat.settings.moe_cache_mib == 0
     assert "--moe-cache-mib" not in flat.args
-    assert local.expert_cache.no_cache.tokens_per_s == pytest.approx(flat.predicted.tg, rel=1e-9)
+    same_ub = _plan(models, h200, budget, _curve("default"), expert_cache=0, ubatch=local.n_ubatch)
+    assert local.expert_cache.no_cache.tokens_per_s == pytest.approx(same_ub.predicted.tg, rel=1e-9)
     # the measured gains: 1.6x (12 GiB), 1.8x (8 GiB), 1.4x (16 GiB, where the roofline of the placement
     # without a cache runs high: see the ncmoe7 note above)
     assert local.predicted.tg > (1.3 if budget < 16 else 1.05) * flat.predicted.tg
@@ -177,8 +178,11 @@ def test_objective_prompt_and_off_keep_whole_layers(models, h200):
     prompt = _plan(models, h200, 12, _curve("default"), objective="prompt")
     off = _plan(models, h200, 12, _curve("default"), expert_cache=0)
     assert not prompt.expert_cache.use_cache and off.expert_cache is None
-    assert len(prompt.cpu_expert_layers) == len(off.cpu_expert_layers) < len(gen.cpu_expert_layers)
-    assert prompt.predicted.pp[4096] > gen.predicted.pp[4096]
+    off_same_ub = _plan(models, h200, 12, _curve("default"), expert_cache=0, ubatch=prompt.n_ubatch)
+    assert prompt.cpu_expert_layers == off_same_ub.cpu_expert_layers
+    assert len(off.cpu_expert_layers) < len(gen.cpu_expert_layers)
+    assert prompt.predicted.pp[4096] >= gen.predicted.pp[4096]
+    assert prompt.n_ubatch >= gen.n_ubatch
     sized = _plan(models, h200, 12, _curve("default"), expert_cache=2048 * MiB)
     assert sized.settings.moe_cache_mib == 2048
 
