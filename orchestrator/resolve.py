@@ -114,6 +114,18 @@ def find_backend(topo: Topology, machines: dict[str, Machine]) -> tuple[BackendI
     return info, notes
 
 
+def routing_curve(model_path: str, backend: BackendInfo):
+    """The model's measured hit-rate curve when `orchestrator model MODEL --routing` cached one (read, never
+    measured here), else None: the plan then uses the stated default curve. Only a backend with the expert
+    cache reads it."""
+    from orchestrator.model.routing import load_profile
+
+    if not backend.has("moe_cache") or not Path(model_path).is_file():
+        return None
+    found = load_profile(model_path)
+    return found[0].curve("lru-layer") if found else None
+
+
 def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
             backend: BackendInfo | None = None) -> Resolved:
     """``backend``: use this llama-server description instead of finding and detecting the binary."""
@@ -132,8 +144,9 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
         backend, bnotes = find_backend(topo, machines)
         notes += bnotes
     request = request_from_topology(topo)
+    routing = routing_curve(model.paths[0], backend)
     try:
-        plan = make_plan(machines=machines, model=model, request=request, backend=backend)
+        plan = make_plan(machines=machines, model=model, request=request, backend=backend, routing=routing)
     except PlanError as err:
         raise PlanError(f"{topo.where('model')}: {err}") from None
     local = next((n.name for n in topo.nodes if n.address in (None, "127.0.0.1", "localhost")), None)

@@ -127,11 +127,12 @@ def parse_help(help_text: str) -> tuple[Flavor, frozenset[str], tuple[str, ...],
     return flavor, frozenset(feats), tuple(modes), gpu_offload
 
 
-# What the pinned llama-server of each flavor offers, for planning a recorded machine where no binary is at hand.
+# What the pinned llama-server of each flavor offers, for planning a recorded machine where no binary is at hand
+# (mainline: as `orchestrator build` makes it, with our patch series, hence the expert cache).
 NOMINAL_FEATURES = {
     Flavor.MAINLINE: frozenset({"fit", "fit_target", "n_cpu_moe", "cpu_moe", "override_tensor", "load_mode", "numa",
                                 "flash_attn", "metrics", "no_host", "cpu_range", "threads_batch", "no_op_offload",
-                                "kv_unified", "sm_none", "sm_layer", "sm_row", "sm_tensor"}),
+                                "kv_unified", "sm_none", "sm_layer", "sm_row", "sm_tensor", "moe_cache"}),
     Flavor.IK: frozenset({"fit", "fit_margin", "n_cpu_moe", "cpu_moe", "override_tensor", "no_mmap", "mlock",
                           "numa", "flash_attn", "metrics", "threads_batch", "mla", "merge_qkv",
                           "attn_max_batch", "graph_reuse", "split_mode_graph_scheduling", "cuda_params",

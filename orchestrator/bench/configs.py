@@ -25,8 +25,10 @@ from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.plan.types import WorkerPlan
 
-GROUPS = ("plan", "fit", "cpu-moe", "ncmoe-sweep", "offload-sweep")
+GROUPS = ("plan", "fit", "fit-pinned", "cpu-moe", "ncmoe-sweep", "offload-sweep", "cache-grid")
 OPTIONAL_GROUPS = ("control", "threads-sweep")          # asked for by name only
+CACHE_GRID_STEPS = (0, 4, 8, 12)     # more expert layers in host memory than the plan, their VRAM as cache
+CACHE_GRID_MARGIN_MIB = 64           # kept from the freed VRAM: the banks' id buffers and padding
 
 # server identity: the runner sets these itself
 ENDPOINT_FLAGS = FIELD_FLAGS["host"] + FIELD_FLAGS["port"]
@@ -215,6 +217,8 @@ def _params(s: WorkerSettings, cpu_expert_layers: Sequence[int] | None) -> dict[
         cpu_expert_layers = cpu_expert_layers_of(s)
     if cpu_expert_layers is not None:
         params["n_cpu_moe"] = len(cpu_expert_layers)
+    if s.moe_cache_mib:
+        params["moe_cache_mib"] = s.moe_cache_mib
     return params
 
 
@@ -370,6 +374,50 @@ def fit_config(plan: BenchConfig) -> BenchConfig:
     return derive(plan, "fit", "fit", s, {"op_offload_min_batch": OFFLOAD_DEFAULT})
 
 
+def fit_pinned_config(plan: BenchConfig) -> BenchConfig:
+    """What a user who knows adds to llama.cpp's automatic placement: ``--fit on --load-mode none`` (host weights
+    in pinned buffers, copied to the GPU at full PCIe speed)."""
+    s = replace(baseline(plan.settings), fit=True, fit_ctx=plan.settings.context, load_mode="pinned")
+    return derive(plan, "fit-pinned", "fit-pinned", s, {"op_offload_min_batch": OFFLOAD_DEFAULT,
+                                                        "load_mode": "pinned"})
+
+
+def cache_grid(plan: BenchConfig, layer_expert_bytes: int, steps: Sequence[int] = CACHE_GRID_STEPS
+               ) -> list[BenchConfig]:
+    """The expert cache around the plan, as measured by hand: ``d`` more expert layers in host memory than the
+    plan (the next layers after its own), their VRAM added to the plan's cache (less a small margin), for each
+    ``d`` in ``steps``; ``d = 0`` is the plan's placement without its cache when it has one (the plan itself
+    otherwise). Everything else is the plan's. Nothing when the plan keeps no expert layer in host memory."""
+    from orchestrator.plan.placement import cpu_expert_override
+
+    layers = cpu_expert_layers_of(plan.settings)
+    if layers is None:
+        raise ConfigError("cache-grid: the plan's flags do not tell which expert layers are in host memory")
+    if not layers or layer_expert_bytes <= 0:
+        return []
+    s0 = plan.settings
+    n_layers = plan.params.get("n_layers")
+    out = []
+    for d in steps:
+        extra, nxt = [], max(layers) + 1
+        while len(extra) < d and (n_layers is None or nxt < int(n_layers)):
+            extra.append(nxt)
+            nxt += 1
+        if len(extra) < d:
+            continue
+        cpu = tuple(layers) + tuple(extra)
+        freed = d * layer_expert_bytes // (1 << 20)
+        mib = s0.moe_cache_mib + max(0, freed - CACHE_GRID_MARGIN_MIB) if d else 0
+        if d == 0 and not s0.moe_cache_mib:
+            continue                                   # that point is the plan itself
+        s = replace(s0, tensor_overrides=cpu_expert_override(cpu), n_cpu_moe=None, cpu_moe=False,
+                    moe_cache_mib=mib)
+        name = f"ncmoe{len(cpu)}" + (f"+cache{mib}" if mib else "")
+        out.append(derive(plan, name, "cache-grid", s, {**dict(plan.params), "n_cpu_moe": len(cpu),
+                                                        "moe_cache_mib": mib}))
+    return out
+
+
 def cpu_moe_config(plan: BenchConfig) -> BenchConfig:
     """The common recipe: every layer on the GPU, every routed expert in host memory (``-ngl 999 --cpu-moe``),
     llama.cpp's defaults otherwise."""
@@ -488,10 +536,13 @@ def threads_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]
 def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_values: Sequence[int] | None = None,
                   ubatches: Sequence[int] | None = None, load_modes: Sequence[str] = ("mmap", "pinned"),
                   offload_values: Sequence[int] | None = None, n_layers: int | None = None,
-                  thread_values: Sequence[int] | None = None) -> list[BenchConfig]:
-    """The configurations named in ``which`` (plan, fit, cpu-moe, ncmoe-sweep, offload-sweep, and the optional
-    control: the plan again, and threads-sweep: the plan at other generation threads), derived from the plan's,
-    in that order; names are unique."""
+                  thread_values: Sequence[int] | None = None, layer_expert_bytes: int | None = None
+                  ) -> list[BenchConfig]:
+    """The configurations named in ``which`` (plan, fit, fit-pinned, cpu-moe, ncmoe-sweep, offload-sweep,
+    cache-grid, and the optional control: the plan again, and threads-sweep: the plan at other generation
+    threads), derived from the plan's, in that order; names are unique. ``cache-grid`` needs the routed-expert
+    bytes of one layer (``layer_expert_bytes``) and a backend with the expert cache; without them it is left
+    out unless asked for by name."""
     unknown = [w for w in which if w not in GROUPS + OPTIONAL_GROUPS]
     if unknown:
         raise ConfigError(f"unknown bench configuration group {unknown[0]!r}: expected one of "
@@ -502,6 +553,17 @@ def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_val
             out.append(plan)
         elif w == "fit":
             out.append(fit_config(plan))
+        elif w == "fit-pinned":
+            out.append(fit_pinned_config(plan))
+        elif w == "cache-grid":
+            has_cache = plan.renders_for.has("moe_cache")
+            if layer_expert_bytes is None or not has_cache:
+                if which is not GROUPS:
+                    why = ("the routed-expert bytes of a layer (plan from a topology or a model)"
+                           if layer_expert_bytes is None else f"a llama-server with --moe-cache-mib")
+                    raise ConfigError(f"cache-grid needs {why}")
+                continue
+            out += cache_grid(plan, layer_expert_bytes)
         elif w == "cpu-moe":
             out.append(cpu_moe_config(plan))
         elif w == "ncmoe-sweep":

@@ -7,6 +7,12 @@
   ``n`` tokens with ``ignore_eos``; the rate is ``timings.predicted_per_second``.
 - Time to first token: streamed requests, measured on the client from sending to the first event, ``c`` at a
   time.
+- Expert cache: llama-server's ``/metrics`` counters (``llamacpp:moe_cache_hits_total``, ``..._lookups_total``)
+  read before and after the generation requests; their difference is the generation's hit rate.
+
+Every request samples (temperature 1, ``top_k`` 0: the whole distribution, a seed of its own from the seeded
+generator): greedy decoding of a random-weight model falls into loops, which would repeat the same experts and
+fake locality for an expert cache, and would differ from how chat clients decode.
 
 Random ids per request (from a seeded generator) and ``cache_prompt: false`` mean no request reuses another's
 KV cache, whichever slot it lands in. A request that does not fit the slot's context is shortened by at most
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -100,7 +107,22 @@ class Client:
 
     def _body(self, n_prompt: int, n_predict: int, **extra) -> dict:
         return {"prompt": self.tokens(max(1, n_prompt)), "n_predict": n_predict, "cache_prompt": False,
-                "ignore_eos": True, "temperature": 0.0, "return_tokens": False, **extra}
+                "ignore_eos": True, "temperature": 1.0, "top_k": 0, "seed": self.rng.randrange(1, 1 << 31),
+                "return_tokens": False, **extra}
+
+    async def moe_cache_counters(self) -> tuple[float, float] | None:
+        """(hits, lookups) of the expert cache from ``/metrics``; None when the server has no such counters
+        (no --metrics, or no expert cache in the binary)."""
+        import aiohttp
+
+        try:
+            async with self._session.get(self.url + "/metrics") as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+        return parse_moe_cache_counters(text)
 
     async def completion(self, n_prompt: int, n_predict: int) -> dict:
         d = await self._json("POST", "/completion", self._body(n_prompt, n_predict))
@@ -165,6 +187,17 @@ class Workload:
     ttft_tokens: int = 4
     ttft_requests: int = 8
     warmup: bool = True
+
+
+_COUNTER = re.compile(r"^llamacpp:moe_cache_(hits|lookups)_total\s+(\S+)\s*$", re.M)
+
+
+def parse_moe_cache_counters(text: str) -> tuple[float, float] | None:
+    """(hits, lookups) from a Prometheus text page; None when either counter is missing."""
+    found = {k: float(v) for k, v in _COUNTER.findall(text)}
+    if "hits" not in found or "lookups" not in found:
+        return None
+    return found["hits"], found["lookups"]
 
 
 def pp_reps(reps: int, length: int) -> int:
@@ -232,6 +265,7 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
                 out["pp"].append({"n": length, "prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"],
                                   "tps": 1000.0 * t["prompt_n"] / t["prompt_ms"]})
 
+    cache_before = await client.moe_cache_counters()
     for depth in w.tg_depths:
         n = fit_length(max(depth, 1), w.tg_tokens, info.slot_ctx)
         if n is None:
@@ -246,6 +280,10 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
                 out["tg"].append({"depth": depth, "n": w.tg_tokens, "prompt_n": t["prompt_n"],
                                   "predicted_n": t["predicted_n"], "predicted_ms": t["predicted_ms"],
                                   "tps": 1000.0 * t["predicted_n"] / t["predicted_ms"]})
+
+    cache_after = await client.moe_cache_counters() if cache_before is not None else None
+    if cache_before is not None and cache_after is not None:
+        out["moe_cache"] = {"hits": cache_after[0] - cache_before[0], "lookups": cache_after[1] - cache_before[1]}
 
     n = fit_length(w.ttft_prompt, w.ttft_tokens, info.slot_ctx)
     for c in w.concurrency:

@@ -40,7 +40,7 @@ def _columns(summary: Mapping[str, Any], part: str) -> list[str]:
         keys.update(s.get("metrics", {}))
     if part == "speed":
         speed = sorted((k for k in keys if _PP.match(k) or _TG.match(k)), key=_metric_order)
-        return ["load_s"] * ("load_s" in keys) + speed
+        return ["load_s"] * ("load_s" in keys) + speed + ["moe_cache_hit_rate"] * ("moe_cache_hit_rate" in keys)
     ttft = sorted((k for k in keys if k.startswith("ttft_")),
                   key=lambda k: (int(k.rsplit("_c", 1)[1]), k))
     mem = sorted(k for k in keys if k.startswith("vram_peak_gpu")) + (["rss_peak"] if "rss_peak" in keys else [])
@@ -52,7 +52,7 @@ def _header(k: str) -> str:
     if k.startswith("ttft_p"):
         q, c = k[len("ttft_p"):].split("_c")
         return f"ttft p{q} c{c} s"
-    return {"load_s": "load s", "rss_peak": "RSS peak"}.get(k, k.replace("vram_peak_", "VRAM ")
+    return {"load_s": "load s", "rss_peak": "RSS peak", "moe_cache_hit_rate": "cache hits"}.get(k, k.replace("vram_peak_", "VRAM ")
                                                              .replace("power_mean_w_", "W ")
                                                              .replace("temp_max_c_", "°C "))
 
@@ -63,6 +63,8 @@ def _cell(k: str, m: Mapping[str, Any] | None) -> str:
     v = m["median"]
     if k.startswith(("vram_peak", "rss_peak")):
         return fmt_bytes(v)
+    if k == "moe_cache_hit_rate":
+        return f"{v:.1%}"
     if k.startswith("ttft_"):
         s = f"{v:.3f}"
     elif k == "load_s" or k.startswith(("power", "temp")):
@@ -194,8 +196,9 @@ def _chart_metrics(summary: Mapping[str, Any]) -> list[str]:
 
 
 def write_charts(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
-    """``speed.png`` (t/s per configuration for pp512, pp4096 and each tg depth, error bars = min/max) and,
-    when there is a threshold sweep, ``offload.png`` (prompt t/s vs prompt length per threshold)."""
+    """``speed.png`` (t/s per configuration for pp512, pp4096 and each tg depth, error bars = min/max);
+    when there is a threshold sweep, ``offload.png`` (prompt t/s vs prompt length per threshold); when there is
+    a cache grid, ``cache.png`` (generation t/s against the cache size, the plan marked)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -261,6 +264,27 @@ def write_charts(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "offload.png"))
+        plt.close(fig)
+
+    grid = [n for n, s in summary.items() if s["group"] in ("cache-grid", "plan") and s["metrics"]]
+    tg = sorted({k for n in grid for k in summary[n]["metrics"] if _TG.match(k)}, key=_metric_order)
+    if tg and any(summary[n]["group"] == "cache-grid" for n in grid):
+        m = tg[0]                                   # generation at the shallowest depth
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        pts = [(float(summary[n]["params"].get("moe_cache_mib") or 0), summary[n]["metrics"][m], n)
+               for n in grid if m in summary[n]["metrics"]]
+        for x, v, n in sorted(pts):
+            plan = n == "plan"
+            ax.errorbar([x], [v["median"]], yerr=[[v["median"] - v["min"]], [v["max"] - v["median"]]],
+                        fmt="*" if plan else "o", markersize=14 if plan else 7, capsize=3,
+                        color="tab:red" if plan else "tab:blue")
+            ax.annotate(n, (x, v["median"]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+        ax.set_xlabel("expert cache (MiB, --moe-cache-mib)")
+        ax.set_ylabel("generation tokens/s")
+        ax.set_title(f"expert cache grid ({m}); the plan marked")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "cache.png"))
         plt.close(fig)
     return paths
 

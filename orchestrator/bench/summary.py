@@ -73,6 +73,9 @@ def run_metrics(run: Mapping[str, Any]) -> dict[str, list[float]]:
         out.setdefault(f"pp{p['n']}", []).append(p["tps"])
     for t in s.get("tg", ()):
         out.setdefault(f"tg{t['n']}@{t['depth']}", []).append(t["tps"])
+    cache = s.get("moe_cache") or {}
+    if cache.get("lookups"):
+        out["moe_cache_hit_rate"] = [cache["hits"] / cache["lookups"]]
     res = run.get("resources") or {}
     for g, d in (res.get("gpus") or {}).items():
         out[f"vram_peak_gpu{g}"] = [d.get("peak_process") or d.get("peak_delta", 0)]

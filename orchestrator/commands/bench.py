@@ -14,8 +14,10 @@ Starts each configuration's llama-server in turn (R interleaved rounds), measure
 at several context depths, time to first token, memory, power and temperature through llama-server's HTTP API,
 and writes bench.json, bench.txt and PNG charts. The plan comes from topology.yaml (planned exactly as `up`
 would, under --vram-budget as vram_limit), --plan-json (the output of `orchestrator plan --json`) or
---config plan='FLAGS'; the alternatives (fit, cpu-moe, ncmoe-sweep, offload-sweep) are derived from it. More configurations: --config NAME='FLAGS' (leading VAR=value words are
-environment). Example:
+--config plan='FLAGS'; the alternatives (fit, fit-pinned, cpu-moe, ncmoe-sweep, offload-sweep, cache-grid) are
+derived from it. More configurations: --config NAME='FLAGS' (leading VAR=value words are environment).
+Generation samples (temperature 1, top_k 0, a seed per request); with an expert cache the table shows its hit
+rate during generation (llama-server's /metrics). Example:
 
   orchestrator bench topologies/h200.yaml --vram-budget 12GiB --rounds 2 --out bench-12g
 """
@@ -67,8 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", action="append", default=[], metavar="NAME='FLAGS'",
                      help="a configuration given as llama-server flags (repeatable; the name 'plan' is the plan)")
     src.add_argument("--configs", type=_words, default=None, metavar="LIST",
-                     help="derived groups: plan,fit,cpu-moe,ncmoe-sweep,offload-sweep (default: all of them "
-                          "when there is a plan); control = the plan again, an A/A noise check; threads-sweep = the plan "
+                     help="derived groups: plan,fit,fit-pinned,cpu-moe,ncmoe-sweep,offload-sweep,cache-grid "
+                          "(default: all of them when there is a plan; cache-grid = the plan's expert layers "
+                          "+0/4/8/12 in host memory with their VRAM as cache, when the binary has the cache and "
+                          "the plan comes from a topology); control = the plan again, an A/A noise check; threads-sweep = the plan "
                           "at other generation threads (-t)")
     src.add_argument("--ncmoe", type=_ints, metavar="N,...", help="--n-cpu-moe values (default: plan ±1)")
     src.add_argument("--ub", type=_ints, metavar="N,...", help="-ub values of the sweep (default: 512 and the plan's)")
@@ -150,7 +154,8 @@ def _configs(args: argparse.Namespace):
         return others
     which = args.configs or GROUPS
     derived = build_configs(plan, which, ncmoe_values=args.ncmoe, ubatches=args.ub, load_modes=args.load_modes,
-                            offload_values=args.offload, thread_values=args.threads)
+                            offload_values=args.offload, thread_values=args.threads,
+                            layer_expert_bytes=plan.params.get("layer_expert_bytes"))
     names = {c.name for c in derived}
     clash = [c.name for c in others if c.name in names]
     if clash:
@@ -193,6 +198,13 @@ def _plan_from_topology(args: argparse.Namespace):
     n_layers = res.plan.model.get("n_layers")
     if isinstance(n_layers, int):
         plan = replace(plan, params={**dict(plan.params), "n_layers": n_layers})
+    from orchestrator.plan.costs import model_costs
+
+    costs = model_costs(res.model)
+    if costs.moe_layers:
+        # the cache grid frees whole expert layers: the largest one's VRAM, as the plan counts it
+        plan = replace(plan, params={**dict(plan.params),
+                                     "layer_expert_bytes": max(costs.layer_experts[i] for i in costs.moe_layers)})
     if not args.server:
         args.server = res.backend.server
     if args.gpus is None and worker.gpus:

@@ -43,6 +43,7 @@ OWNED_FLAGS: dict[str, str] = {
     **dict.fromkeys(flags_of("numa_flag"), "workers.numa"),
     **dict.fromkeys(flags_of("load_mode"), "workers.load_mode"),
     **dict.fromkeys(("--op-offload", "--no-op-offload"), "workers.op_offload_min_batch"),
+    **dict.fromkeys(flags_of("moe_cache_mib", "moe_cache_max_batch"), "workers.expert_cache"),
     **dict.fromkeys(flags_of("host"), "workers.host"),
     **dict.fromkeys(flags_of("port"), "workers.port_base"),
     **dict.fromkeys(API_KEY_FLAGS, "gateway.api_key_env"),
@@ -251,6 +252,19 @@ class WorkersConfig(Section):
     load_mode: Choice(AUTO, "mmap", "pinned", "mlock") = AUTO
     """How CPU-resident weights are loaded: mmap (page cache), pinned (read into pinned host buffers, no mmap;
     fastest GPU copies), mlock (mmap locked in RAM). auto: pinned when RAM allows, else mmap."""
+
+    objective: Choice("generation", "balanced", "prompt") = "generation"
+    """What the split of VRAM between whole expert layers and the expert cache favours: generation (the fastest
+    predicted generation within 3% of the best, then the most whole layers), prompt (the most whole layers:
+    big batches run on the GPU without copies), or balanced (the best geometric mean of the two, each relative
+    to its best)."""
+
+    expert_cache: AutoSize(MiB, 4 * TiB, words=("off",)) = AUTO
+    """VRAM for the expert cache (`--moe-cache-mib`: GPU slots for the experts of layers whose experts stay in
+    host memory, used for generation). off: no cache; a size: a cache of that size, whole expert layers in the
+    rest. auto: when the llama-server has the cache and some expert layers stay in host memory, the plan splits
+    the VRAM by the model's routing profile (`orchestrator model MODEL --routing`; a stated default curve
+    without one), the measured PCIe bandwidth and the objective, and keeps no cache where it would lose."""
 
     warmup: Bool = False
     """Before `up` starts the workers: drop the page cache (needs root; otherwise it is kept, with a note) and

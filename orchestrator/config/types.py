@@ -210,16 +210,21 @@ def Size(lo: int, hi: int) -> Any:
     return Annotated[int, PlainValidator(lambda v: _size_check(v, lo, hi, accepts)), Accepts(accepts, "size")]
 
 
-def AutoSize(lo: int, hi: int) -> Any:
-    """``auto`` or a byte size."""
-    accepts = "auto or " + _size_accepts(lo, hi)
+def AutoSize(lo: int, hi: int, *, words: tuple[str, ...] = ()) -> Any:
+    """``auto``, one of ``words`` (e.g. ``off``) or a byte size."""
+    accepts = ", ".join((AUTO, *words)) + (" or " if not words else ", or ") + _size_accepts(lo, hi)
 
     def check(v: Any) -> Any:
-        if isinstance(v, str) and v == AUTO:
-            return AUTO
+        if isinstance(v, bool) and "off" in words and v is False:
+            return "off"  # YAML 1.1 reads `off` as false
+        if isinstance(v, str) and (v == AUTO or v in words):
+            return v
         return _size_check(v, lo, hi, accepts)
 
-    return Annotated[Union[Auto, int], PlainValidator(check), Accepts(accepts, "size")]
+    if not words:
+        return Annotated[Union[Auto, int], PlainValidator(check), Accepts(accepts, "size")]
+    return Annotated[Union[Literal[(AUTO, *words)], int], PlainValidator(check),  # type: ignore[valid-type]
+                     Accepts(accepts, "size")]
 
 
 def AutoSizeList(lo: int, hi: int) -> Any:

@@ -38,6 +38,7 @@ FIELD_FLAGS: dict[str, tuple[str, ...]] = {
     "n_cpu_moe": ("--n-cpu-moe", "-ncmoe"),
     "op_offload_min_batch": ("--no-op-offload", "--op-offload", "-cuda", "--cuda-params"),
     "moe_cache_mib": ("--moe-cache-mib",),
+    "moe_cache_max_batch": ("--moe-cache-max-batch",),
     "fit": ("--fit", "-fit"),
     "fit_ctx": ("--fit-ctx", "-fitc"),
     "threads": ("-t", "--threads"),
@@ -120,6 +121,8 @@ def server_args(s: WorkerSettings, backend: BackendInfo) -> tuple[str, ...]:
         a += ["-cuda", f"offload-batch-size={t}"]
     if s.moe_cache_mib > 0 and backend.has("moe_cache"):
         a += ["--moe-cache-mib", str(s.moe_cache_mib)]
+        if s.moe_cache_max_batch is not None:
+            a += ["--moe-cache-max-batch", str(s.moe_cache_max_batch)]
     if s.fit is not None and backend.has("fit") and not backend.ik:
         a += ["--fit", "on" if s.fit else "off"]
     if s.fit_ctx is not None and backend.has("fit") and not backend.ik:
@@ -261,7 +264,7 @@ def _set(kw: dict, name: str | None, flag: str | None, value: str | None) -> boo
     if name is None:
         return False
     ints = {"context", "parallel", "port", "main_gpu", "n_cpu_moe", "fit_ctx", "threads", "threads_batch",
-            "n_batch", "n_ubatch", "moe_cache_mib"}
+            "n_batch", "n_ubatch", "moe_cache_mib", "moe_cache_max_batch"}
     strs = {"model_path", "alias", "host", "split_mode", "type_k", "type_v", "numa_flag"}
     if name in ints and value is not None:
         kw[name] = int(value)

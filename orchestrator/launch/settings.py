@@ -39,6 +39,8 @@ class WorkerSettings:
     op_offload_min_batch: int | None = None    # batch from which host-resident weights are copied to the GPU;
                                                # None = llama.cpp's default; llama_args.OFFLOAD_NEVER = never
     moe_cache_mib: int = 0                     # VRAM for the expert cache (--moe-cache-mib); 0 = off
+    moe_cache_max_batch: int | None = None     # largest batch the cache serves (--moe-cache-max-batch); None =
+                                               # llama-server's default (8)
     load_mode: str = "mmap"                    # one of LOAD_MODES
     # CPU side
     numa: NumaPolicy = field(default_factory=NumaPolicy.none)
@@ -61,6 +63,8 @@ class WorkerSettings:
                              f"got {self.load_mode!r}")
         if self.moe_cache_mib < 0:
             raise ValueError(f"WorkerSettings.moe_cache_mib must be >= 0; got {self.moe_cache_mib}")
+        if self.moe_cache_max_batch is not None and self.moe_cache_max_batch < 1:
+            raise ValueError(f"WorkerSettings.moe_cache_max_batch must be >= 1; got {self.moe_cache_max_batch}")
         if self.gpus is not None:
             object.__setattr__(self, "gpus", tuple(int(g) for g in self.gpus))
         object.__setattr__(self, "tensor_split", tuple(self.tensor_split))

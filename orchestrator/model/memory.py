@@ -485,3 +485,59 @@ def predict_memory(model: ModelInfo, settings: ServerSettings, placement: Placem
                                     **common)
     out["cpu"] = DeviceMemory("cpu", weights.get("cpu", 0), kv_cpu, comp_cpu, output_buffer_bytes(model, s.n_parallel))
     return out
+
+
+# ---- expert cache -------------------------------------------------------------------------------------------
+
+MOE_CACHE_MAX_BATCH = 8   # llama-server's --moe-cache-max-batch default
+
+
+@dataclass(frozen=True)
+class MoeCacheSize:
+    """What ``--moe-cache-mib`` allocates for a set of host-resident expert layers (our patch's rules)."""
+
+    slots: int           # slots per host-resident expert tensor (0: the cache is off)
+    batch_cap: int       # largest batch the slots serve
+    bytes: int           # device memory of the banks and their id buffers
+
+    @property
+    def active(self) -> bool:
+        return self.batch_cap >= 1
+
+
+def moe_cache_size(model: ModelInfo, host_expert_layers: Iterable[int], cache_mib: int,
+                   max_batch: int = MOE_CACHE_MAX_BATCH) -> MoeCacheSize:
+    """Every routed-expert tensor of ``host_expert_layers`` gets a bank of the same slot count on its layer's GPU:
+    slots = cache MiB / (one expert of every such tensor), at most the experts a tensor has; the cache serves
+    batches up to min(max_batch, slots / experts used per token) and is off when that is below 1. Each bank is a
+    CUDA tensor of ``slots`` experts (rows padded as weights are) plus an I32 id buffer for the batch cap."""
+    layers = set(host_expert_layers)
+    tensors = [t for t in model.tensors if t.cls is TensorClass.ROUTED_EXPERT and t.layer in layers
+               and len(t.shape) >= 3 and t.shape[2] > 0]
+    used = model.n_expert_used or 0
+    if cache_mib <= 0 or not tensors or used <= 0:
+        return MoeCacheSize(0, 0, 0)
+    per_slot = sum(t.bytes // t.shape[2] for t in tensors)
+    slots = min(cache_mib * MiB // per_slot, min(t.shape[2] for t in tensors))
+    cap = min(max_batch, slots // used)
+    if cap < 1:
+        return MoeCacheSize(int(slots), 0, 0)
+    return MoeCacheSize(int(slots), int(cap), moe_cache_bank_bytes(model, layers, int(slots), int(cap)))
+
+
+def moe_cache_bank_bytes(model: ModelInfo, layers: Iterable[int], slots: int, batch_cap: int) -> int:
+    """Device memory of the banks of the routed-expert tensors of ``layers`` at ``slots`` slots each: a CUDA
+    tensor of ``slots`` experts (rows padded as weights are) plus an I32 id buffer for the batch cap. With
+    several GPUs each holds the banks of its own layers."""
+    layers = set(layers)
+    used = model.n_expert_used or 0
+    total = 0
+    for t in model.tensors:
+        if t.cls is not TensorClass.ROUTED_EXPERT or t.layer not in layers or len(t.shape) < 3 or not t.shape[2]:
+            continue
+        gt = ggml_type(t.type)
+        size = t.bytes // t.shape[2] * slots
+        if gt.block > 1 and t.shape[0] % CUDA_ROW_PADDING:
+            size += gt.row_bytes(CUDA_ROW_PADDING - t.shape[0] % CUDA_ROW_PADDING) - gt.row_meta
+        total += pad(size, CUDA_ALIGN) + pad(4 * batch_cap * used, CUDA_ALIGN)
+    return total

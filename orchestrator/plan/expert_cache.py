@@ -11,10 +11,13 @@ experts' time per generated token is predicted from the routing profile's hit-ra
       + cache hits / GPU bw                                         (host layers' picks found in the cache)
       + misses / PCIe bw + misses / GPU bw        (miss mode "upload": copied into a slot, then read)
         or misses / host bw                       (miss mode "cpu": computed on the CPU where they lie)
+      + host layers x cache_layer_overhead_s + cache_fixed_s        (the cache path's costs beyond the bytes)
 
-and, without a cache, t = GPU-resident bytes / GPU bw + every host layer's picks / host bw (the CPU computes
-them). The time of everything else a token reads (attention, norms, the output head) is ``base_seconds``, the
-same for every candidate. The CPU and GPU parts are summed (no overlap counted): a conservative estimate.
+and, without a cache, t = GPU-resident bytes / GPU bw + every host layer's picks / host bw + host layers x
+host_layer_overhead_s (the CPU computes them; the hop GPU -> CPU -> GPU). The bandwidths are the effective ones
+the roofline of :mod:`orchestrator.plan.predict` uses, so the no-cache candidate at the plan's own placement
+predicts what the plan predicts. The time of everything else a token reads (attention, norms, the output head)
+is ``base_seconds``, the same for every candidate. The CPU and GPU parts are summed (no overlap counted).
 
 Prompt processing is kept as a proxy: time per micro-batch for the expert weights = host-resident expert bytes /
 PCIe bw (copied in for big batches) + GPU-resident expert bytes / GPU bw.
@@ -53,6 +56,10 @@ class CacheInputs:
     gpu_bw: float                # GPU memory bytes/s
     base_seconds: float = 0.0    # per-token time of everything but the routed experts
     cpu_misses: bool = True      # the backend can compute cache misses on the CPU
+    host_layer_overhead_s: float = 0.0   # per host-resident layer whose experts the CPU computes
+    cache_layer_overhead_s: float = 0.0  # per host-resident layer the cache serves (expert ids read back)
+    cache_fixed_s: float = 0.0           # per token on the cache path, beyond the bytes
+    min_gpu_layers: int = 0              # fewer whole layers on the GPU would not fit host memory
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class CacheCandidate:
     expert_seconds: float        # routed experts' time per generated token
     tokens_per_s: float          # 1 / (base_seconds + expert_seconds)
     prompt_seconds: float        # expert weights' time per prompt micro-batch (proxy)
+    slot_bytes: int = 0          # VRAM the slots take (slots x one expert's bytes): at most cache_bytes
 
     @property
     def cache_mib(self) -> int:
@@ -117,7 +125,7 @@ class CachePlan:
     def to_json(self) -> dict:
         def cand(c: CacheCandidate) -> dict:
             return {"gpu_layers": c.gpu_layers, "host_layers": c.host_layers, "cache_mib": c.cache_mib,
-                    "cache_bytes": c.cache_bytes, "slots": c.slots, "slots_per_layer": c.slots_per_layer,
+                    "cache_bytes": c.cache_bytes, "slot_bytes": c.slot_bytes, "slots": c.slots, "slots_per_layer": c.slots_per_layer,
                     "fraction": round(c.fraction, 5),
                     "hit_rate": round(c.hit_rate, 5), "miss_mode": c.miss_mode,
                     "bytes_per_token": {"gpu_resident": round(c.gpu_resident_bytes), "cache_hits":
@@ -138,7 +146,7 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     host_picks = h * per_layer_token
     prompt = h * inp.layer_expert_bytes / inp.pcie_bw + k * inp.layer_expert_bytes / inp.gpu_bw
     if cache_bytes <= 0 or h == 0:
-        t = gpu_resident / inp.gpu_bw + host_picks / inp.host_bw
+        t = gpu_resident / inp.gpu_bw + host_picks / inp.host_bw + h * inp.host_layer_overhead_s
         return CacheCandidate(k, h, 0, 0, 0, 0.0, 0.0, "none", gpu_resident, 0.0, host_picks, 0.0, t,
                               1.0 / (inp.base_seconds + t), prompt)
     per_layer = min(int(cache_bytes // (h * expert)), inp.n_expert)
@@ -146,27 +154,44 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     fraction = per_layer / inp.n_expert
     hit = hit_rate(inp.curve, fraction)
     hits, misses = hit * host_picks, (1.0 - hit) * host_picks
+    fixed = h * inp.cache_layer_overhead_s + inp.cache_fixed_s
     if mode == "upload":
-        t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw
+        t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw + fixed
         host_read, pcie = 0.0, misses
     else:
-        t = (gpu_resident + hits) / inp.gpu_bw + misses / inp.host_bw
+        t = (gpu_resident + hits) / inp.gpu_bw + misses / inp.host_bw + fixed + h * inp.host_layer_overhead_s
         host_read, pcie = misses, 0.0
     return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
-                          host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt)
+                          host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)))
 
 
-def candidates(inp: CacheInputs) -> tuple[CacheCandidate, ...]:
+def candidates(inp: CacheInputs, cache_bytes: int | None = None,
+               splits: tuple[tuple[int, int], ...] | None = None) -> tuple[CacheCandidate, ...]:
     """One candidate per number of whole layers (0 .. as many as fit), the rest of the VRAM as cache, with the
-    faster miss mode; plus the no-cache split (most whole layers)."""
+    faster miss mode; plus the no-cache split (most whole layers). ``cache_bytes``: a cache of this size only
+    (the most whole layers that fit beside it). ``splits``: the (whole layers, cache bytes) pairs to weigh
+    instead, where the caller knows what fits (several GPUs, each with its own room); the no-cache split is
+    then the most whole layers of ``vram_free``."""
     free = max(0, int(inp.vram_free))
     k_max = min(inp.n_moe_layers, free // inp.layer_expert_bytes) if inp.layer_expert_bytes > 0 else 0
     modes = ("upload", "cpu") if inp.cpu_misses else ("upload",)
     out = []
     expert = inp.layer_expert_bytes / inp.n_expert if inp.n_expert else 0
-    for k in range(k_max + 1):
+    if splits is not None:
+        for k, size in splits:
+            h = inp.n_moe_layers - k
+            if h <= 0 or size < h * inp.n_expert_used * expert:
+                continue
+            out.append(min((_candidate(inp, k, size, m) for m in modes), key=lambda c: c.expert_seconds))
+        out.append(_candidate(inp, k_max, 0, "none"))
+        return tuple(out)
+    for k in range(min(inp.min_gpu_layers, k_max), k_max + 1):
         rest = free - k * inp.layer_expert_bytes
         rest = rest // MIB * MIB
+        if cache_bytes is not None:
+            if rest < cache_bytes or (k < k_max and free - (k + 1) * inp.layer_expert_bytes >= cache_bytes):
+                continue
+            rest = cache_bytes // MIB * MIB
         h = inp.n_moe_layers - k
         # the cache splits evenly into one bank of slots per host-resident layer; a bank must hold at least one
         # token's picks, or the cache cannot serve decode at all
@@ -177,18 +202,32 @@ def candidates(inp: CacheInputs) -> tuple[CacheCandidate, ...]:
     return tuple(out)
 
 
-def plan_expert_cache(inp: CacheInputs, objective: str = "generation") -> CachePlan:
-    """Pick the split of ``inp.vram_free`` between whole expert layers and the cache by ``objective``."""
+def plan_expert_cache(inp: CacheInputs, objective: str = "generation", cache_bytes: int | None = None,
+                      splits: tuple[tuple[int, int], ...] | None = None) -> CachePlan:
+    """Pick the split of ``inp.vram_free`` between whole expert layers and the cache by ``objective``;
+    ``cache_bytes``: the cache has this size (set by the user), whole layers fill the rest; ``splits``: weigh
+    only these (whole layers, cache bytes) pairs (see :func:`candidates`)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: expected one of {OBJECTIVES}")
     for name in ("pcie_bw", "host_bw", "gpu_bw"):
         if not getattr(inp, name) > 0:
             raise ValueError(f"{name} must be positive")
-    cands = candidates(inp)
+    cands = candidates(inp, cache_bytes, splits)
     no_cache = cands[-1]
     if inp.n_moe_layers == 0 or no_cache.host_layers == 0:
         return CachePlan(no_cache, no_cache, cands, objective, inp.curve.source,
                          "every expert layer fits on the GPU: no cache needed")
+    if cache_bytes is not None:
+        sized = [c for c in cands if c.cache_bytes]
+        if not sized:
+            return CachePlan(no_cache, no_cache, cands, objective, inp.curve.source,
+                             f"no cache: {cache_bytes // MIB} MiB (set by the topology) does not fit beside the "
+                             f"always-used weights, or holds less than one token's experts per layer")
+        pick = sized[0]
+        return CachePlan(pick, no_cache, cands, objective, inp.curve.source,
+                         f"{pick.cache_mib} MiB cache (set by the topology), {pick.gpu_layers} whole layers in "
+                         f"the rest; predicted {pick.tokens_per_s / no_cache.tokens_per_s:.2f}x the generation "
+                         f"of {no_cache.gpu_layers} whole layers without a cache")
     best_tg = max(c.tokens_per_s for c in cands)
     best_pp = min(c.prompt_seconds for c in cands)
     if objective == "generation":

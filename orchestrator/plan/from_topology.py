@@ -46,6 +46,8 @@ def request_from_topology(topo: Topology) -> PlanRequest:
     op = w.op_offload_min_batch
     op_val = None if op in (AUTO, None) else (OFFLOAD_NEVER if op == "off" else int(op))
     dnb = w.disable_numa_balancing
+    ec = w.expert_cache
+    cache = None if ec in (AUTO, None) else (0 if ec == "off" else int(ec))
     return PlanRequest(
         context=int(_auto(m.context, DEFAULT_CONTEXT)), parallel=int(_auto(m.parallel, 1)),
         type_k=ctk, type_v=ctv, kv_auto=m.cache_type_k in (AUTO, None) and m.cache_type_v in (AUTO, None),
@@ -55,4 +57,5 @@ def request_from_topology(topo: Topology) -> PlanRequest:
         disable_numa_balancing=True if dnb in (AUTO, None) else bool(dnb),
         op_offload_min_batch=op_val, batch=_auto(w.batch), ubatch=_auto(w.ubatch), split_mode=w.split_mode,
         load_mode=w.load_mode, extra_args=tuple(w.extra_args), host=w.host or "127.0.0.1", port_base=w.port_base,
+        objective=w.objective, expert_cache=cache,
     )

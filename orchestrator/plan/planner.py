@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from orchestrator.backend.info import BackendInfo, Flavor
@@ -14,9 +14,12 @@ from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
 from orchestrator.plan.cpu import CpuChoice, choose_cpu, node_available
+from orchestrator.model.memory import MOE_CACHE_MAX_BATCH, moe_cache_bank_bytes, moe_cache_size
+from orchestrator.model.routing_profile import DEFAULT_CURVE, HitCurve
+from orchestrator.plan import expert_cache as X
 from orchestrator.plan.placement import (
-    GpuBudget, Placement, _DoesNotFit, cpu_expert_override, place_cpu_only, place_graph_split, place_layer_split,
-    place_single,
+    GpuBudget, Placement, _DoesNotFit, cpu_expert_override, layer_split_placement, place_cpu_only,
+    place_graph_split, place_layer_split, place_single,
 )
 from orchestrator.plan.predict import SpeedInputs, op_offload_threshold, predict_pp, predict_tg
 from orchestrator.plan.request import NodeRequest, PlanRequest
@@ -45,6 +48,7 @@ class _Candidate:
     compute_gpu: tuple[int, ...]            # per GPU of the worker (CUDA0, CUDA1, ...)
     overhead_gpu: int
     speed: SpeedInputs
+    budgets: tuple[GpuBudget, ...] = ()
 
 
 def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on",
@@ -93,6 +97,7 @@ def _speed_inputs(machine: Machine, gpus: list, load_mode: str, host_nodes: tupl
     bw = machine.bandwidth
     mem_bw, flops = [], []
     h2d = None
+    h2d_pinned = None
     for g in gpus:
         b, src = R.gpu_memory_bandwidth(g.name)
         f, _ = R.gpu_flops(g.name)
@@ -110,6 +115,7 @@ def _speed_inputs(machine: Machine, gpus: list, load_mode: str, host_nodes: tupl
             pinned, src = R.pcie_pinned_bandwidth(g.pcie_gen, g.pcie_width)
         eff = pinned * (R.PINNED_COPY_EFFICIENCY if load_mode == "pinned" else R.PAGEABLE_FRACTION)
         h2d = eff if h2d is None else min(h2d, eff)
+        h2d_pinned = pinned if h2d_pinned is None else min(h2d_pinned, pinned)
         notes.append(f"GPU{g.index} host->device {pinned / 1e9:.1f} GB/s pinned ({src})")
     host_bw = 0.0
     if bw is not None and host_nodes:
@@ -123,7 +129,8 @@ def _speed_inputs(machine: Machine, gpus: list, load_mode: str, host_nodes: tupl
         host_bw = per * max(1, len(host_nodes))
         notes.append(f"host memory {host_bw / 1e9:.0f} GB/s ({src})")
     per_core, src = R.cpu_flops_per_core(machine.cpu_model)
-    return SpeedInputs(tuple(mem_bw), tuple(flops), h2d or 1.0, host_bw, per_core * max(threads, 1)), notes
+    return SpeedInputs(tuple(mem_bw), tuple(flops), h2d or 1.0, host_bw, per_core * max(threads, 1),
+                       h2d_pinned or 0.0), notes
 
 
 def _gpu_free(g, node_req: NodeRequest) -> tuple[int, str]:
@@ -198,15 +205,23 @@ def _evaluate(model, costs, kv_layer, gpus, node_req, req, mode, fa, ub, load_mo
                                               min_batch=req.parallel + 1)
     tg, tg_bytes = predict_tg(costs, placement, speed, 0.0)
     pp = predict_pp(costs, placement, speed, ub, threshold)
-    return _Candidate(ub, placement, threshold, why, tg, tg_bytes, pp, compute, overhead, speed)
+    return _Candidate(ub, placement, threshold, why, tg, tg_bytes, pp, compute, overhead, speed, tuple(budgets))
 
 
 def _n_batch(req: PlanRequest, ub: int) -> int:
     return max(req.batch or 2048, ub)
 
 
-def _choose(cands: list[_Candidate]) -> _Candidate:
-    """Largest prompt speed at 4096 tokens among candidates whose generation speed is within 3% of the best."""
+def _choose(cands: list[_Candidate], objective: str = "generation") -> _Candidate:
+    """Largest prompt speed at 4096 tokens among candidates whose generation speed is within 3% of the best
+    (objective ``generation``); the largest prompt speed (``prompt``); the best geometric mean of both, each
+    relative to its best (``balanced``)."""
+    if objective == "prompt":
+        return max(cands, key=lambda c: (round(c.pp.get(4096, 0.0), 1), c.tg, -c.ubatch))
+    if objective == "balanced":
+        top_tg = max(c.tg for c in cands) or 1.0
+        top_pp = max(c.pp.get(4096, 0.0) for c in cands) or 1.0
+        return max(cands, key=lambda c: (c.tg / top_tg * c.pp.get(4096, 0.0) / top_pp, -c.ubatch))
     best_tg = max(c.tg for c in cands)
     ok = [c for c in cands if c.tg >= 0.97 * best_tg]
     return max(ok, key=lambda c: (round(c.pp.get(4096, 0.0), 1), c.tg, -c.ubatch))
@@ -245,11 +260,14 @@ class _Side:
     cpu: CpuChoice
     gpu_names: tuple[str, ...] = ()
     main: Gpu | None = None                  # the main GPU (best measured host bandwidth)
+    cache: X.CachePlan | None = None         # the expert cache decision (None: not considered)
+    cache_mib: int = 0                       # --moe-cache-mib
 
 
 def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine: Machine, node_req: NodeRequest,
               gpus: list[Gpu], kv_layer: list[int], fa: str, flavor: Flavor, mode: str, mode_why: str,
-              package: int | None, share: tuple[int, int] | None, decisions: list[Decision]) -> _Side:
+              package: int | None, share: tuple[int, int] | None, decisions: list[Decision],
+              backend: BackendInfo | None = None, curve: HitCurve = DEFAULT_CURVE) -> _Side:
     """Placement over the worker's GPUs: micro-batch candidates, load mode, NUMA binding, op-offload threshold."""
     n_ctx = req.context
     gpu_indexes = [g.index for g in gpus]
@@ -319,12 +337,25 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
     # the load mode again with the bytes the placement really leaves in host memory (whole layers of experts
     # can leave more there than the first guess); a change means evaluating again under the other mode
     final_mode, lm_why = choose_load_mode(placement.cpu_weights)
+    shown = cands
     if final_mode != load_mode:
         load_mode = final_mode
         cands2, _errors = evaluate(mode)
         if cands2:
             best = _choose(cands2)
             placement = best.placement
+            shown = cands2
+    cache_plan, cache_decision, cache_size = None, None, None
+    if backend is not None and backend.has("moe_cache"):
+        # the split between whole layers and the cache, for every micro-batch: a cache can make up for the
+        # layers a bigger compute buffer displaces, so the micro-batch is chosen again with it
+        results = [_expert_cache(model=model, costs=costs, req=req, backend=backend, gpus=gpus, best=c,
+                                 node_req=node_req, fa=fa, flavor=flavor, load_mode=load_mode, cpu=cpu,
+                                 machine=machine, mode=mode, curve=curve) for c in shown]
+        shown = [r[2] for r in results]
+        best = _choose(shown, req.objective)
+        cache_plan, cache_decision, _c, cache_size = next(r for r in results if r[2] is best)
+        placement = best.placement
     # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
     host_bytes = placement.cpu_weights + placement.cpu_kv
     cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
@@ -343,11 +374,16 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
         f"in host memory" + (" (forced)" if req.expert_layers_on_cpu is not None else "")))
     decisions.append(Decision("ubatch", f"-b {_n_batch(req, best.ubatch)} -ub {best.ubatch}",
                               "candidates " + ", ".join(f"ub {c.ubatch}: tg {c.tg:.1f} t/s, pp4096 "
-                                                        f"{c.pp.get(4096, 0):.0f} t/s" for c in cands)
-                              + " -> fastest prompt within 3% of the best generation"))
+                                                        f"{c.pp.get(4096, 0):.0f} t/s" for c in shown)
+                              + {"generation": " -> fastest prompt within 3% of the best generation",
+                                 "prompt": " -> fastest prompt (objective prompt)",
+                                 "balanced": " -> best product of generation and prompt speed (objective "
+                                             "balanced)"}[req.objective]))
     decisions.append(Decision("load mode", load_mode, lm_why if n_cpu_exp else
                               "no CPU-resident experts: " + lm_why))
     decisions.append(Decision("op offload", str(best.threshold), best.threshold_why))
+    if cache_decision is not None:
+        decisions.append(cache_decision)
     threshold = best.threshold if n_cpu_exp else None
     ub = best.ubatch
     memory = []
@@ -355,7 +391,8 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
         free, why = _gpu_free(g, node_req)
         memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
                                    compute=best.compute_gpu[k], overhead=best.overhead_gpu,
-                                   budget=free - node_req.vram_reserve))
+                                   budget=free - node_req.vram_reserve,
+                                   cache=cache_size[k] if cache_size else 0))
     cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
                                       n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
                                       type_v=req.type_v, has_layers=placement.n_gpu_layers <= model.n_layers,
@@ -363,7 +400,165 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
     memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
                                overhead=M.output_bytes(model, req.parallel)))
     pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes)
-    return _Side(placement, tuple(memory), pred, threshold, ub, load_mode, cpu, tuple(gpu_names), main)
+    return _Side(placement, tuple(memory), pred, threshold, ub, load_mode, cpu, tuple(gpu_names), main,
+                 cache_plan, cache_plan.chosen.cache_mib if cache_plan is not None and cache_plan.use_cache else 0)
+
+
+
+def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, backend: BackendInfo, gpus: list[Gpu],
+                  best: _Candidate, node_req: NodeRequest, fa: str, flavor: Flavor, load_mode: str, cpu: CpuChoice,
+                  machine: Machine, mode: str, curve: HitCurve):
+    """Split the VRAM the placement gives routed experts between whole expert layers and the expert cache
+    (``--moe-cache-mib``, when the backend has it and some expert layers stay in host memory). Returns
+    (the cache plan or None, its decision or None, the candidate to run -- re-placed when layers moved to the
+    cache -- and the cache's size in VRAM or None)."""
+    host = [i for i in best.placement.cpu_expert_layers if costs.layer_experts[i]]
+    if not host or not costs.n_expert or not backend.has("moe_cache"):
+        return None, None, best, None
+    if req.expert_cache == 0:
+        return None, Decision("expert cache", "off", "set by the topology"), best, None
+    if best.placement.n_gpu_layers <= costs.n_layers:
+        return None, Decision("expert cache", "off", "some layers' attention is in host memory: the cache serves "
+                                                     "layers computed on a GPU"), best, None
+    if len(gpus) > 1 and mode != "layer":
+        return None, Decision("expert cache", "off", f"-sm {mode} spreads every layer over all GPUs: the cache is "
+                                                     f"planned for one GPU or -sm layer"), best, None
+    if len(gpus) > 1 and req.expert_cache is not None:
+        return None, Decision("expert cache", "off", "a cache of a set size is planned for one-GPU workers; "
+                                                     "leave workers.expert_cache auto to split several GPUs"), best, None
+    if req.expert_layers_on_cpu is not None and req.expert_cache is None:
+        return None, Decision("expert cache", "off", "the expert placement is forced: set workers.expert_cache "
+                                                     "to a size to add a cache beside it"), best, None
+    moe = list(costs.moe_layers)
+    layer_bytes = max(costs.layer_experts[i] for i in moe)
+    sp = best.speed
+    gpu_bw = sp.gpu_mem_bw[0] * R.GPU_TG_EFFICIENCY
+    host_bw = sp.host_bw * R.CPU_TG_EFFICIENCY
+    per_token = layer_bytes * costs.n_expert_used / costs.n_expert
+    on_gpu = sum(costs.layer_experts[i] for i in moe if i not in host)
+    # what the roofline gives everything but the routed experts: the no-cache candidate at this placement then
+    # predicts exactly the plan's generation speed
+    t_experts = (on_gpu * costs.n_expert_used / costs.n_expert / gpu_bw
+                 + len(host) * (per_token / host_bw + R.CROSS_DEVICE_LAYER_OVERHEAD_S))
+    base = max(0.0, 1.0 / best.tg - t_experts) if best.tg > 0 else 0.0
+    b = best.budgets[0]
+    leftover = max(0, b.budget - best.placement.gpu_weights[0] - best.placement.gpu_kv[0])
+    pinned = sp.h2d_pinned or sp.h2d / R.PINNED_COPY_EFFICIENCY
+    pcie = pinned * (R.PAGEABLE_FRACTION if load_mode == "mmap" else R.CACHE_UPLOAD_EFFICIENCY)
+    size_req = req.expert_cache
+    forced = req.expert_layers_on_cpu is not None
+    min_gpu_layers = 0
+    if load_mode != "mmap":
+        # layers moved to the cache stay in host memory, read into it: they must fit beside what is there
+        avail = sum(node_available(machine, n) for n in machine.numa_nodes
+                    if not cpu.host_nodes or n.id in cpu.host_nodes) or (machine.memory_available_bytes or 0)
+        if avail:
+            room = avail - (node_req.ram_reserve or 0) - best.placement.cpu_weights - best.placement.cpu_kv - GiB
+            min_gpu_layers = max(0, len(moe) - len(host) - max(0, room) // layer_bytes)
+    inp = X.CacheInputs(curve=curve, layer_expert_bytes=layer_bytes, n_expert=costs.n_expert,
+                        n_expert_used=costs.n_expert_used, n_moe_layers=len(moe),
+                        vram_free=on_gpu + (size_req if forced else leftover), pcie_bw=pcie, host_bw=host_bw,
+                        gpu_bw=gpu_bw, base_seconds=base, cpu_misses=False,
+                        host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
+                        cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S,
+                        min_gpu_layers=min_gpu_layers)
+    splits, per_gpu_host = None, {}
+    if len(gpus) > 1:
+        splits, per_gpu_host = _layer_split_cache_splits(costs, best, moe, host, layer_bytes, min_gpu_layers)
+        inp = replace(inp, vram_free=on_gpu)
+    cplan = X.plan_expert_cache(inp, req.objective, cache_bytes=size_req, splits=splits)
+    curve_note = f"; hit-rate curve: {curve.source}"
+    if not cplan.use_cache:
+        return cplan, Decision("expert cache", "off", cplan.reason + curve_note), best, None
+    c = cplan.chosen
+    if forced:
+        new_host = tuple(host)
+    elif len(gpus) > 1:
+        new_host = per_gpu_host[(c.gpu_layers, c.cache_bytes)]
+    else:
+        new_host = tuple(moe[:c.host_layers])
+    # every busy slot adds a token to a generation batch: the cache must serve batches of that many
+    size = moe_cache_size(model, new_host, c.cache_mib, max_batch=_cache_max_batch(req))
+    if not size.active:
+        return cplan, Decision("expert cache", "off", f"{c.cache_mib} MiB holds less than one token's experts "
+                                                      f"per layer" + curve_note), best, None
+    cand = best
+    if set(new_host) != set(host):
+        kv_ub = _kv_layers(model, req, ub=best.ubatch, fa=fa, flavor=flavor)
+        if len(gpus) > 1:
+            cand = _relayout(costs, kv_ub, best, new_host, req)
+        else:
+            cand = _evaluate(model, costs, kv_ub, gpus, node_req, req.copy(expert_layers_on_cpu=new_host), mode,
+                             fa, best.ubatch, load_mode, cpu.host_nodes, cpu.threads, machine, flavor)
+    tg_bytes = dict(cand.tg_bytes)
+    gpu0 = next(iter(k for k in tg_bytes if k.startswith("CUDA")), "CUDA0")
+    tg_bytes[gpu0] = int(tg_bytes.get(gpu0, 0) + c.cache_hit_bytes + c.pcie_bytes)
+    tg_bytes["CPU"] = max(0, int(tg_bytes.get("CPU", 0) - c.host_layers * per_token))
+    tg_bytes["PCIe"] = int(c.pcie_bytes)
+    cand = replace(cand, tg=c.tokens_per_s, tg_bytes=tg_bytes)
+    banks = tuple(moe_cache_bank_bytes(model, [i for i in new_host if cand.placement.layer_gpu[i] == g],
+                                       size.slots, size.batch_cap) for g in range(len(gpus)))
+    return cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note), cand, banks
+
+
+def _cache_max_batch(req: PlanRequest) -> int:
+    return max(MOE_CACHE_MAX_BATCH, req.parallel)
+
+
+def _layer_split_cache_splits(costs: ModelCosts, best: _Candidate, moe: list[int], host: list[int],
+                              layer_bytes: int, min_gpu_layers: int):
+    """With ``-sm layer`` every GPU holds the banks of its own layers, all with the same slot count: for each
+    slot count, the most whole layers each GPU keeps beside the banks of its host-resident layers (never more
+    than the placement gave it). Returns the (whole layers, cache bytes) pairs and, for each, the host-resident
+    layers (each GPU's first ones, as --n-cpu-moe would)."""
+    p = best.placement
+    expert = layer_bytes / costs.n_expert
+    host_set = set(host)
+    by_gpu: dict[int, list[int]] = {}
+    for i in moe:
+        by_gpu.setdefault(p.layer_gpu[i], []).append(i)
+    room = {}
+    for g, layers in by_gpu.items():
+        resident = sum(costs.layer_experts[i] for i in layers if i not in host_set)
+        room[g] = best.budgets[g].budget - (p.gpu_weights[g] - resident) - p.gpu_kv[g]
+    splits, hosts = [], {}
+    for s in range(costs.n_expert_used, costs.n_expert + 1):
+        keep, new_host = 0, []
+        for g, layers in by_gpu.items():
+            now = sum(1 for i in layers if i not in host_set)
+            n = len(layers)
+            # k layers whole + banks of s experts for the other n - k: k L + s (n - k) e <= room
+            free = room[g] - s * n * expert
+            if free < 0:
+                keep = -1
+                break
+            k = n if layer_bytes <= s * expert else int(free // (layer_bytes - s * expert))
+            k = max(0, min(k, now))
+            keep += k
+            new_host += layers[:n - k]
+        if keep < min_gpu_layers or not new_host:
+            continue
+        size = -(-int(s * len(new_host) * expert) // MiB) * MiB
+        if (keep, size) not in hosts:
+            splits.append((keep, size))
+            hosts[(keep, size)] = tuple(sorted(new_host))
+    return tuple(splits), hosts
+
+
+def _relayout(costs: ModelCosts, kv_layer: list[int], best: _Candidate, cpu_layers: tuple[int, ...],
+              req: PlanRequest) -> _Candidate:
+    """The plan's -sm layer ranges with the experts of ``cpu_layers`` in host memory: threshold and prompt speed
+    again (generation is the cache's prediction)."""
+    counts = list(best.placement.tensor_split)
+    counts[-1] -= 1                                   # the output layer
+    placement = layer_split_placement(costs, kv_layer, counts, cpu_layers)
+    if req.op_offload_min_batch is not None:
+        threshold, why = req.op_offload_min_batch, "set by the topology"
+    else:
+        threshold, why = op_offload_threshold(costs, placement, best.speed, max_batch=max(best.ubatch, 4096),
+                                              min_batch=req.parallel + 1)
+    pp = predict_pp(costs, placement, best.speed, best.ubatch, threshold)
+    return replace(best, placement=placement, threshold=threshold, threshold_why=why, pp=pp)
 
 
 def _cpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine: Machine, node_req: NodeRequest,
@@ -400,7 +595,8 @@ def _cpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
 
 def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: ModelInfo, costs: ModelCosts,
                 req: PlanRequest, backend: BackendInfo, gpu_indexes: tuple[int, ...], port: int,
-                package: int | None = None, share: tuple[int, int] | None = None) -> WorkerPlan:
+                package: int | None = None, share: tuple[int, int] | None = None,
+                curve: HitCurve = DEFAULT_CURVE) -> WorkerPlan:
     decisions: list[Decision] = []
     node_req = node_req.for_machine(machine.memory_total_bytes)
     by_index = {g.index: g for g in machine.gpus}
@@ -417,7 +613,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
     if gpus:
         side = _gpu_side(model=model, costs=costs, req=req, machine=machine, node_req=node_req, gpus=gpus,
                          kv_layer=kv_layer, fa=fa, flavor=flavor, mode=mode, mode_why=mode_why, package=package,
-                         share=share, decisions=decisions)
+                         share=share, decisions=decisions, backend=backend, curve=curve)
     else:
         side = _cpu_side(model=model, costs=costs, req=req, machine=machine, node_req=node_req, kv_layer=kv_layer,
                          fa=fa, flavor=flavor, package=package, share=share, decisions=decisions)
@@ -453,6 +649,8 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         tensor_split=tuple(placement.tensor_split) if len(gpus) > 1 else (),
         main_gpu=gpus.index(side.main) if len(gpus) > 1 else None,
         tensor_overrides=overrides, fit=False, op_offload_min_batch=side.threshold, load_mode=load_mode,
+        moe_cache_mib=side.cache_mib,
+        moe_cache_max_batch=_cache_max_batch(req) if side.cache_mib and req.parallel > MOE_CACHE_MAX_BATCH else None,
         numa=cpu.numa, numa_flag=cpu.numa_flag,
         disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
         threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=_n_batch(req, side.ubatch),
@@ -464,6 +662,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         placement=_ranges(placement, model.n_layers, list(side.gpu_names)), memory=memory,
         predicted=side.predicted, decisions=tuple(decisions),
         cpu_expert_layers=tuple(i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0),
+        expert_cache=side.cache,
     )
 
 
@@ -549,28 +748,29 @@ def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[i
 
 
 def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: PlanRequest,
-              backend: BackendInfo) -> Plan:
+              backend: BackendInfo, routing: HitCurve | None = None) -> Plan:
     """The whole deployment: workers on every node of the topology. When the topology left the KV cache type
-    to the plan and an f16 cache does not fit, the plan uses q8_0 (with flash attention) and says so."""
+    to the plan and an f16 cache does not fit, the plan uses q8_0 (with flash attention) and says so.
+
+    ``routing``: the model's measured hit-rate curve (its routing profile); None = the stated default curve."""
+    curve = routing or DEFAULT_CURVE
     try:
-        return _make_plan(machines=machines, model=model, request=request, backend=backend)
+        return _make_plan(machines=machines, model=model, request=request, backend=backend, curve=curve)
     except PlanError as first:
         if not (request.kv_auto and request.type_k == "f16" and request.type_v == "f16"):
             raise
         q8 = request.copy(type_k="q8_0", type_v="q8_0", kv_auto=False,
                           flash_attn="on" if request.flash_attn == "auto" else request.flash_attn)
         try:
-            plan = _make_plan(machines=machines, model=model, request=q8, backend=backend)
+            plan = _make_plan(machines=machines, model=model, request=q8, backend=backend, curve=curve)
         except PlanError:
             raise first from None
         why = Decision("KV cache", "q8_0", f"an f16 cache does not fit ({first}); q8_0 halves it")
-        from dataclasses import replace
-
         return replace(plan, decisions=(why, *plan.decisions))
 
 
 def _make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: PlanRequest,
-               backend: BackendInfo) -> Plan:
+               backend: BackendInfo, curve: HitCurve = DEFAULT_CURVE) -> Plan:
     costs = model_costs(model)
     if costs.n_expert and costs.n_expert_used > costs.n_expert:
         raise PlanError(f"{model.paths[0]}: expert_used_count {costs.n_expert_used} > expert_count {costs.n_expert}")
@@ -594,7 +794,7 @@ def _make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pl
             name = f"{node_req.name}-{k}" if len(groups) > 1 or len(request.nodes) > 1 else node_req.name
             workers.append(plan_worker(name=name, node_req=node_req, machine=machine, model=model, costs=costs,
                                        req=request, backend=backend, gpu_indexes=gidx, port=port, package=pkg,
-                                       share=share))
+                                       share=share, curve=curve))
             port += 1
     summary = {
         "path": model.paths[0], "arch": model.arch, "n_layers": model.n_layers, "n_expert": costs.n_expert,

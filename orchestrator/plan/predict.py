@@ -27,6 +27,7 @@ class SpeedInputs:
     h2d: float                          # host->device for CPU-resident weights as loaded (pinned or pageable)
     host_bw: float                      # host memory read bandwidth available to the worker's threads
     cpu_flops: float                    # whole worker (threads x per-core)
+    h2d_pinned: float = 0.0             # host->device from pinned buffers, as measured (0: unknown)
 
 
 def experts_used(n_expert: int, k: int, batch: int) -> float:

@@ -82,3 +82,12 @@ CROSS_DEVICE_LAYER_OVERHEAD_S = 96e-6
 # Op offload of host-resident experts during prompt processing reached 66% of the probe's pinned bandwidth
 # (36.6 of 55.4 GB/s: per-layer synchronisation, expert-id reads); from mmap'd pages it ran at PAGEABLE_FRACTION.
 PINNED_COPY_EFFICIENCY = 0.66
+# Expert cache (--moe-cache-mib), fitted on the H200 (W1 = Qwen3-30B-A3B q4_0, 8/12/16 GiB, locality 0/default/high,
+# 14 cache configurations, hit rates from llama-server's counters): a token's misses are uploaded at
+# CACHE_UPLOAD_EFFICIENCY of the probe's pinned bandwidth (one expert's three tensors per copy, in-stream), every
+# host-resident layer costs CACHE_LAYER_OVERHEAD_S (the router's expert ids read back to the host, then slot
+# bookkeeping) and the cache path CACHE_FIXED_S per token beyond the bytes (graph splits at every cached layer).
+# Three unknowns, least squares; every configuration within 8% of its measured generation speed.
+CACHE_UPLOAD_EFFICIENCY = 0.8
+CACHE_LAYER_OVERHEAD_S = 57e-6
+CACHE_FIXED_S = 1.85e-3

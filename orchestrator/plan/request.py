@@ -85,6 +85,8 @@ class PlanRequest:
     host: str = "127.0.0.1"                  # where workers listen
     port_base: int = 8081
     expert_layers_on_cpu: tuple[int, ...] | None = None   # force this placement (benchmarks / experts)
+    objective: str = "generation"            # "generation" | "balanced" | "prompt": what the VRAM split favours
+    expert_cache: int | None = None          # None = the plan decides; 0 = off; bytes = a cache of this size
 
     def copy(self, **changes) -> "PlanRequest":
         return replace(self, **changes)

@@ -9,6 +9,7 @@ from orchestrator.backend.info import BackendInfo
 from orchestrator.launch.llama_args import server_args, server_env
 from orchestrator.launch.numa import NumaPolicy
 from orchestrator.launch.settings import WorkerSettings
+from orchestrator.plan.expert_cache import CachePlan
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,18 @@ class DeviceMemory:
     compute: int = 0
     overhead: int = 0           # CUDA context + kernels, output buffers, margins
     budget: int | None = None   # what the plan may use on it
+    cache: int = 0              # the expert cache's slots and id buffers (--moe-cache-mib)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.overhead
+        return self.weights + self.kv + self.compute + self.overhead + self.cache
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "weights": self.weights, "kv": self.kv, "compute": self.compute,
-                "overhead": self.overhead, "total": self.total, "budget": self.budget}
+        d = {"device": self.device, "weights": self.weights, "kv": self.kv, "compute": self.compute,
+             "overhead": self.overhead, "total": self.total, "budget": self.budget}
+        if self.cache:
+            d["cache"] = self.cache
+        return d
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class WorkerPlan:
     predicted: Prediction
     decisions: tuple[Decision, ...]
     cpu_expert_layers: tuple[int, ...] = ()  # layers whose routed experts stay in host memory
+    expert_cache: CachePlan | None = None    # the split of VRAM between whole expert layers and the cache
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -151,6 +157,8 @@ class WorkerPlan:
             "op_offload_min_batch": self.op_offload_min_batch, "n_ubatch": self.n_ubatch, "n_batch": self.n_batch,
             "load_mode": self.load_mode, "model_alias": self.model_alias,
             "settings": s.to_dict(),
+            **({"expert_cache": {**self.expert_cache.to_json(), "arithmetic": self.expert_cache.arithmetic()}}
+               if self.expert_cache is not None else {}),
         }
 
 

@@ -47,9 +47,9 @@ def test_dry_run_lists_configs_from_plan_json(tmp_path, capsys):
                          "--rounds", "3"], capsys)
     assert rc == 0, err
     names = [ln.split()[0] for ln in out.splitlines()[1:]]
-    assert names[:3] == ["plan", "fit", "cpu-moe"]
+    assert names[:4] == ["plan", "fit", "fit-pinned", "cpu-moe"]
     assert "ncmoe1-ub512-mmap" in names and "ncmoe3-ub2048-pinned" in names and "offload-never" in names
-    assert len(names) == 3 + 3 * 2 * 2 + 6                           # offload 12, 24, 32, 96, 192, never
+    assert len(names) == 4 + 3 * 2 * 2 + 6                           # offload 12, 24, 32, 96, 192, never
     assert out.splitlines()[0].startswith(f"{len(names)} configurations × 3 rounds = {len(names) * 3} server starts")
     assert "GGML_OP_OFFLOAD_MIN_BATCH=12 /bin/true" in out            # offload12 = 48 / 4
 

@@ -188,7 +188,7 @@ def test_threads_sweep_changes_generation_threads_only(plan):
 
 def test_build_configs_order_unique_and_unknown_group(plan):
     cs = build_configs(plan, ncmoe_values=[20], ubatches=[4096], load_modes=("pinned",), offload_values=[32])
-    assert [c.name for c in cs] == ["plan", "fit", "cpu-moe", "ncmoe20-ub4096-pinned", "offload32"]
+    assert [c.name for c in cs] == ["plan", "fit", "fit-pinned", "cpu-moe", "ncmoe20-ub4096-pinned", "offload32"]
     with pytest.raises(ConfigError, match="unknown bench configuration group 'fitt'"):
         build_configs(plan, ["fitt"])
 
@@ -309,3 +309,41 @@ def test_a_plan_that_never_offloads_is_recorded_as_never_and_the_sweep_varies_it
     plan_t = plan_config([*without(w.args, ["--no-op-offload"])], {**w.env, OFFLOAD_ENV: "64"})
     never = next(s for s in offload_sweep(plan_t, [OFFLOAD_NEVER]))
     assert never.name == "offload-never" and never.params["op_offload_min_batch"] == OFFLOAD_NEVER
+
+
+def test_fit_pinned_is_fit_with_pinned_host_weights(plan):
+    c = next(c for c in build_configs(plan, ["fit-pinned"]))
+    assert c.settings.fit is True and c.settings.load_mode == "pinned"
+    assert get_arg(c.args, "--fit") == "on" and get_arg(c.args, "--load-mode") == "none"
+    assert not has_flag(c.args, "-ot") and not has_flag(c.args, "--moe-cache-mib")
+
+
+def test_cache_grid_moves_layers_into_the_cache():
+    from orchestrator.bench.configs import cache_grid, cpu_expert_layers_of, parse_config_option
+
+    p = parse_config_option(r"plan=-m m.gguf -c 8192 -ngl 999 -ot blk\.(0|1|2)\.ffn_(up|down|gate)_exps=CPU "
+                            "-ub 2048 --load-mode none --moe-cache-mib 1000")
+    assert p.renders_for.has("moe_cache")
+    layer = 324 << 20
+    grid = cache_grid(p, layer)
+    assert [c.name for c in grid] == ["ncmoe3", "ncmoe7+cache2232", "ncmoe11+cache3528", "ncmoe15+cache4824"]
+    for c, d in zip(grid, (0, 4, 8, 12)):
+        assert cpu_expert_layers_of(c.settings) == tuple(range(3 + d))
+        assert c.settings.n_ubatch == 2048 and c.settings.load_mode == "pinned"     # the rest is the plan's
+        assert c.params["moe_cache_mib"] == c.settings.moe_cache_mib
+    assert not has_flag(grid[0].args, "--moe-cache-mib")
+    # without a cache in the plan, its own point is the plan itself
+    bare = parse_config_option(r"plan=-m m.gguf -ngl 999 -ot blk\.(0|1|2)\.ffn_(up|down|gate)_exps=CPU "
+                               "--moe-cache-mib 0")
+    assert [c.name for c in cache_grid(bare, layer)][0] == "ncmoe7+cache1232"
+    # the default groups leave the grid out when the plan's binary has no cache; asked for by name, it says why
+    assert not [c for c in build_configs(plan_without_cache(), ncmoe_values=[1], offload_values=[32],
+                                         layer_expert_bytes=layer) if c.group == "cache-grid"]
+    with pytest.raises(ConfigError, match="cache-grid needs"):
+        build_configs(plan_without_cache(), ["cache-grid"], layer_expert_bytes=layer)
+
+
+def plan_without_cache():
+    from orchestrator.bench.configs import parse_config_option
+
+    return parse_config_option(r"plan=-m m.gguf -ngl 999 -ot blk\.(0|1)\.ffn_(up|down|gate)_exps=CPU")

@@ -101,6 +101,9 @@ class FlakyClient:
         await self._maybe_fail("ttft")
         return 0.01, 0.02, None
 
+    async def moe_cache_counters(self):
+        return None
+
 
 def test_a_dropped_request_is_retried_once_and_a_persistent_failure_recorded():
     from orchestrator.bench.measure import measure
@@ -116,3 +119,30 @@ def test_a_dropped_request_is_retried_once_and_a_persistent_failure_recorded():
 
     out = asyncio.run(measure(FlakyClient(always_fail="pp"), w, alive=lambda: False))
     assert out["crashed"] is True and len(out["errors"]) == 1 and out["tg"] == []
+
+
+def test_requests_sample_with_a_seed_each():
+    """Greedy decoding of a random-weight model loops (and fakes an expert cache's locality): every request
+    samples the whole distribution, each with its own seed from the seeded generator."""
+    import random
+
+    from orchestrator.bench.measure import Client, ServerInfo
+
+    def bodies(seed):
+        c = Client("http://127.0.0.1:1", timeout=1, rng=random.Random(seed))
+        c.info = ServerInfo(n_vocab=1000, slot_ctx=4096)
+        return [c._body(8, 16) for _ in range(3)]
+
+    a, b = bodies(1), bodies(1)
+    assert all(x["temperature"] == 1.0 and x["top_k"] == 0 for x in a)
+    assert [x["seed"] for x in a] == [x["seed"] for x in b] and len({x["seed"] for x in a}) == 3
+
+
+def test_expert_cache_counters_are_read_from_the_metrics_page():
+    from orchestrator.bench.measure import parse_moe_cache_counters
+
+    page = ("# HELP llamacpp:moe_cache_hits_total hits\n# TYPE llamacpp:moe_cache_hits_total counter\n"
+            "llamacpp:moe_cache_hits_total 750\nllamacpp:moe_cache_lookups_total 1000\n"
+            "llamacpp:moe_cache_misses_total 250\n")
+    assert parse_moe_cache_counters(page) == (750.0, 1000.0)
+    assert parse_moe_cache_counters("llamacpp:prompt_tokens_total 5\n") is None

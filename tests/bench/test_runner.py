@@ -14,7 +14,7 @@ import pytest
 from orchestrator.bench import BenchOptions, VramBallast, Workload, build_configs, parse_config_option, run_bench
 from orchestrator.bench.configs import OFFLOAD_ENV, OFFLOAD_NEVER, BenchConfig
 from orchestrator.bench.progress import Progress
-from orchestrator.bench.runner import schedule
+from orchestrator.bench.runner import binary_has_flag, schedule
 from orchestrator.bench.server import default_launcher
 from orchestrator.errors import ConfigError, HardwareError
 
@@ -272,8 +272,14 @@ def test_every_kind_of_derived_configuration_loads_on_the_real_server(tmp_path, 
     assert plan.params["n_cpu_moe"] == 2
     configs = build_configs(plan, ncmoe_values=[1], ubatches=[128], load_modes=("mmap", "pinned"),
                             offload_values=[OFFLOAD_NEVER])
-    assert [c.name for c in configs] == ["plan", "fit", "cpu-moe", "ncmoe1-ub128-mmap", "ncmoe1-ub128-pinned",
-                                         "offload-never"]
+    assert [c.name for c in configs] == ["plan", "fit", "fit-pinned", "cpu-moe", "ncmoe1-ub128-mmap",
+                                         "ncmoe1-ub128-pinned", "offload-never"]
+    # the cache grid's flags (-ot over more layers, --moe-cache-mib): a CPU build keeps the cache off
+    cached = parse_config_option(
+        rf"plan=-m {tiny_moe} -c 1024 -np 1 -t 1 -ngl 999 -ot blk\.(0)\.ffn_(up|down|gate)_exps=CPU "
+        "--fit off -ub 256 -b 512 --load-mode none --moe-cache-mib 1")
+    if binary_has_flag(llama_server_path, "--moe-cache-mib"):   # a build with our patch series
+        configs += build_configs(cached, ["cache-grid"], layer_expert_bytes=64 << 20)[:2]
     w = Workload(pp=(8,), pp_reps=1, tg_depths=(), concurrency=(), warmup=False)
     data = run_bench(configs, llama_server_path, tmp_path, _opts(rounds=1, workload=w, prime_page_cache=False),
                      progress=Progress(), charts=False)

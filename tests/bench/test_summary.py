@@ -194,3 +194,33 @@ def test_recorded_h200_runs_get_intervals_and_a_target_inside_one_is_flagged():
         assert "ci90" not in rs2[("plan/fit", m)]
     tg2 = rs2[("plan/fit", "tg128@0")]                # four samples each: 1.24, clear of the 1.05 target
     assert tg2["ok"] is True and tg2["ci90"][0] > 1.05 and tg2["ci_spans_target"] is False
+
+
+def test_the_expert_cache_hit_rate_of_a_run():
+    from orchestrator.bench.summary import run_metrics
+
+    run = {"loaded": True, "samples": {"pp": [], "tg": [], "moe_cache": {"hits": 80.0, "lookups": 100.0}}}
+    assert run_metrics(run)["moe_cache_hit_rate"] == [0.8]
+    idle = {"loaded": True, "samples": {"pp": [], "tg": [], "moe_cache": {"hits": 0.0, "lookups": 0.0}}}
+    assert "moe_cache_hit_rate" not in run_metrics(idle)
+
+
+def test_the_cache_grid_chart(tmp_path):
+    """A cache grid gets its own chart (generation against the cache size, the plan marked); the hit rate is a
+    column of the speed table."""
+    from orchestrator.bench.report import table_rows, write_charts
+
+    def entry(group, mib, tg, hit=None):
+        metrics = {"tg128@0": {"median": tg, "min": tg - 1, "max": tg + 1, "n": 3}}
+        if hit is not None:
+            metrics["moe_cache_hit_rate"] = {"median": hit, "min": hit, "max": hit, "n": 3}
+        return {"group": group, "params": {"moe_cache_mib": mib} if mib else {}, "metrics": metrics, "runs": 3,
+                "loaded": 3}
+
+    summary = {"plan": entry("plan", 1953, 128.0, 0.87), "ncmoe19": entry("cache-grid", 0, 76.0),
+               "ncmoe23+cache1232": entry("cache-grid", 1232, 123.0, 0.79)}
+    paths = write_charts({"summary": summary}, tmp_path)
+    assert [p.name for p in paths] == ["speed.png", "cache.png"] and all(p.stat().st_size > 1000 for p in paths)
+    header, rows = table_rows(summary)
+    assert "cache hits" in header and rows[0][header.index("cache hits")] == "87.0%"
+    assert rows[1][header.index("cache hits")] == "-"

@@ -45,11 +45,18 @@ def test_never_is_a_switch_where_the_binary_has_one_else_the_variable():
 
 
 def test_expert_cache_only_when_asked_for_and_offered():
-    with_cache = replace(MAINLINE, features=MAINLINE.features | {"moe_cache"})
+    with_cache = MAINLINE                                # the nominal mainline is our patched build
+    assert "moe_cache" in with_cache.features
     assert "--moe-cache-mib" not in server_args(S, with_cache)                     # 0 = off
     cached = replace(S, moe_cache_mib=4096)
     assert _value(server_args(cached, with_cache), "--moe-cache-mib") == "4096"
-    assert "--moe-cache-mib" not in server_args(cached, MAINLINE)                  # the binary lacks it
+    without = replace(MAINLINE, features=MAINLINE.features - {"moe_cache"})
+    assert "--moe-cache-mib" not in server_args(cached, without)                   # the binary lacks it
+    assert "--moe-cache-max-batch" not in server_args(cached, with_cache)          # llama-server's default
+    wide = replace(cached, moe_cache_max_batch=16)
+    assert _value(server_args(wide, with_cache), "--moe-cache-max-batch") == "16"
+    assert parse_server_args(server_args(wide, with_cache)).moe_cache_max_batch == 16
+    assert "--moe-cache-max-batch" not in server_args(replace(S, moe_cache_max_batch=16), with_cache)  # no cache
     with pytest.raises(ValueError):
         replace(S, moe_cache_mib=-1)
 
