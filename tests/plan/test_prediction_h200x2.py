@@ -3,7 +3,7 @@
 Real recorded data: the machine as `orchestrator inspect --save` recorded it (tests/fixtures/machines/h200x2.*) and
 `orchestrator bench` runs of the plan: the 24-layer Qwen3-235B-A22B shape under 12 GiB per GPU and Qwen3-30B-A3B
 under 6 GiB per GPU, both `-sm layer` with experts overflowing to host memory. The planner, given the recorded
-CPU-resident expert layers, must reproduce the recorded `-ts` and predict each GPU's peak within issue 4's
+CPU-resident expert layers, must reproduce the recorded `-ts` and predict each GPU's peak within the memory model's
 tolerance (3% or 256 MiB). Before the second GPU's compute buffer was modelled without the host-expert staging
 copy (which only CUDA0 makes), CUDA1 was over-predicted by ~420 MiB on the 235B shape.
 """
