@@ -87,6 +87,31 @@ class CacheCandidate:
 
 
 @dataclass(frozen=True)
+class GpuCacheShare:
+    """One GPU's part of the chosen cache under ``-sm layer``: the banks of the host-resident layers it runs (the
+    same slot count as every other bank) and what they serve per generated token."""
+
+    device: str                  # CUDA0, CUDA1, ... (the worker's GPU list)
+    whole_layers: int            # expert layers kept whole in its VRAM
+    host_layers: int             # host-resident expert layers it runs: one bank each
+    slots_per_layer: int
+    cache_bytes: int             # VRAM of its banks and their id buffers
+    hit_rate: float              # predicted: every bank holds the same fraction of its layer's experts
+    hit_bytes: float             # per token: its host layers' picks served from its banks
+    pcie_bytes: float            # per token: its misses, uploaded over PCIe
+
+    @property
+    def slots(self) -> int:
+        return self.slots_per_layer * self.host_layers
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "whole_layers": self.whole_layers, "host_layers": self.host_layers,
+                "slots_per_layer": self.slots_per_layer, "slots": self.slots, "cache_bytes": self.cache_bytes,
+                "cache_mib": round(self.cache_bytes / MIB, 1), "hit_rate": round(self.hit_rate, 5),
+                "bytes_per_token": {"cache_hits": round(self.hit_bytes), "pcie": round(self.pcie_bytes)}}
+
+
+@dataclass(frozen=True)
 class CachePlan:
     chosen: CacheCandidate
     no_cache: CacheCandidate     # the most whole layers that fit, no cache
@@ -94,6 +119,7 @@ class CachePlan:
     objective: str
     curve_source: str
     reason: str
+    per_gpu: tuple[GpuCacheShare, ...] = ()   # several GPUs: each one's banks (empty for one GPU)
 
     @property
     def use_cache(self) -> bool:
@@ -116,6 +142,11 @@ class CachePlan:
                      f"{c.cache_hit_bytes / gb:.3f} GB from the cache + {c.host_read_bytes / gb:.3f} GB from "
                      f"host memory + {c.pcie_bytes / gb:.3f} GB over PCIe -> {c.expert_seconds * 1e3:.2f} ms "
                      f"-> {c.tokens_per_s:.1f} tok/s predicted")
+        for g in self.per_gpu:
+            lines.append(f"  {g.device}: {g.whole_layers} whole expert layers, {g.host_layers} host-resident x "
+                         f"{g.slots_per_layer} slots = {g.slots} experts = {g.cache_bytes / MIB:.1f} MiB of cache; "
+                         f"per token {g.hit_bytes / gb:.3f} GB from its cache ({g.hit_rate:.1%} hits) + "
+                         f"{g.pcie_bytes / gb:.3f} GB over PCIe")
         if c is not n:
             lines.append(f"  without a cache ({n.gpu_layers} layers on the GPU): {n.expert_seconds * 1e3:.2f} ms "
                          f"-> {n.tokens_per_s:.1f} tok/s; prompt proxy {c.prompt_seconds * 1e3:.1f} ms vs "
@@ -135,7 +166,8 @@ class CachePlan:
                     "prompt_seconds_per_ubatch": c.prompt_seconds}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
-                "candidates": [cand(c) for c in self.candidates]}
+                "candidates": [cand(c) for c in self.candidates],
+                **({"per_gpu": [g.to_json() for g in self.per_gpu]} if self.per_gpu else {})}
 
 
 def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCandidate:

@@ -496,9 +496,27 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
     tg_bytes["CPU"] = max(0, int(tg_bytes.get("CPU", 0) - c.host_layers * per_token))
     tg_bytes["PCIe"] = int(c.pcie_bytes)
     cand = replace(cand, tg=c.tokens_per_s, tg_bytes=tg_bytes)
+    # what our patch allocates: every bank the same slot count (cache MiB / one expert of every host-resident
+    # expert tensor), each on the GPU that runs its layer
     banks = tuple(moe_cache_bank_bytes(model, [i for i in new_host if cand.placement.layer_gpu[i] == g],
                                        size.slots, size.batch_cap) for g in range(len(gpus)))
+    if len(gpus) > 1:
+        cplan = replace(cplan, per_gpu=_cache_shares(costs, cand.placement, new_host, size.slots, c, banks))
     return cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note), cand, banks
+
+
+def _cache_shares(costs: ModelCosts, placement: Placement, host: tuple[int, ...], slots: int,
+                  chosen: X.CacheCandidate, banks: tuple[int, ...]) -> tuple[X.GpuCacheShare, ...]:
+    """Each GPU's banks and what they serve per token: its host-resident layers' picks, the chosen hit rate."""
+    pick = costs.n_expert_used * max(costs.layer_experts[i] for i in costs.moe_layers) / costs.n_expert
+    out = []
+    for g, bank in enumerate(banks):
+        mine = [i for i in costs.moe_layers if placement.layer_gpu[i] == g]
+        h = sum(1 for i in mine if i in host)
+        picks = h * pick
+        out.append(X.GpuCacheShare(f"CUDA{g}", len(mine) - h, h, slots if h else 0, bank, chosen.hit_rate,
+                                   chosen.hit_rate * picks, (1.0 - chosen.hit_rate) * picks))
+    return tuple(out)
 
 
 def _cache_max_batch(req: PlanRequest) -> int:
