@@ -382,12 +382,16 @@ def fit_pinned_config(plan: BenchConfig) -> BenchConfig:
                                                         "load_mode": "pinned"})
 
 
-def cache_grid(plan: BenchConfig, layer_expert_bytes: int, steps: Sequence[int] = CACHE_GRID_STEPS
-               ) -> list[BenchConfig]:
+def cache_grid(plan: BenchConfig, layer_expert_bytes: int, steps: Sequence[int] = CACHE_GRID_STEPS,
+               n_layers: int | None = None) -> list[BenchConfig]:
     """The expert cache around the plan, as measured by hand: ``d`` more expert layers in host memory than the
     plan (the next layers after its own), their VRAM added to the plan's cache (less a small margin), for each
     ``d`` in ``steps``; ``d = 0`` is the plan's placement without its cache when it has one (the plan itself
-    otherwise). Everything else is the plan's. Nothing when the plan keeps no expert layer in host memory."""
+    otherwise). Everything else is the plan's. Nothing when the plan keeps no expert layer in host memory.
+
+    With ``-sm layer`` over several GPUs every GPU holds the banks of its own host-resident layers, all at one
+    slot count, so VRAM freed on one GPU only grows the cache as far as the fullest GPU allows: see
+    :func:`_layer_split_grid`."""
     from orchestrator.plan.placement import cpu_expert_override
 
     layers = cpu_expert_layers_of(plan.settings)
@@ -396,26 +400,124 @@ def cache_grid(plan: BenchConfig, layer_expert_bytes: int, steps: Sequence[int] 
     if not layers or layer_expert_bytes <= 0:
         return []
     s0 = plan.settings
-    n_layers = plan.params.get("n_layers")
+    if n_layers is None and plan.params.get("n_layers") is not None:
+        n_layers = int(plan.params["n_layers"])
+    devices = _layer_devices(s0, n_layers)
     out = []
     for d in steps:
-        extra, nxt = [], max(layers) + 1
-        while len(extra) < d and (n_layers is None or nxt < int(n_layers)):
-            extra.append(nxt)
-            nxt += 1
-        if len(extra) < d:
-            continue
-        cpu = tuple(layers) + tuple(extra)
-        freed = d * layer_expert_bytes // (1 << 20)
-        mib = s0.moe_cache_mib + max(0, freed - CACHE_GRID_MARGIN_MIB) if d else 0
         if d == 0 and not s0.moe_cache_mib:
             continue                                   # that point is the plan itself
+        if devices is None:
+            extra, nxt = [], max(layers) + 1
+            while len(extra) < d and (n_layers is None or nxt < int(n_layers)):
+                extra.append(nxt)
+                nxt += 1
+            if len(extra) < d:
+                continue
+            freed = d * layer_expert_bytes // (1 << 20)
+            mib = s0.moe_cache_mib + max(0, freed - CACHE_GRID_MARGIN_MIB) if d else 0
+            shares: dict[str, int] = {}
+        else:
+            grown = _layer_split_grid(layers, devices, s0.moe_cache_mib, layer_expert_bytes, d)
+            if grown is None:
+                continue
+            extra, mib, shares = grown
+        cpu = tuple(sorted(set(layers) | set(extra)))
         s = replace(s0, tensor_overrides=cpu_expert_override(cpu), n_cpu_moe=None, cpu_moe=False,
                     moe_cache_mib=mib)
         name = f"ncmoe{len(cpu)}" + (f"+cache{mib}" if mib else "")
-        out.append(derive(plan, name, "cache-grid", s, {**dict(plan.params), "n_cpu_moe": len(cpu),
-                                                        "moe_cache_mib": mib}))
+        params = {**dict(plan.params), "n_cpu_moe": len(cpu), "moe_cache_mib": mib}
+        if shares:
+            params["moe_cache_mib_per_gpu"] = shares
+        out.append(derive(plan, name, "cache-grid", s, params))
     return out
+
+
+def _layer_devices(s: WorkerSettings, n_layers: int | None) -> list[int] | None:
+    """The device (position in the worker's GPU list) of each layer of a ``-sm layer`` worker over several GPUs,
+    by llama.cpp's rule (llama-model.cpp: layer il goes to the first device whose cumulative ``-ts`` share, as a
+    float, exceeds il / (layers + 1), the output layer counted); None for one GPU. Refused where the grid cannot
+    tell where the cache's banks would go."""
+    ts = tuple(s.tensor_split or ())
+    n_dev = max(len(ts), len(s.gpus or ()))
+    if n_dev <= 1:
+        return None
+    if (s.split_mode or "layer") != "layer":
+        raise ConfigError(f"cache-grid: -sm {s.split_mode} spreads every layer over all GPUs; the expert cache is "
+                          f"planned for one GPU or -sm layer")
+    if len(ts) != n_dev:
+        raise ConfigError("cache-grid: the plan runs several GPUs without -ts, so which GPU holds each layer's "
+                          "cache is not known")
+    if n_layers is None:
+        if not all(float(x).is_integer() for x in ts):
+            raise ConfigError("cache-grid: the model's layer count is needed to split -ts shares into layers "
+                              "(plan from a topology or a model)")
+        n_layers = int(sum(ts)) - 1                  # the plan's -ts counts: every layer, then the output layer
+    if s.n_gpu_layers is not None and s.n_gpu_layers <= n_layers:
+        raise ConfigError("cache-grid: the plan keeps some layers' attention in host memory; the cache serves "
+                          "layers computed on a GPU")
+    import numpy as np
+
+    parts = np.asarray(ts, dtype=np.float32)
+    splits = np.cumsum(parts, dtype=np.float32) / np.float32(parts.sum())
+    act = np.float32(n_layers + 1)
+    return [int(np.searchsorted(splits, np.float32(il) / act, side="right")) for il in range(n_layers)]
+
+
+def _layer_split_grid(layers: Sequence[int], devices: Sequence[int], cache_mib: int, layer_expert_bytes: int,
+                      d: int) -> tuple[list[int], int, dict[str, int]] | None:
+    """``d`` more expert layers in host memory for a ``-sm layer`` plan over several GPUs, and the cache their VRAM
+    pays for. GPU g holds h_g of the H banks, every bank the same slot count, so a cache of T MiB takes
+    T h_g / H on it; the plan's T0 is split so. Moving a layer of GPU g to host memory frees one layer's experts
+    there; the new cache is the largest T' that fits every GPU holding banks:
+
+        T' = min over g of (T0 h_g / H + d_g x layer) x H' / h'_g  - margin
+
+    Each layer moved is the next one after the host-resident layers of the GPU where it grows T' the most (ties:
+    the lowest GPU). Returns (the layers moved, T' in MiB or 0 for d = 0, each GPU's share in MiB) or None when
+    fewer than ``d`` layers are left to move."""
+    n_dev = max(devices) + 1
+    host = set(layers)
+    h0 = [sum(1 for i in host if i < len(devices) and devices[i] == g) for g in range(n_dev)]
+    total0 = sum(h0)
+    old = [cache_mib * h / total0 if total0 else 0.0 for h in h0]
+    per_layer = layer_expert_bytes / (1 << 20)
+    moved: list[int] = []
+    h, freed = list(h0), [0.0] * n_dev
+
+    def nxt(g: int) -> int | None:
+        mine = [i for i in range(len(devices)) if devices[i] == g]
+        own = [i for i in mine if i in host or i in moved]
+        after = [i for i in mine if i not in host and i not in moved and (not own or i > max(own))]
+        return after[0] if after else None
+
+    def size(hh: list[int], ff: list[float]) -> float:
+        tot = sum(hh)
+        return min((old[g] + ff[g]) * tot / hh[g] for g in range(n_dev) if hh[g])
+
+    for _ in range(d):
+        best = None
+        for g in range(n_dev):
+            i = nxt(g)
+            if i is None:
+                continue
+            hh, ff = list(h), list(freed)
+            hh[g] += 1
+            ff[g] += per_layer
+            t = size(hh, ff)
+            if best is None or t > best[0]:
+                best = (t, g, i)
+        if best is None:
+            return None
+        _t, g, i = best
+        moved.append(i)
+        h[g] += 1
+        freed[g] += per_layer
+    if d == 0:
+        return [], 0, {}
+    mib = int(max(0.0, size(h, freed) - CACHE_GRID_MARGIN_MIB))
+    tot = sum(h)
+    return moved, mib, {f"CUDA{g}": int(mib * h[g] / tot) for g in range(n_dev)}
 
 
 def cpu_moe_config(plan: BenchConfig) -> BenchConfig:
@@ -563,7 +665,11 @@ def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_val
                            if layer_expert_bytes is None else f"a llama-server with --moe-cache-mib")
                     raise ConfigError(f"cache-grid needs {why}")
                 continue
-            out += cache_grid(plan, layer_expert_bytes)
+            try:
+                out += cache_grid(plan, layer_expert_bytes, n_layers=n_layers)
+            except ConfigError:
+                if which is not GROUPS:
+                    raise                              # asked for by name: say why not
         elif w == "cpu-moe":
             out.append(cpu_moe_config(plan))
         elif w == "ncmoe-sweep":

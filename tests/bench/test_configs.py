@@ -343,6 +343,85 @@ def test_cache_grid_moves_layers_into_the_cache():
         build_configs(plan_without_cache(), ["cache-grid"], layer_expert_bytes=layer)
 
 
+@pytest.mark.parametrize("like,layers,gib", [("qwen3-235b-a22b", 24, 12), ("qwen3-30b-a3b", None, 6)])
+def test_cache_grid_of_a_two_gpu_plan_fits_every_gpu(tmp_path, like, layers, gib):
+    """The plan with the cache on the recorded two-H200 machine (-sm layer): every grid point moves the next layers
+    after some GPU's own host-resident ones, and the banks our patch would allocate for the point's argv (one slot
+    count: MiB / one expert of every host-resident expert tensor, each bank on its layer's GPU) fit in what that
+    GPU had for banks in the plan plus the experts moved off it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plan"))
+    from planfixtures import backend, shape_model, with_gpu_free
+
+    from orchestrator.bench.configs import cache_grid, cpu_expert_layers_of
+    from orchestrator.hardware.dump import load_machine
+    from orchestrator.plan import NodeRequest, PlanRequest, make_plan
+    from orchestrator.plan.costs import model_costs
+
+    MiB, GiB = 1 << 20, 1 << 30
+    model = shape_model(tmp_path, like, "q4_0", layers=layers)
+    x2 = with_gpu_free(load_machine(FIXTURES / "machines" / "h200x2.tar.gz"), gib * GiB)
+    b = backend()
+    b = b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
+    req = PlanRequest(nodes=(NodeRequest(name="x2", vram_limit=gib * GiB, vram_reserve=256 * MiB),))
+    w = make_plan(machines={"x2": x2}, model=model, request=req, backend=b).workers[0]
+    assert w.settings.split_mode == "layer" and w.settings.moe_cache_mib
+    costs = model_costs(model)
+    layer = max(costs.layer_experts)
+    expert = layer / costs.n_expert
+    counts = list(w.settings.tensor_split)
+    dev = [g for g, c in enumerate(counts) for _ in range(int(c))][:model.n_layers]   # integer -ts: ranges
+
+    def banks(mib, host):                        # the patch: one slot count, each bank on its layer's GPU
+        slots = min(mib * MiB // int(len(host) * expert), costs.n_expert)
+        return [slots * expert * sum(1 for i in host if dev[i] == g) for g in (0, 1)]
+
+    plan_host = set(w.cpu_expert_layers)
+    plan_banks = banks(w.settings.moe_cache_mib, plan_host)
+    grid = cache_grid(config_from_worker(w), layer, n_layers=model.n_layers)
+    left = model.n_layers - len(plan_host)                  # whole expert layers the plan keeps in VRAM
+    assert [c.params["n_cpu_moe"] - len(plan_host) for c in grid] == [d for d in (0, 4, 8, 12) if d <= left]
+    assert not has_flag(grid[0].args, "--moe-cache-mib")
+    for c in grid[1:]:
+        host = set(cpu_expert_layers_of(c.settings))
+        assert plan_host < host and c.settings.tensor_split == w.settings.tensor_split
+        for g in (0, 1):
+            mine = [i for i in range(model.n_layers) if dev[i] == g]
+            own = [i for i in mine if i in host]
+            assert own == mine[:len(own)]                    # each GPU's first layers, as the planner moves them
+            moved = sum(1 for i in own if i not in plan_host)
+            assert banks(c.settings.moe_cache_mib, host)[g] <= plan_banks[g] + moved * layer, (c.name, g)
+        assert sum(c.params["moe_cache_mib_per_gpu"].values()) <= c.settings.moe_cache_mib
+    # more layers moved, a bigger cache
+    mibs = [c.settings.moe_cache_mib for c in grid[1:]]
+    assert mibs == sorted(mibs) and mibs[0] > w.settings.moe_cache_mib
+
+
+def test_cache_grid_refuses_what_it_cannot_split():
+    from orchestrator.bench.configs import cache_grid
+
+    tensor = parse_config_option(r"plan=-m m.gguf -ngl 999 -sm tensor -ts 1,1 -ot "
+                                 r"blk\.(0|1)\.ffn_(up|down|gate)_exps=CPU --moe-cache-mib 100")
+    with pytest.raises(ConfigError, match="-sm tensor"):
+        cache_grid(tensor, 324 << 20)
+    shares = parse_config_option(r"plan=-m m.gguf -ngl 999 -sm layer -ts 0.4,0.6 -ot "
+                                 r"blk\.(0|1)\.ffn_(up|down|gate)_exps=CPU --moe-cache-mib 100")
+    with pytest.raises(ConfigError, match="layer count"):
+        cache_grid(shares, 324 << 20)
+    # 10 layers: 0-4 on CUDA0 (il / 11 < 0.4), 5-9 on CUDA1. Layers 2, 3, 4 move on CUDA0 (each grows the cache
+    # most there), then 5 on CUDA1: T' = min(100 + 3 x 324) x 6 / 5, 324 x 6 / 1) - 64 = 1222 MiB, of which CUDA0
+    # holds 5/6 = 1018 MiB <= its 1072; one GPU's rule (100 + 4 x 324 - 64 = 1332) would put 1110 MiB there
+    grid = cache_grid(shares, 324 << 20, steps=(4,), n_layers=10)
+    assert [c.name for c in grid] == ["ncmoe6+cache1222"]
+    assert grid[0].params["moe_cache_mib_per_gpu"] == {"CUDA0": 1018, "CUDA1": 203}
+    # the default groups leave out a grid they cannot split; asked for by name, it says why
+    assert not [c for c in build_configs(tensor, ncmoe_values=[1], offload_values=[32], layer_expert_bytes=324 << 20)
+                if c.group == "cache-grid"]
+    with pytest.raises(ConfigError, match="-sm tensor"):
+        build_configs(tensor, ["cache-grid"], layer_expert_bytes=324 << 20)
+
+
 def plan_without_cache():
     from orchestrator.bench.configs import parse_config_option
 
