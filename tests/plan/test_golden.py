@@ -23,6 +23,12 @@ CASES = [  # (topology, model shape, quant, flavor, overrides): 1, 2, 4 and 8 GP
     ("2socket-8gpu", "deepseek-v3", "q4_0", "ik_llama.cpp", {}),
     ("2socket-8gpu", "qwen3-235b-a22b", "q4_0", "mainline", {"nodes.0.gpus": [0, 1, 2, 3]}),
     ("2socket-8gpu", "deepseek-v3", "q4_0", "mainline", {"workers.layout": "gpu-group"}),
+    # the recorded two-H200 machine under a VRAM limit per GPU: -sm layer with the expert cache split by layers
+    # (like@N: the shape cut to N layers)
+    ("h200", "qwen3-235b-a22b@24", "q4_0", "mainline", {"nodes.0.machine": "tests/fixtures/machines/h200x2.tar.gz",
+                                                         "nodes.0.vram_limit": "12GiB"}),
+    ("h200", "qwen3-30b-a3b", "q4_0", "mainline", {"nodes.0.machine": "tests/fixtures/machines/h200x2.tar.gz",
+                                                    "nodes.0.vram_limit": "6GiB"}),
 ]
 
 
@@ -40,15 +46,25 @@ def render(res, model_path: Path) -> str:
 
 def _case_id(case) -> str:
     topology, like, quant, flavor, over = case
-    extra = "".join(f"__{k.split('.')[-1]}={'-'.join(map(str, v)) if isinstance(v, list) else v}"
-                    for k, v in over.items())
+    extra = "".join(f"__{k.split('.')[-1]}={_id_value(k, v)}" for k, v in over.items())
     return f"{topology}__{like}-{quant}__{flavor}{extra}"
+
+
+def _id_value(key: str, value) -> str:
+    if isinstance(value, list):
+        return "-".join(map(str, value))
+    if key.endswith(".machine"):
+        return Path(value).name.split(".")[0]        # a recorded machine: its name
+    return str(value)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_golden_commands(case, model_dir):
     topology, like, quant, flavor, over = case
-    model = shape_model(model_dir, like, quant)
+    like, _, layers = like.partition("@")
+    model = shape_model(model_dir, like, quant, layers=int(layers) if layers else None)
+    # a recorded machine is named from the repository root (overrides are read from the working directory)
+    over = {k: str(REPO_ROOT / v) if k.endswith(".machine") else v for k, v in over.items()}
     res = resolve(REPO_ROOT / "topologies" / f"{topology}.yaml", overrides={"model.path": model.paths[0], **over},
                   backend=nominal_backend(flavor, cuda=True))
     text = render(res, Path(model.paths[0]))
