@@ -181,3 +181,38 @@ def test_pipeline_parallelism_is_what_llama_cpp_turns_on_without_overrides():
 def _cached_backend():
     b = backend("mainline")
     return b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
+
+
+def test_plan_prints_each_gpus_share_with_a_cached_profile(models, tmp_path, monkeypatch):
+    """`orchestrator plan` on a topology naming the recorded machine, W1 under 6 GiB per GPU, with the model's
+    routing profile cached (the default-locality trace, as `orchestrator model MODEL --routing` stores it): the
+    text shows each GPU's banks and hit arithmetic under the measured curve, and --json carries the same numbers."""
+    from orchestrator.commands.plan import plan_document, render_text
+    from orchestrator.model.routing import profile_path
+    from orchestrator.resolve import resolve
+
+    model = models("qwen3-30b-a3b")
+    monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path / "cache"))
+    trace = parse_trace((FIX / "routing" / "demo-locality-default.trace").read_bytes())
+    prof = profile(trace, "synth-model --locality default")
+    path = profile_path(model.paths[0])
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"model": model.paths[0], "settings": {}, "profile": prof.to_json()}))
+    topo = tmp_path / "x2.yaml"
+    topo.write_text(f"model: {{path: {model.paths[0]}, context: 8192}}\n"
+                    f"nodes:\n  - {{name: x2, machine: {FIX / 'machines' / 'h200x2.tar.gz'}, vram_limit: 6GiB, "
+                    f"vram_reserve: 256MiB}}\n")
+    res = resolve(topo, backend=_cached_backend())
+    w = res.plan.workers[0]
+    assert w.expert_cache.curve_source == "synth-model --locality default"
+    check_cache_plan(w, model, 2)
+    text = render_text(res)
+    assert "hit-rate curve: synth-model --locality default" in text
+    for s in w.expert_cache.per_gpu:
+        assert f"  {s.device}: {s.whole_layers} whole expert layers, {s.host_layers} host-resident x " \
+               f"{s.slots_per_layer} slots" in text
+    doc = json.loads(json.dumps(plan_document(res)))
+    per_gpu = doc["workers"][0]["expert_cache"]["per_gpu"]
+    assert [g["device"] for g in per_gpu] == ["CUDA0", "CUDA1"]
+    assert [g["cache_mib"] for g in per_gpu] == [round(s.cache_bytes / MiB, 1) for s in w.expert_cache.per_gpu]
+    assert {g["slots_per_layer"] for g in per_gpu if g["host_layers"]} == {w.expert_cache.chosen.slots_per_layer}
