@@ -556,7 +556,14 @@ def _layer_split_cache_splits(costs: ModelCosts, best: _Candidate, moe: list[int
             new_host += layers[:n - k]
         if keep < min_gpu_layers or not new_host:
             continue
-        size = -(-int(s * len(new_host) * expert) // MiB) * MiB
+        # --moe-cache-mib is whole MiB and llama.cpp's slot count is MiB / (host layers x one expert): the MiB
+        # that hold s slots, never so many more that the banks get s + 1 (small experts) and outgrow the room
+        bank = s * len(new_host) * expert
+        size = -(-int(bank) // MiB) * MiB
+        if s < costs.n_expert and size >= bank + len(new_host) * expert:
+            size = int(bank + len(new_host) * expert - 1) // MiB * MiB
+            if size < costs.n_expert_used * len(new_host) * expert:
+                continue
         if (keep, size) not in hosts:
             splits.append((keep, size))
             hosts[(keep, size)] = tuple(sorted(new_host))

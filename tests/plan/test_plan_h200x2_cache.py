@@ -216,3 +216,30 @@ def test_plan_prints_each_gpus_share_with_a_cached_profile(models, tmp_path, mon
     assert [g["device"] for g in per_gpu] == ["CUDA0", "CUDA1"]
     assert [g["cache_mib"] for g in per_gpu] == [round(s.cache_bytes / MiB, 1) for s in w.expert_cache.per_gpu]
     assert {g["slots_per_layer"] for g in per_gpu if g["host_layers"]} == {w.expert_cache.chosen.slots_per_layer}
+
+
+def test_small_experts_get_no_more_slots_than_the_room_holds():
+    """--moe-cache-mib is whole MiB: where all host layers' experts of one slot take less than a MiB, rounding the
+    cache up to a MiB would give every bank more slots than the split counted, past the GPU's room. Each split's
+    MiB, read as our patch reads it, must fit every GPU."""
+    from types import SimpleNamespace
+
+    from orchestrator.plan.planner import _layer_split_cache_splits
+
+    e, n_expert, n_layers = 4096, 128, 8                     # 4 KiB experts: 8 layers x one slot = 32 KiB
+    L = e * n_expert
+    costs = SimpleNamespace(n_expert=n_expert, n_expert_used=8, layer_experts=[L] * n_layers)
+    room = [3 * L + 100 * 1024, 2 * L + 300 * 1024]          # per GPU: bytes for experts (whole layers + banks)
+    placement = SimpleNamespace(layer_gpu=(0,) * 4 + (1,) * 4, gpu_weights=(3 * L, 2 * L), gpu_kv=(0, 0))
+    best = SimpleNamespace(placement=placement, budgets=(SimpleNamespace(budget=room[0]),
+                                                         SimpleNamespace(budget=room[1])))
+    host = [3, 6, 7]
+    splits, hosts = _layer_split_cache_splits(costs, best, list(range(n_layers)), host, L, 0)
+    assert splits
+    for keep, size in splits:
+        new_host = hosts[(keep, size)]
+        slots = min(size // (len(new_host) * e), n_expert)      # the patch's slot count for this MiB
+        for g in (0, 1):
+            mine = [i for i in range(n_layers) if placement.layer_gpu[i] == g]
+            h = sum(1 for i in mine if i in new_host)
+            assert (len(mine) - h) * L + h * slots * e <= room[g], (keep, size, g, slots)
