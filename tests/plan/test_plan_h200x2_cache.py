@@ -243,3 +243,18 @@ def test_small_experts_get_no_more_slots_than_the_room_holds():
             mine = [i for i in range(n_layers) if placement.layer_gpu[i] == g]
             h = sum(1 for i in mine if i in new_host)
             assert (len(mine) - h) * L + h * slots * e <= room[g], (keep, size, g, slots)
+
+
+def test_a_tensor_split_gets_no_cache(models, x2):
+    """-sm tensor spreads every layer over both GPUs, so no GPU runs a layer's experts alone: set by the topology
+    with experts in host memory, the plan renders no cache and says why."""
+    model = models("qwen3-235b-a22b", layers=24)
+    req = PlanRequest(nodes=(NodeRequest(name="x2", vram_limit=12 * GiB, vram_reserve=256 * MiB),),
+                      split_mode="tensor")
+    w = make_plan(machines={"x2": with_gpu_free(x2, 12 * GiB)}, model=model, request=req,
+                  backend=_cached_backend()).workers[0]
+    assert _arg(w.args, "-sm") == "tensor" and w.cpu_expert_layers
+    assert "--moe-cache-mib" not in w.args and w.expert_cache is None
+    assert all(m.cache == 0 for m in w.memory)
+    why = next(d for d in w.decisions if d.what == "expert cache")
+    assert why.value == "off" and "-sm tensor" in why.why
