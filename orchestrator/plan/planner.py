@@ -356,6 +356,12 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
         best = _choose(shown, req.objective)
         cache_plan, cache_decision, _c, cache_size = next(r for r in results if r[2] is best)
         placement = best.placement
+        if cache_size and load_mode_req == "auto":
+            # layers moved to the cache stay in host memory (their room there was checked): say so with the
+            # bytes that are really there
+            again, why = choose_load_mode(placement.cpu_weights)
+            if again == load_mode:
+                lm_why = why
     # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
     host_bytes = placement.cpu_weights + placement.cpu_kv
     cpu = choose_cpu(machine, host_bytes=host_bytes, ram_reserve=node_req.ram_reserve, anchor_node=anchor,
@@ -490,18 +496,21 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
         else:
             cand = _evaluate(model, costs, kv_ub, gpus, node_req, req.copy(expert_layers_on_cpu=new_host), mode,
                              fa, best.ubatch, load_mode, cpu.host_nodes, cpu.threads, machine, flavor)
-    tg_bytes = dict(cand.tg_bytes)
-    gpu0 = next(iter(k for k in tg_bytes if k.startswith("CUDA")), "CUDA0")
-    tg_bytes[gpu0] = int(tg_bytes.get(gpu0, 0) + c.cache_hit_bytes + c.pcie_bytes)
-    tg_bytes["CPU"] = max(0, int(tg_bytes.get("CPU", 0) - c.host_layers * per_token))
-    tg_bytes["PCIe"] = int(c.pcie_bytes)
-    cand = replace(cand, tg=c.tokens_per_s, tg_bytes=tg_bytes)
     # what our patch allocates: every bank the same slot count (cache MiB / one expert of every host-resident
     # expert tensor), each on the GPU that runs its layer
     banks = tuple(moe_cache_bank_bytes(model, [i for i in new_host if cand.placement.layer_gpu[i] == g],
                                        size.slots, size.batch_cap) for g in range(len(gpus)))
+    tg_bytes = dict(cand.tg_bytes)
     if len(gpus) > 1:
         cplan = replace(cplan, per_gpu=_cache_shares(costs, cand.placement, new_host, size.slots, c, banks))
+        for share in cplan.per_gpu:         # each GPU reads its own banks (hits and the misses copied in)
+            tg_bytes[share.device] = int(tg_bytes.get(share.device, 0) + share.hit_bytes + share.pcie_bytes)
+    else:
+        gpu0 = next(iter(k for k in tg_bytes if k.startswith("CUDA")), "CUDA0")
+        tg_bytes[gpu0] = int(tg_bytes.get(gpu0, 0) + c.cache_hit_bytes + c.pcie_bytes)
+    tg_bytes["CPU"] = max(0, int(tg_bytes.get("CPU", 0) - c.host_layers * per_token))
+    tg_bytes["PCIe"] = int(c.pcie_bytes)
+    cand = replace(cand, tg=c.tokens_per_s, tg_bytes=tg_bytes)
     return cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note), cand, banks
 
 
@@ -572,8 +581,8 @@ def _layer_split_cache_splits(costs: ModelCosts, best: _Candidate, moe: list[int
 
 def _relayout(costs: ModelCosts, kv_layer: list[int], best: _Candidate, cpu_layers: tuple[int, ...],
               req: PlanRequest) -> _Candidate:
-    """The plan's -sm layer ranges with the experts of ``cpu_layers`` in host memory: threshold and prompt speed
-    again (generation is the cache's prediction)."""
+    """The plan's -sm layer ranges with the experts of ``cpu_layers`` in host memory: threshold, prompt speed and
+    bytes per token again (the generation speed is then the cache's prediction)."""
     counts = list(best.placement.tensor_split)
     counts[-1] -= 1                                   # the output layer
     placement = layer_split_placement(costs, kv_layer, counts, cpu_layers)
@@ -583,7 +592,10 @@ def _relayout(costs: ModelCosts, kv_layer: list[int], best: _Candidate, cpu_laye
         threshold, why = op_offload_threshold(costs, placement, best.speed, max_batch=max(best.ubatch, 4096),
                                               min_batch=req.parallel + 1)
     pp = predict_pp(costs, placement, best.speed, best.ubatch, threshold)
-    return replace(best, placement=placement, threshold=threshold, threshold_why=why, pp=pp)
+    # the bytes each device reads per token follow the layers moved (the speed itself is the cache's prediction)
+    tg, tg_bytes = predict_tg(costs, placement, best.speed, 0.0)
+    return replace(best, placement=placement, threshold=threshold, threshold_why=why, pp=pp, tg=tg,
+                   tg_bytes=tg_bytes)
 
 
 def _cpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine: Machine, node_req: NodeRequest,

@@ -25,6 +25,8 @@ from orchestrator.hardware.dump import load_machine
 from orchestrator.model.info import TensorClass
 from orchestrator.model.routing_profile import parse_trace, profile
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
+from orchestrator.plan.costs import model_costs
+from orchestrator.units import fmt_bytes
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 GiB, MiB = 1 << 30, 1 << 20
@@ -140,6 +142,21 @@ def test_two_h200s_split_the_cache_by_the_layers_they_run(models, x2, case, curv
     off = make_plan(machines={"x2": with_gpu_free(x2, budget)}, model=model, request=req.copy(expert_cache=0),
                     backend=_cached_backend(), routing=routing).workers[0]
     assert w.predicted.tg > off.predicted.tg
+    # bytes per token by device: each GPU reads its own banks, and the layers moved to the cache no longer as
+    # whole layers (the same -ts as without a cache)
+    assert _arg(w.args, "-ts") == _arg(off.args, "-ts")
+    costs = model_costs(model)
+    pick = costs.n_expert_used * max(costs.layer_experts) / costs.n_expert
+    with_cache, without = w.predicted.tg_bytes_per_token, off.predicted.tg_bytes_per_token
+    dev0 = layer_devices(_arg(w.args, "-ts"), model.n_layers)
+    for g, share in enumerate(w.expert_cache.per_gpu):
+        moved = sum(1 for i in set(w.cpu_expert_layers) - set(off.cpu_expert_layers) if dev0[i] == g)
+        assert with_cache[share.device] - share.hit_bytes - share.pcie_bytes == \
+            pytest.approx(without[share.device] - moved * pick, rel=1e-6, abs=2), share.device
+    # the load mode's reason counts what the cache left in host memory
+    host_weights = next(m.weights for m in w.memory if m.device == "CPU")
+    assert f"CPU-resident weights ({fmt_bytes(host_weights)})" in next(d.why for d in w.decisions
+                                                                        if d.what == "load mode")
     # each GPU's host-resident layers are the first of its range, as the placement without a cache has them
     dev = layer_devices(_arg(w.args, "-ts"), model.n_layers)
     for g in (0, 1):
