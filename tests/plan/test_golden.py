@@ -23,6 +23,7 @@ CASES = [  # (topology, model shape, quant, flavor, overrides): 1, 2, 4 and 8 GP
     ("2socket-8gpu", "deepseek-v3", "q4_0", "ik_llama.cpp", {}),
     ("2socket-8gpu", "qwen3-235b-a22b", "q4_0", "mainline", {"nodes.0.gpus": [0, 1, 2, 3]}),
     ("2socket-8gpu", "deepseek-v3", "q4_0", "mainline", {"workers.layout": "gpu-group"}),
+    ("2socket-8gpu", "qwen3-235b-a22b", "q4_0", "mainline", {"nodes.0.vram_limit": "12GiB"}),
     # the recorded two-H200 machine under a VRAM limit per GPU: -sm layer with the expert cache split by layers
     # (like@N: the shape cut to N layers)
     ("h200", "qwen3-235b-a22b@24", "q4_0", "mainline", {"nodes.0.machine": "tests/fixtures/machines/h200x2.tar.gz",
