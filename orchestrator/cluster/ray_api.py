@@ -12,9 +12,12 @@ mode; a cluster without authentication accepts such a driver too.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -95,6 +98,24 @@ def _same_endpoint(a: str, b: str) -> bool:
     return norm(a) == norm(b)
 
 
+@contextlib.contextmanager
+def keep_signal_handlers():
+    """Put this process's SIGINT/SIGTERM/SIGHUP handlers back after the block. ``ray.init`` replaces SIGTERM's
+    with one that calls ``sys.exit`` at once, which would skip ``up``'s clean stop and leave everything running;
+    ``ray.shutdown`` resets SIGTERM below Python (Python still reports its handler, the kernel kills): so every
+    handler is installed again, whatever ``signal.getsignal`` says."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
 class RayApi:
     """Thin, stateless-ish facade over Ray. One instance per process (driver or actor)."""
 
@@ -125,10 +146,12 @@ class RayApi:
                     return cls()
             except Exception:
                 pass
-            ray.shutdown()
+            with keep_signal_handlers():
+                ray.shutdown()
         try:
-            ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR",
-                     configure_logging=True)
+            with keep_signal_handlers():
+                ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR",
+                         configure_logging=True)
         except Exception as e:  # ConnectionError, AuthenticationError, RuntimeError ...
             hint = ""
             if "auth" in str(e).lower() or not token_available():
@@ -140,7 +163,8 @@ class RayApi:
 
     def disconnect(self) -> None:
         if self._ray.is_initialized():
-            self._ray.shutdown()
+            with keep_signal_handlers():
+                self._ray.shutdown()
 
     def current_node_id(self) -> str:
         return self._ray.get_runtime_context().get_node_id()

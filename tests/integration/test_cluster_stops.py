@@ -1,0 +1,188 @@
+"""Every way a person stops a foreground `orchestrator up`, after it said "serving": a real `up` of the demo
+topology (two llama-server replicas started early and adopted by their worker actors, an embedded Ray head, the
+gateway) over a tiny generated model. Each way runs the same clean stop and leaves nothing: no llama-server of the
+model, no keeper, no raylet or gcs_server of the deployment's head, no state file. Exit status: 0 for Ctrl-C and
+SIGTERM (asked for), 129 for a hang-up, 141 when the output pipe closed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+import cluster_support as S  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "topologies" / "demo.yaml"
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture()
+def iso(tmp_path, monkeypatch, llama_server_path):
+    monkeypatch.setenv("ORCHESTRATOR_STATE", str(tmp_path / "state"))
+    return {"tmp": tmp_path, "binary": llama_server_path, "model": S.write_tiny_llama(tmp_path / "tiny.gguf"),
+            "state": tmp_path / "state"}
+
+
+def _ours(pattern: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if pattern in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+class Up:
+    """`orchestrator up topologies/demo.yaml` in its own session (as a terminal would run it), its output read
+    here without blocking (so closing our end really leaves the pipe without a reader); :meth:`serving` waits for
+    "serving"."""
+
+    def __init__(self, iso, ns: str) -> None:
+        self.ns = ns
+        self.iso = iso
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
+        sets = {"model.path": iso["model"], "model.context": 1024, "gateway.port": S.free_port(),
+                "ray.dashboard_port": S.free_port(), "workers.port_base": S.free_port(), "ray.namespace": ns}
+        argv = [sys.executable, "-m", "orchestrator", "up", str(DEMO)]
+        for k, v in sets.items():
+            argv += ["--set", f"{k}={v}"]
+        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        self.fd = self.p.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.data = b""
+        self.temp_dir = None
+
+    @property
+    def out(self) -> str:
+        while self.fd is not None:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self.data += chunk
+        return self.data.decode(errors="replace")
+
+    def close_output(self) -> None:
+        """Our end of up's output pipe goes away, as tee's does when it dies."""
+        self.out
+        self.p.stdout.close()
+        self.fd = None
+
+    def serving(self, timeout: float = 180) -> None:
+        assert S.wait_for(lambda: "serving; Ctrl-C stops everything" in self.out or self.p.poll() is not None,
+                          timeout, interval=0.2), self.out
+        assert self.p.poll() is None, self.out
+        import json
+
+        st = json.loads((self.iso["state"] / "cluster" / f"{self.ns}.json").read_text())
+        assert st["phase"] == "running" and st["up_pid"] == self.p.pid
+        self.temp_dir = st["head_temp_dir"]
+        assert S.ray_processes_of(self.temp_dir), "no Ray processes of the head seen while serving"
+        assert len(self.servers()) == 2, self.out
+
+    def servers(self) -> list[psutil.Process]:
+        return [q for q in _ours(str(self.iso["model"])) if q.name() == "llama-server"]
+
+    def wait(self, timeout: float = 180) -> int:
+        deadline = time.monotonic() + timeout
+        while self.p.poll() is None and time.monotonic() < deadline:
+            self.out
+            time.sleep(0.1)
+        self.out
+        return self.p.wait(timeout=1)
+
+    def leftovers(self) -> list[str]:
+        left = [f"llama-server {q.pid}" for q in self.servers()]
+        left += [f"keeper {q.pid}" for q in _ours(f"run/{self.ns}/")]
+        left += [f"{q.name()} {q.pid}" for q in S.ray_processes_of(self.temp_dir)
+                 if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
+        if (self.iso["state"] / "cluster" / f"{self.ns}.json").exists():
+            left.append("the state file")
+        return left
+
+    def cleanup(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+        subprocess.run([sys.executable, "-m", "orchestrator", "down", "-n", self.ns, "--force"], capture_output=True,
+                       timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _nothing_left(up: Up) -> None:
+    deadline = time.monotonic() + 10       # a zombie's parent may need a moment to reap it
+    while up.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert up.leftovers() == [], up.out
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 0), (signal.SIGHUP, 128 + signal.SIGHUP)])
+def test_a_signal_while_serving_stops_everything(iso, sig, code):
+    up = Up(iso, f"stop-{sig.name.lower()}")
+    try:
+        up.serving()
+        up.p.send_signal(sig)
+        rc = up.wait()
+        assert rc == code, up.out
+        assert "stopping workers, gateway and Ray ..." in up.out and "stopped (2 worker(s), Ray head)" in up.out
+        assert "Traceback" not in up.out
+        _nothing_left(up)
+    finally:
+        up.cleanup()
+
+
+def test_a_second_sigterm_during_the_stop_waits_for_it(iso):
+    up = Up(iso, "stop-twice")
+    try:
+        up.serving()
+        up.p.send_signal(signal.SIGTERM)
+        assert S.wait_for(lambda: "stopping workers, gateway and Ray" in up.out, 30, interval=0.05), up.out
+        up.p.send_signal(signal.SIGTERM)
+        up.p.send_signal(signal.SIGINT)
+        rc = up.wait()
+        assert rc == 0, up.out
+        assert "stopped (2 worker(s), Ray head); 2 further signal(s) waited for it" in up.out
+        _nothing_left(up)
+    finally:
+        up.cleanup()
+
+
+def test_a_closed_output_pipe_stops_everything_with_141(iso):
+    """`orchestrator up ... | tee log`, and tee goes away: up notices within a second, stops cleanly, exits 141."""
+    up = Up(iso, "stop-pipe")
+    try:
+        up.serving()
+        up.close_output()                       # the only reader of up's output is gone
+        rc = up.wait(timeout=120)
+        assert rc == 128 + signal.SIGPIPE
+        _nothing_left(up)
+    finally:
+        up.cleanup()
+
+
+def test_ctrl_c_that_killed_tee_first_still_stops_everything(iso):
+    """`orchestrator up ... 2>&1 | tee log` and Ctrl-C: the terminal signals both; tee dies first, so every line up
+    writes while it stops hits a closed pipe. The stop still runs to its end."""
+    up = Up(iso, "stop-tee")
+    try:
+        up.serving()
+        up.close_output()
+        up.p.send_signal(signal.SIGINT)
+        rc = up.wait(timeout=120)
+        assert rc in (0, 128 + signal.SIGPIPE)  # Ctrl-C (asked for) or the closed pipe, whichever it saw first
+        _nothing_left(up)
+    finally:
+        up.cleanup()
