@@ -560,15 +560,23 @@ def test_a_client_that_goes_away_mid_stream_closes_the_upstream_connection():
     run(go())
 
 
-def test_a_replica_dying_mid_stream_ends_the_stream_and_mid_answer_is_502():
+def test_a_replica_dying_mid_stream_is_a_visibly_cut_stream_and_mid_answer_is_502():
+    """A stream cut short by its replica: an error event, then the connection ends without the last chunk, so
+    the client's HTTP library reports an incomplete answer (it used to end like a complete one)."""
     async def go():
         up = await SlowStream(every=0.01, die_after=3).start()
         try:
             async def fn(s, base, gw):
-                async with s.post(base + "/v1/completions", json={"stream": True}) as r:
-                    assert r.status == 200
-                    events = [ln async for ln in r.content if ln.startswith(b"data:")]
-                assert len(events) == 3 and b"[DONE]" not in events[-1]      # ended, no [DONE]
+                events = []
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async with s.post(base + "/v1/completions", json={"stream": True}) as r:
+                        assert r.status == 200
+                        async for ln in r.content:
+                            if ln.startswith(b"data:"):
+                                events.append(ln)
+                assert len(events) == 4 and b"[DONE]" not in events[2]
+                err = json.loads(events[3][5:])["error"]
+                assert err["code"] == 502 and "failed mid-stream" in err["message"]
                 async with s.post(base + "/v1/completions", json={"stream": True}) as r:   # and it serves again
                     assert r.status == 200
             await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
