@@ -70,7 +70,7 @@ def check_port(host: str, port: int, label: str) -> None:
 
 def ensure_auth() -> str:
     """The auth mode for a new embedded head; generates the token when token auth is on and none exists."""
-    from orchestrator.cluster.ray_api import token_available
+    from orchestrator.cluster.ray_api import token_available, token_path
 
     mode = os.environ.get("RAY_AUTH_MODE", "token").lower()
     if mode == "token" and not token_available():
@@ -80,7 +80,18 @@ def ensure_auth() -> str:
             raise ClusterError("ray: cannot create a Ray auth token with `ray get-auth-token --generate`: "
                                f"{(res.stderr or '').strip().splitlines()[-1:] or ['no output']}"
                                " (or set RAY_AUTH_MODE=disabled)")
+    if mode == "token":
+        _private_file(token_path())
     return mode
+
+
+def _private_file(path: Path) -> None:
+    """A secret of ours (Ray writes its token world-readable): owner only."""
+    try:
+        if path.is_file() and path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077:
+            os.chmod(path, 0o600)
+    except OSError:
+        pass
 
 
 _LOG_ERR = re.compile(r"(error|exception|failed|already in use|address in use|refused)", re.IGNORECASE)
@@ -149,6 +160,8 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
                 raise ClusterError(f"ray: the embedded Ray head exited ({code}) while starting: "
                                    f"{_log_cause(log_path)} (log: {log_path})")
             if _started(log_path) and _connects(host, gcs_port):
+                # Ray makes its temp dir world-writable; every process in it runs as us, so owner-only is enough
+                os.chmod(temp_dir, 0o700)
                 return info
             if time.monotonic() > deadline:
                 raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path})")

@@ -202,13 +202,19 @@ def start_early_head(namespace: str, *, nodes: list[tuple[str, str | None]], gat
 
 
 def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], None] = _say_default,
-       ready_timeout: float | None = None, early: EarlyHead | None = None) -> UpResult:
+       ready_timeout: float | None = None, early: EarlyHead | None = None,
+       server_key: str | None = None) -> UpResult:
     """Run ``deployment``; see the module docstring. Raises ClusterError/LaunchError/ConfigError with one clear
-    line after undoing everything it started. ``early``: the head :func:`start_early_head` started for it."""
+    line after undoing everything it started. ``early``: the head :func:`start_early_head` started for it.
+    ``server_key``: every llama-server's own API key, which the gateway adds upstream (a new one when None; the
+    early-started servers were given it already)."""
+    import secrets
+
+    server_key = server_key or secrets.token_urlsafe(32)
     with _stop_signals() as sigs:
         try:
             with statemod.NamespaceLock.acquire(deployment.namespace):
-                return _up(deployment, foreground, say, ready_timeout, early, sigs)
+                return _up(deployment, foreground, say, ready_timeout, early, sigs, server_key)
         except BaseException:
             sigs.absorb()          # whatever stops up now, the clean-up below runs to its end
             if early is not None and not early.taken:
@@ -217,7 +223,7 @@ def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], 
 
 
 def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
-        ready_timeout: float | None, early: EarlyHead | None, sigs: StopSignals) -> UpResult:
+        ready_timeout: float | None, early: EarlyHead | None, sigs: StopSignals, server_key: str) -> UpResult:
     from orchestrator.cluster.ray_api import RayApi
 
     dep = deployment
@@ -280,7 +286,8 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
 
         driver_node = api.current_node_id()
         say(f"starting {len(dep.specs)} worker(s) and the gateway on {dep.gateway_host}:{dep.gateway_port} ...")
-        ctrl = api.create_actor(ControllerActor, dep.to_dict(), driver_node, api_key, name=CONTROLLER, namespace=ns,
+        ctrl = api.create_actor(ControllerActor, dep.to_dict(), driver_node, api_key, server_key,
+                                name=CONTROLLER, namespace=ns,
                                 detached=True, node_id=driver_node, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS)
         status = _wait_ready(api, ctrl, dep, ready_timeout, say)
         st.phase = "running"

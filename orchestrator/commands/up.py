@@ -72,9 +72,12 @@ def _run(args: argparse.Namespace, topo, sigs) -> int:
     from orchestrator.cluster import LOCAL, up
     from orchestrator.resolve import resolve
 
+    import secrets
+
     early = None
     prefetch = None
     servers: list = []
+    server_key = secrets.token_urlsafe(32)    # every llama-server's own key; the gateway adds it upstream
     try:
         if topo.ray.address == LOCAL:
             # the Ray head takes seconds to start: start it now, while the plan is made (stopped if planning fails)
@@ -105,7 +108,7 @@ def _run(args: argparse.Namespace, topo, sigs) -> int:
                   f"{w.predicted.tg:.1f} t/s", file=sys.stderr)
             print(f"  {spec.shell_line()}", file=sys.stderr)
         if early_start:
-            start_early_servers(dep, servers)
+            start_early_servers(dep, servers, server_key)
             dep = dep.copy(early={s.spec.name: s.handover() for s in servers})
     except BaseException:
         sigs.absorb()                     # the clean-up runs to its end whatever else arrives
@@ -117,7 +120,8 @@ def _run(args: argparse.Namespace, topo, sigs) -> int:
         raise
     ok = False
     try:
-        result = up(dep, foreground=not args.detach, ready_timeout=args.ready_timeout, early=early)
+        result = up(dep, foreground=not args.detach, ready_timeout=args.ready_timeout, early=early,
+                    server_key=server_key)
         ok = True
     finally:
         sigs.absorb()
@@ -127,7 +131,7 @@ def _run(args: argparse.Namespace, topo, sigs) -> int:
     return result.exit_code
 
 
-def start_early_servers(dep, servers: list) -> list:
+def start_early_servers(dep, servers: list, server_key: str | None = None) -> list:
     """Start every worker's llama-server now, each under a keeper (orchestrator.cluster.keeper), so it loads while
     Ray starts; the worker actors adopt them. A worker whose port is taken is left to its actor (which says so).
     Each is appended to ``servers`` as soon as it runs (so a signal in between leaves none unaccounted for)."""
@@ -142,7 +146,8 @@ def start_early_servers(dep, servers: list) -> list:
     for spec in dep.specs:
         if spec.node is not None or port_busy(spec.host, spec.port):
             continue
-        server = EarlyServer(spec, logs / f"{spec.name}.log", run_dir(dep.namespace), dep.restart.stop_timeout_s)
+        server = EarlyServer(spec, logs / f"{spec.name}.log", run_dir(dep.namespace), dep.restart.stop_timeout_s,
+                             server_key)
         servers.append(server)
         server.start()
         print(f"llama-server {spec.name}: starting now, while Ray starts (workers.early_start)", file=sys.stderr)

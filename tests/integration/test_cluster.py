@@ -96,6 +96,29 @@ def test_streamed_completion_through_the_gateway(env):
     assert all(e["object"] == "chat.completion.chunk" for e in events)
 
 
+def test_replicas_answer_only_the_gateway_which_adds_their_key(env):
+    """Each llama-server has the deployment's own key (in its environment, never on its command line, never in
+    the state file): asked directly without it, a completion is refused; /health stays open for the probes; the
+    gateway's request carries it, and the user never sees it."""
+    from orchestrator.cluster import status
+
+    st = status(NS)
+    for w in st["workers"]:
+        url = next(s.url for s in env["dep"].specs if s.name == w["name"])
+        code, body = S.post_json(url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert code == 401, body
+        assert S.http_json(url + "/health")[0] == 200
+        proc_env = dict(ln.split("=", 1) for ln in open(f"/proc/{w['pid']}/environ").read().split("\0") if "=" in ln)
+        key = proc_env["LLAMA_API_KEY"]
+        assert len(key) >= 32 and key not in " ".join(psutil.Process(w["pid"]).cmdline())
+        assert key not in json.dumps(st) and key not in (Path(os.environ["ORCHESTRATOR_STATE"]) / "cluster" /
+                                                          f"{NS}.json").read_text()
+        code, _ = S.post_json(url + "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                              headers={"Authorization": f"Bearer {key}"})
+        assert code == 200
+    assert S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
 def test_models_and_health(env):
     code, body = S.http_json(gw(env, "/v1/models"))
     assert code == 200 and [m["id"] for m in body["data"]] == ["tiny"]
@@ -125,11 +148,23 @@ def test_two_gateway_processes_share_the_port(env):
     assert env["res"].status["gateway"]["processes"] == 2 and env["res"].status["gateway"]["serving"] == 2
 
 
+def _server_key(env) -> str:
+    """The deployment's llama-server key, read where only its owner can: a worker's environment."""
+    from orchestrator.cluster import status
+
+    pid = status(NS)["workers"][0]["pid"]
+    return dict(ln.split("=", 1) for ln in open(f"/proc/{pid}/environ").read().split("\0") if "=" in ln)[
+        "LLAMA_API_KEY"]
+
+
 def test_requests_are_spread_over_both_replicas(env):
+    key = _server_key(env)
+
     def predicted(spec):
         from orchestrator.cluster.metrics import fetch_text, parse_prometheus
 
-        return parse_prometheus(fetch_text(spec.url, "/metrics", 5))["llamacpp:tokens_predicted_total"]
+        page = fetch_text(spec.url, "/metrics", 5, headers={"Authorization": f"Bearer {key}"})
+        return parse_prometheus(page)["llamacpp:tokens_predicted_total"]
 
     before = [predicted(s) for s in env["dep"].specs]
     results = []
