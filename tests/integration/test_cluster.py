@@ -148,6 +148,24 @@ def test_two_gateway_processes_share_the_port(env):
     assert env["res"].status["gateway"]["processes"] == 2 and env["res"].status["gateway"]["serving"] == 2
 
 
+def test_kill_9_of_a_gateway_process_the_other_serves_and_it_is_back_within_10s(env):
+    port = env["dep"].gateway_port
+    pids = _listeners(port)
+    victim = min(pids)
+    os.kill(victim, signal.SIGKILL)
+    t = time.monotonic()
+    codes = []
+    while time.monotonic() - t < 10:
+        codes.append(S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 2})[0])
+        now = _listeners(port)
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(0.2)
+    assert len(_listeners(port)) == 2 and victim not in _listeners(port), "the gateway process was not replaced"
+    assert time.monotonic() - t < 10
+    assert codes and set(codes) == {200}, codes           # the other process served every request meanwhile
+
+
 def _server_key(env) -> str:
     """The deployment's llama-server key, read where only its owner can: a worker's environment."""
     from orchestrator.cluster import status

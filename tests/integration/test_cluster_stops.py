@@ -186,3 +186,75 @@ def test_ctrl_c_that_killed_tee_first_still_stops_everything(iso):
         _nothing_left(up)
     finally:
         up.cleanup()
+
+
+def _gateway(up: Up) -> str:
+    import json
+
+    return json.loads((up.iso["state"] / "cluster" / f"{up.ns}.json").read_text())["gateway_url"]
+
+
+def _cli(*args, timeout=180):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_kill_9_of_up_while_serving_leaves_a_deployment_that_serves_and_down_stops(iso):
+    """`up` itself killed outright while serving: nothing can run its stop, so the deployment goes on serving
+    (the worker actors own the servers); status sees it, a new `up` of the namespace is refused with the reason,
+    and `down` stops all of it."""
+    up = Up(iso, "stop-kill9")
+    try:
+        up.serving()
+        gw = _gateway(up)
+        up.p.kill()
+        up.wait()
+        t = time.monotonic()
+        while time.monotonic() - t < 5:
+            assert S.post_json(gw + "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+            time.sleep(0.5)
+        st = _cli("status", "-n", up.ns)
+        assert st.returncode == 0, st.stderr
+        again = Up(iso, up.ns)
+        assert again.wait(120) == 2
+        assert "deployment 'stop-kill9' is already running" in again.out and "orchestrator down" in again.out
+        res = _cli("down", "-n", up.ns)
+        assert res.returncode == 0, res.stderr
+        _nothing_left(up)
+    finally:
+        up.cleanup()
+
+
+def test_model_file_removed_while_serving(iso):
+    """The model file goes away under a serving deployment: the running servers keep serving (they hold it); a
+    server that then dies cannot be started again, and its worker says why in one line naming the file, while
+    the other replica serves on."""
+    up = Up(iso, "stop-model")
+    try:
+        up.serving()
+        gw = _gateway(up)
+        model = Path(iso["model"])
+        model.unlink()
+        assert S.post_json(gw + "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+        victim = up.servers()[0]
+        victim.kill()
+        t = time.monotonic()
+
+        def said_why():
+            res = _cli("status", "-n", up.ns, "--json", timeout=60)
+            import json
+
+            ws = json.loads(res.stdout or "{}").get("workers", [])
+            return next((w for w in ws if str(model) in (w.get("last_error") or "")), None)
+
+        w = S.wait_for(said_why, 10, 0.5)
+        assert w is not None and time.monotonic() - t < 12, up.out
+        assert len((w["last_error"] or "").splitlines()) == 1
+        for _ in range(5):
+            assert S.post_json(gw + "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+        up.p.send_signal(signal.SIGTERM)
+        assert up.wait() == 0
+        _nothing_left(up)
+    finally:
+        up.cleanup()
