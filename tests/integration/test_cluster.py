@@ -119,6 +119,56 @@ def test_replicas_answer_only_the_gateway_which_adds_their_key(env):
     assert S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 2})[0] == 200
 
 
+def _raw(port: int, data: bytes, timeout: float = 30.0) -> bytes:
+    """Send raw bytes to the gateway; read until it closes (a reset after its answer counts as a close)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        try:
+            c.sendall(data)
+        except OSError:
+            pass
+        got = b""
+        while True:
+            try:
+                chunk = c.recv(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+def test_hostile_clients_do_not_disturb_a_stream_from_a_real_replica(env):
+    """While hostile clients hit the gateway (200k copies of one header, an endless header, 50 slowloris
+    connections), a streamed completion from a real llama-server runs to its [DONE]; pipelined requests on one
+    connection are answered in order."""
+    port = env["dep"].gateway_port
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]
+    try:
+        for c in slow:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Slow: ")
+        results = {}
+        stream = threading.Thread(target=lambda: results.update(stream=S.stream_completion(
+            gw(env, "/v1/chat/completions"), {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24})))
+        stream.start()
+        t = time.monotonic()
+        flood = _raw(port, b"GET /health HTTP/1.1\r\n" + b"X-A: b\r\n" * 200_000 + b"\r\n")
+        endless = _raw(port, b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (4 << 20))
+        assert flood.startswith(b"HTTP/1.1 431") and endless.startswith(b"HTTP/1.1 431")
+        assert time.monotonic() - t < 5
+        stream.join(60)
+        code, events, done = results["stream"]
+        assert code == 200 and done and len(events) >= 2
+        body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+        one = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = _raw(port, one + one + one.replace(b"Host: gw", b"Host: gw\r\nConnection: close"))
+        assert got.count(b"HTTP/1.1 200 OK") == 3 and got.count(b'"text_completion"') == 3
+    finally:
+        for c in slow:
+            c.close()
+
+
 def test_models_and_health(env):
     code, body = S.http_json(gw(env, "/v1/models"))
     assert code == 200 and [m["id"] for m in body["data"]] == ["tiny"]
