@@ -258,3 +258,21 @@ def test_model_file_removed_while_serving(iso):
         _nothing_left(up)
     finally:
         up.cleanup()
+
+
+def test_kill_9_of_the_raylet_stops_everything_with_one_line(iso):
+    """The raylet killed outright takes every actor with it and `ray start --block` ends the head: the
+    foreground `up` says so in one line, stops what is left, exits 1; nothing stays."""
+    up = Up(iso, "stop-raylet")
+    try:
+        up.serving()
+        raylet = next(q for q in S.ray_processes_of(up.temp_dir) if q.name() == "raylet")
+        raylet.kill()
+        t = time.monotonic()
+        rc = up.wait(timeout=120)
+        assert rc == 1, up.out
+        assert "the Ray head is gone: cleaning up" in up.out and "Traceback" not in up.out
+        assert time.monotonic() - t < 10, up.out
+        _nothing_left(up)
+    finally:
+        up.cleanup()
