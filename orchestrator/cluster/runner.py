@@ -77,7 +77,12 @@ def _say_default(msg: str) -> None:
         _silence_stderr()
 
 
+_OUTPUT_LOST = False     # a message of ours hit a closed pipe: the foreground stop treats it like a closed output
+
+
 def _silence_stderr() -> None:
+    global _OUTPUT_LOST
+    _OUTPUT_LOST = True
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
@@ -416,7 +421,7 @@ def _foreground_wait(ns: str, say: Callable[[str], None], sigs: StopSignals,
                 say("the Ray head is gone: cleaning up")
                 code = 1
                 break
-            if output_closed():
+            if _OUTPUT_LOST or output_closed():
                 sigs.absorb()
                 _silence_stderr()
                 code = 128 + signal.SIGPIPE
