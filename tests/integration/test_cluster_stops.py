@@ -276,3 +276,32 @@ def test_kill_9_of_the_raylet_stops_everything_with_one_line(iso):
         _nothing_left(up)
     finally:
         up.cleanup()
+
+
+def test_a_broken_state_file_is_named_and_down_force_stops_the_deployment(iso):
+    """The state file of a serving deployment (its `up` killed outright) is broken: `down` refuses naming the
+    file, `down --force` stops the head, the actors and the llama-servers from the Ray record beside it."""
+    up = Up(iso, "stop-force")
+    try:
+        up.serving()
+        up.p.kill()
+        up.wait()
+        path = iso["state"] / "cluster" / "stop-force.json"
+        path.write_text("[]")
+        res = _cli("down", "-n", up.ns)
+        assert res.returncode == 2 and f"state file {path}: not a deployment record" in res.stderr, res.stderr
+        assert len(up.servers()) == 2                           # refused: still running
+        res = _cli("down", "-n", up.ns, "--force")
+        assert res.returncode == 0, res.stderr
+        assert "stopped 2 worker(s)" in res.stderr and "the Ray head" in res.stderr, res.stderr
+        _nothing_left(up)
+        assert not (iso["state"] / "run" / "stop-force").exists()
+    finally:
+        up.cleanup()
+
+
+def test_a_namespace_that_is_a_path_is_refused_before_anything_starts(iso):
+    up = Up(iso, "..")
+    assert up.wait(60) == 2
+    assert "namespace '..': not a valid name" in up.out and "Traceback" not in up.out
+    assert not (iso["state"] / "cluster").exists() or not list((iso["state"] / "cluster").iterdir())
