@@ -157,6 +157,18 @@ def _unauthorized() -> tuple[int, bytes]:
     return 401, error_body("invalid or missing API key", "invalid_request_error", "invalid_api_key")
 
 
+def _connection_room() -> int:
+    """How many client connections this process's file descriptors allow: each may hold one to a replica too,
+    and the pools, the event loop and Ray keep some (a client over the cap gets 503, not a replica marked
+    unreachable because connecting to it failed for want of descriptors)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(16, (soft - 128) // 2)
+
+
 def _response(status: int, body: bytes, ctype: str, close: bool) -> bytes:
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
@@ -664,6 +676,7 @@ class Gateway:
     async def start(self, host: str, port: int, reuse_port: bool = False) -> str:
         """Listen on ``host:port``; ``reuse_port``: share the port with the deployment's other gateway processes
         (SO_REUSEPORT: the kernel spreads new connections over them)."""
+        self.max_connections = min(self.max_connections, _connection_room())
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _ClientConn(self), host, port, reuse_address=True,
                                                 reuse_port=reuse_port or None, backlog=1024)

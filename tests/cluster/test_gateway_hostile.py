@@ -366,3 +366,41 @@ def test_smuggling_is_400_and_close(smuggle):
             await gw.stop()
             await up.stop()
     run(go())
+
+
+def test_the_connection_cap_follows_the_file_descriptor_limit(tmp_path):
+    """A gateway process allowed 200 descriptors takes (200 - 128) // 2 = 36 clients and answers the rest 503
+    at once, instead of running out of descriptors and calling a healthy replica unreachable."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    port = free_port()
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cluster.gateway", "--port", str(port), "--replica",
+                          f"w0=http://127.0.0.1:{free_port()}"], env={**os.environ, "PYTHONPATH": str(repo)},
+                         stdout=subprocess.PIPE, text=True, preexec_fn=low_limit)
+    try:
+        assert "listening" in p.stdout.readline()
+        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        time.sleep(1.0)
+        refused = 0
+        for c in conns:
+            c.setblocking(False)
+            try:
+                if c.recv(4096).startswith(b"HTTP/1.1 503"):
+                    refused += 1
+            except OSError:         # nothing to read: an accepted connection waiting for its request
+                pass
+        assert refused == 4
+        for c in conns:
+            c.close()
+    finally:
+        p.terminate()
+        p.wait(10)
