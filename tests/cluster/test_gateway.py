@@ -319,6 +319,29 @@ def test_api_key_required_when_configured():
     run(go())
 
 
+def test_the_replicas_key_is_added_upstream_and_the_clients_never_goes_there():
+    async def go():
+        up = await Upstream("u0").start()
+        try:
+            gw = Gateway(Router(), api_key="client-key", upstream_key="server-key")
+            gw.set_replicas([{"name": "w0", "url": up.url, "model": "m", "healthy": True}])
+            port = free_port()
+            await gw.start("127.0.0.1", port)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"},
+                                      headers={"Authorization": "Bearer client-key"}) as r:
+                        assert r.status == 200 and "server-key" not in await r.text()
+                        assert not any("server-key" in v for v in r.headers.values())
+            finally:
+                await gw.stop()
+            assert up.headers[0]["Authorization"] == "Bearer server-key"
+            assert "client-key" not in json.dumps(up.headers[0])
+        finally:
+            await up.stop()
+    run(go())
+
+
 def test_models_lists_aliases_and_unknown_model_is_404_with_several():
     async def go():
         a, b = await Upstream("a").start(), await Upstream("b").start()
