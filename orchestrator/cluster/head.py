@@ -121,8 +121,10 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
     check_port(dashboard_host, dashboard_port, "ray.dashboard_port")
     check_port(host, metrics_port, "ray.metrics_export_port")
     mode = ensure_auth()
-    # Ray's socket paths must stay short (AF_UNIX limit): a short temp dir in /tmp, not under the state dir
-    temp_dir = tempfile.mkdtemp(prefix="orch-ray-", dir="/tmp")
+    # Ray's socket paths must stay short (AF_UNIX limit): a short temp dir in /tmp, not under the state dir.
+    # Ray makes its temp dir world-writable (again and again, as its processes start): it goes inside a folder of
+    # ours that stays owner-only, so nobody else reaches Ray's sockets, logs or session files
+    temp_dir = os.path.join(tempfile.mkdtemp(prefix="orch-ray-", dir="/tmp"), "r")
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "ray-head.log"
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
@@ -160,8 +162,6 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
                 raise ClusterError(f"ray: the embedded Ray head exited ({code}) while starting: "
                                    f"{_log_cause(log_path)} (log: {log_path})")
             if _started(log_path) and _connects(host, gcs_port):
-                # Ray makes its temp dir world-writable; every process in it runs as us, so owner-only is enough
-                os.chmod(temp_dir, 0o700)
                 return info
             if time.monotonic() > deadline:
                 raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path})")
@@ -256,6 +256,10 @@ def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, 
         except psutil.Error:
             pass
     _wait_gone(alive, 5)
-    if temp_dir and os.path.basename(temp_dir).startswith("orch-ray-"):
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    if temp_dir:
+        parent = os.path.dirname(temp_dir)
+        if os.path.basename(parent).startswith("orch-ray-"):
+            shutil.rmtree(parent, ignore_errors=True)
+        elif os.path.basename(temp_dir).startswith("orch-ray-"):     # recorded before the private parent
+            shutil.rmtree(temp_dir, ignore_errors=True)
     return killed

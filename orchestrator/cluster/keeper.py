@@ -154,7 +154,14 @@ class EarlyServer:
                 close_fds=True, env={**os.environ, **server_env(self.server_key),
                                      "PYTHONPATH": pythonpath_with_package()})
         # reap the keeper as soon as it exits (this process is its parent while `up` runs in the foreground)
-        threading.Thread(target=self.popen.wait, name=f"reap-{self.spec.name}", daemon=True).start()
+        reaper = threading.Thread(target=self.popen.wait, name=f"reap-{self.spec.name}", daemon=True)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) \
+            if threading.current_thread() is threading.main_thread() else None
+        try:
+            reaper.start()              # with up's stop signals blocked: they go to up's main thread only
+        finally:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return self
 
     def handover(self) -> dict:

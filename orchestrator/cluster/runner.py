@@ -143,6 +143,8 @@ class EarlyHead:
         kw = dict(node_name=node_name, gcs_port=None, dashboard_host=dashboard_host, dashboard_port=dashboard_port,
                   metrics_port=metrics_port, log_dir=log_dir)
         self._thread = threading.Thread(target=self._run, args=(kw, gateway_url), name="ray-head", daemon=True)
+        # started with the stop signals open: it starts the head, and a child inherits a blocked mask (a head
+        # that cannot be TERMed); it ends once the head runs, before up ever lets go of Ray
         self._thread.start()
 
     def _run(self, kw: dict, gateway_url: str) -> None:

@@ -93,7 +93,10 @@ def _run(args: argparse.Namespace, topo, sigs) -> int:
         dep = deployment_from(res)
         early_start = early is not None and res.topology.workers.early_start
         if res.topology.workers.prefetch and not res.topology.workers.warmup and not early_start:
-            prefetch = start_prefetch(res)
+            from orchestrator.cluster.ray_api import stop_signals_blocked
+
+            with stop_signals_blocked():     # its thread leaves the stop signals to the main thread
+                prefetch = start_prefetch(res)
         if res.topology.workers.warmup:
             from orchestrator.launch.warmup import drop_caches, warm
 
@@ -161,6 +164,8 @@ def stop_unadopted(servers: list, quiet: bool) -> None:
     import sys
 
     for s in servers:
+        if s.popen is not None and s.popen.poll() is not None:
+            continue                    # its keeper has ended already (the deployment's stop ended it)
         if not s.adopted():
             if not quiet:
                 try:

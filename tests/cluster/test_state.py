@@ -160,3 +160,16 @@ def test_up_refuses_a_namespace_another_up_holds(state_home, tmp_path):
     assert res.stderr.strip() == (f"orchestrator up: error: deployment 'held-ns' is being started or served by "
                                   f"another `up` (pid {holder.pid}; lock {state_home / 'cluster' / 'held-ns.lock'})")
     assert not state.state_path("held-ns").exists()
+
+
+def test_the_ray_token_is_made_owner_only(tmp_path, monkeypatch):
+    from orchestrator.cluster import head
+
+    token = tmp_path / "auth_token"
+    token.write_text("t" * 32)
+    token.chmod(0o644)                                       # as `ray get-auth-token --generate` leaves it
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert head.ensure_auth() == "token"
+    assert token.stat().st_mode & 0o777 == 0o600

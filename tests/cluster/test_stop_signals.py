@@ -88,3 +88,31 @@ def test_output_closed_sees_a_pipe_whose_reader_went_away():
     assert p.stderr.readline().strip() == "True"
     p.wait(timeout=30)
     assert output_closed() in (False, True)                   # pytest's own capture: a file, never raises
+
+
+def test_a_sigterm_during_ray_init_waits_for_it_and_reaches_our_handler():
+    """A SIGTERM while ray.init runs (a second signal while `up` stops and reconnects): Ray's handler would
+    sys.exit(15) in the middle; it is kept pending until Ray is done and then raised by ours."""
+    code = r"""
+import os, signal, threading
+from orchestrator.cluster.ray_api import keep_signal_handlers, stop_signals_blocked
+from orchestrator.cluster.runner import StopRequested, StopSignals
+import ray
+with StopSignals() as sigs:
+    with stop_signals_blocked():                  # as up starts its own threads
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    try:
+        with keep_signal_handlers():
+            ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            print("init done", ray.is_initialized(), flush=True)
+        import time; time.sleep(5)
+        print("not raised")
+    except StopRequested as e:
+        print("stop requested after init", e.signum == signal.SIGTERM)
+    with keep_signal_handlers():
+        ray.shutdown()
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-2:] == ["init done True", "stop requested after init True"]

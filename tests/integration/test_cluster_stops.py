@@ -91,6 +91,8 @@ class Up:
         st = json.loads((self.iso["state"] / "cluster" / f"{self.ns}.json").read_text())
         assert st["phase"] == "running" and st["up_pid"] == self.p.pid
         self.temp_dir = st["head_temp_dir"]
+        # Ray makes its temp dir world-writable; it lies in a folder of ours that only we can enter
+        assert os.stat(os.path.dirname(self.temp_dir)).st_mode & 0o777 == 0o700
         assert S.ray_processes_of(self.temp_dir), "no Ray processes of the head seen while serving"
         assert len(self.servers()) == 2, self.out
 
