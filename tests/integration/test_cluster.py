@@ -206,14 +206,20 @@ def test_kill_9_of_a_gateway_process_the_other_serves_and_it_is_back_within_10s(
     t = time.monotonic()
     codes = []
     while time.monotonic() - t < 10:
-        codes.append(S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 2})[0])
+        try:
+            codes.append((time.monotonic() - t, S.post_json(gw(env, "/v1/completions"),
+                                                            {"prompt": "x", "max_tokens": 2})[0]))
+        except OSError as e:     # a connection the kernel had queued on the dead process's socket is reset
+            codes.append((time.monotonic() - t, type(e).__name__))
         now = _listeners(port)
         if len(now) == 2 and victim not in now:
             break
         time.sleep(0.2)
     assert len(_listeners(port)) == 2 and victim not in _listeners(port), "the gateway process was not replaced"
     assert time.monotonic() - t < 10
-    assert codes and set(codes) == {200}, codes           # the other process served every request meanwhile
+    # the other process serves meanwhile: only a connection made as the dead one's socket was going may be lost
+    assert all(code == 200 for at, code in codes if at > 1.0), codes
+    assert sum(code == 200 for _, code in codes) >= len(codes) - 1, codes
 
 
 def _server_key(env) -> str:
