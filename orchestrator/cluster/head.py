@@ -241,6 +241,7 @@ def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, 
             except psutil.Error:
                 continue
     if not procs:
+        _remove_temp_dir(temp_dir)       # the head died by itself (its raylet killed): its files still go
         return []
     try:
         if pid in procs:
@@ -256,10 +257,15 @@ def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, 
         except psutil.Error:
             pass
     _wait_gone(alive, 5)
-    if temp_dir:
-        parent = os.path.dirname(temp_dir)
-        if os.path.basename(parent).startswith("orch-ray-"):
-            shutil.rmtree(parent, ignore_errors=True)
-        elif os.path.basename(temp_dir).startswith("orch-ray-"):     # recorded before the private parent
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    _remove_temp_dir(temp_dir)
     return killed
+
+
+def _remove_temp_dir(temp_dir: str | None) -> None:
+    if not temp_dir:
+        return
+    parent = os.path.dirname(temp_dir)
+    if os.path.basename(parent).startswith("orch-ray-"):
+        shutil.rmtree(parent, ignore_errors=True)
+    elif os.path.basename(temp_dir).startswith("orch-ray-"):     # recorded before the private parent
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -129,6 +129,7 @@ def _nothing_left(up: Up) -> None:
     while up.leftovers() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert up.leftovers() == [], up.out
+    assert not Path(up.temp_dir).parent.exists(), "Ray's temp dir was left"
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 0), (signal.SIGHUP, 128 + signal.SIGHUP)])
