@@ -60,11 +60,30 @@ def main(argv: list[str] | None = None) -> int:
     except OrchestratorError as err:
         print(f"orchestrator {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print(f"orchestrator {args.command}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except BrokenPipeError:  # `orchestrator plan | head`
-        return 0
+    except KeyboardInterrupt as e:   # Ctrl-C; `up` also raises it for SIGTERM/SIGHUP, with their exit status
+        code = getattr(e, "exit_code", 128 + signal.SIGINT)
+        try:
+            print(f"orchestrator {args.command}: interrupted" + (f" ({e})" if str(e) else ""), file=sys.stderr)
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+        return code
+    except BrokenPipeError:
+        _silence_output()
+        # `orchestrator plan | head` is fine; an `up` whose output pipe closed did not finish what it was asked
+        return 128 + signal.SIGPIPE if args.command == "up" else 0
+
+
+def _silence_output() -> None:
+    """Point stdout/stderr at /dev/null so the interpreter's last flush into a closed pipe stays quiet."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -127,12 +127,13 @@ class GatewaySlot:
 class Controller:
     def __init__(self, deployment: Deployment, api: Any, driver_node_id: str, api_key: str | None = None,
                  clock: Callable[[], float] = time.monotonic, worker_cls: type | None = None,
-                 gateway_cls: type | None = None, restarted: bool = False) -> None:
+                 gateway_cls: type | None = None, restarted: bool = False, upstream_key: str | None = None) -> None:
         self.dep = deployment
         self.policy = deployment.restart
         self.api = api
         self.driver_node_id = driver_node_id
         self.api_key = api_key
+        self.upstream_key = upstream_key    # every llama-server's own key; only the gateway and workers know it
         self.clock = clock
         if worker_cls is None:
             from orchestrator.cluster.worker import WorkerActor as worker_cls
@@ -233,7 +234,8 @@ class Controller:
         slot.adopt_offered = True
         slot.handle = self.api.create_actor(
             self.worker_cls, slot.spec.to_dict(), self.policy.to_dict(), node.name, self.dep.log_dir,
-            self.dep.namespace, slot.ever_ready, adopt, node_id=node.node_id, resources=dict(slot.spec.resources),
+            self.dep.namespace, slot.ever_ready, adopt, self.upstream_key, node_id=node.node_id,
+            resources=dict(slot.spec.resources),
             max_concurrency=4)
         slot.start_ref = self.api.submit(slot.handle, "start")
         slot.poll_ref = None
@@ -299,7 +301,7 @@ class Controller:
             g.handle = self.api.create_actor(self.gateway_cls, node_id=self.driver_node_id)
             g.pushed = self.replica_table(now)
             g.start_ref = self.api.submit(g.handle, "start", self.dep.gateway_host, self.dep.gateway_port,
-                                          self.api_key, g.pushed, len(self.gws) > 1)
+                                          self.api_key, g.pushed, len(self.gws) > 1, self.upstream_key)
             g.pushed_at, g.created_at, g.phase = now, now, "starting"
             return
         if g.phase == "starting":
@@ -447,12 +449,13 @@ class ControllerActor:
     creates it with ``max_restarts``) if its process dies; the workers it owned died with it, and the new one
     starts them again from the deployment it was created with."""
 
-    def __init__(self, deployment: dict, driver_node_id: str, api_key: str | None) -> None:
+    def __init__(self, deployment: dict, driver_node_id: str, api_key: str | None,
+                 upstream_key: str | None = None) -> None:
         from orchestrator.cluster.ray_api import RayApi
 
         api = RayApi()
         self.ctrl = Controller(Deployment.from_dict(deployment), api, driver_node_id, api_key,
-                               restarted=api.was_restarted())
+                               restarted=api.was_restarted(), upstream_key=upstream_key)
         self._lock = threading.Lock()
         self._quit = threading.Event()
         self.loop_error = ""

@@ -8,7 +8,11 @@ the connection is skipped for a moment and the request goes to another one (noth
 
 Built on asyncio protocols with httptools (llhttp, the parser behind uvicorn) on both sides: a streamed answer is
 written to the client from the upstream connection's callback, without a task switch per token (through aiohttp
-the same relay added 2-3 ms to the first token of 16 concurrent streams). The :class:`Router` is pure and
+the same relay added 2-3 ms to the first token of 16 concurrent streams). What a client may send is bounded the
+way well-kept servers bound it (head 64 KiB, 100 headers, URL 8 KiB, body 32 MiB, head/body/idle/unread-answer
+deadlines, a connection cap; the API key checked on the head, before any body or ``100 Continue``), and what a
+replica sends is checked (one answer per request, 1xx skipped, silence timed out, a cut stream visibly cut): see
+the constants below and ``docs/cluster.md``. The :class:`Router` is pure and
 unit-tested; :class:`Gateway` is the HTTP server; :class:`GatewayActor` runs it inside a Ray actor (the
 controller creates it on the node where ``up`` runs, so ``down`` stops it with the rest); ``python -m
 orchestrator.cluster.gateway`` runs it standalone with a fixed replica list (benchmarks, debugging).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import hmac
 import itertools
 import json
@@ -36,7 +41,19 @@ QUARANTINE_S = 2.0
 # sooner, so a request is not sent down a connection the server has just closed
 UPSTREAM_KEEPALIVE_S = 4.0
 STALE_RETRIES = 2   # requests retried on a fresh connection after the server closed a pooled one
-MAX_BODY = 256 * 2**20
+# Limits on what a client may send (what well-kept servers set: h11, uvicorn, aiohttp); each answer is one line.
+MAX_BODY = 32 * 2**20        # a request body (a 1M-token prompt is about 4 MiB of JSON)
+MAX_HEAD = 64 * 2**10        # request line and headers together
+MAX_HEADERS = 100
+MAX_URL = 8 * 2**10
+MAX_CONNECTIONS = 2048       # per gateway process; more get 503 and are closed
+MAX_PIPELINED = 16           # parsed requests waiting on one connection before it is read no further
+HEADER_TIMEOUT_S = 10.0      # from the first byte of a request (or the connection) to the end of its headers
+BODY_TIMEOUT_S = 30.0        # longest pause while a request body arrives
+IDLE_TIMEOUT_S = 30.0        # a kept-alive connection with no request
+SEND_TIMEOUT_S = 60.0        # a client that reads nothing of its answer for this long is dropped
+UPSTREAM_IDLE_S = 600.0      # a replica that sends nothing for this long (no head, no token) is given up on
+LINGER_S = 2.0               # after a close, what the client still sends is read and dropped this long
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
 
@@ -131,13 +148,35 @@ class _Disconnected(Exception):
 
 
 class _Request:
-    __slots__ = ("method", "url", "path", "headers", "body", "keep_alive", "too_large")
+    __slots__ = ("method", "url", "path", "headers", "body", "keep_alive", "reject")
 
     def __init__(self, method: str, url: bytes, headers: dict[str, str], body: bytes, keep_alive: bool,
-                 too_large: bool) -> None:
+                 reject: tuple[int, bytes] | None) -> None:
         self.method, self.url, self.headers, self.body = method, url, headers, body
         self.path = url.split(b"?", 1)[0].decode("latin-1")
-        self.keep_alive, self.too_large = keep_alive, too_large
+        self.keep_alive, self.reject = keep_alive, reject
+
+
+def _unauthorized() -> tuple[int, bytes]:
+    return 401, error_body("invalid or missing API key", "invalid_request_error", "invalid_api_key")
+
+
+def _connection_room() -> int:
+    """How many client connections this process's file descriptors allow: each may hold one to a replica too,
+    and the pools, the event loop and Ray keep some (a client over the cap gets 503, not a replica marked
+    unreachable because connecting to it failed for want of descriptors)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(16, (soft - 128) // 2)
+
+
+def _response(status: int, body: bytes, ctype: str, close: bool) -> bytes:
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
+    return head.encode("latin-1") + body
 
 
 def _nodelay(transport) -> None:
@@ -150,7 +189,14 @@ def _nodelay(transport) -> None:
 
 
 class _ClientConn(asyncio.Protocol):
-    """One client connection: requests are parsed (httptools) and served in order, one at a time."""
+    """One client connection: requests are parsed (httptools) and served in order, one at a time.
+
+    Limits: the request line and headers are fed to the parser at most :data:`MAX_HEAD` bytes at a time, so a
+    head that does not end within that many bytes is refused (431) before the parser buffers more; at most
+    :data:`MAX_HEADERS` headers and a URL of :data:`MAX_URL` bytes. The API key and the body size are checked as
+    soon as the headers are complete: a request that will be refused gets its answer then, without its body
+    being read and without ``100 Continue``. Deadlines (head, body, keep-alive idle, a client that stops reading)
+    are enforced by the gateway's housekeeping."""
 
     def __init__(self, gw: "Gateway") -> None:
         self.gw = gw
@@ -162,24 +208,64 @@ class _ClientConn(asyncio.Protocol):
         self.closed = False
         self.http10 = False
         self.reading_paused = False
+        self.in_head = True                        # between requests or inside a request's head
+        self.head_bytes = 0
+        self.deadline: float | None = None         # enforced by Gateway._housekeeping
+        self.why_deadline = ""
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.write_stalled_since: float | None = None
+        self.discard = False                       # refused: the rest of what the client sends is not read
+        self.linger_until: float | None = None
         self._reset()
 
     def _reset(self) -> None:
         self._url = bytearray()
-        self._headers: dict[str, str] = {}
+        self._headers: dict[str, list[str]] = {}
+        self._nheaders = 0
         self._body: list[bytes] = []
         self._size = 0
-        self._too_large = False
+        self._reject: tuple[int, bytes] | None = None
+        self._head_done: dict[str, str] = {}
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _set_deadline(self, seconds: float | None, why: str = "") -> None:
+        self.deadline = None if seconds is None else self._now() + seconds
+        self.why_deadline = why
 
     # --- asyncio ---------------------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         _nodelay(transport)
+        if len(self.gw._clients) >= self.gw.max_connections:
+            self.closed = True
+            transport.write(_response(503, error_body("too many connections", "service_unavailable", 503),
+                                      "application/json", True))
+            transport.close()
+            return
         self.gw._clients.add(self)
+        self._set_deadline(self.gw.header_timeout_s, "header")
 
     def data_received(self, data: bytes) -> None:
+        if self.closed or self.discard:
+            return
         try:
-            self.parser.feed_data(data)
+            while data:
+                if self.in_head:
+                    # feed at most what is left of the head's allowance: the parser never holds more than that
+                    room = MAX_HEAD - self.head_bytes
+                    if room <= 0:
+                        return self._refuse_now(431, f"request line and headers over {MAX_HEAD >> 10} KiB")
+                    piece, data = data[:room], data[room:]
+                    self.head_bytes += len(piece)
+                    self.parser.feed_data(piece)
+                else:
+                    piece, data = data, b""
+                    self.parser.feed_data(piece)
+                if self.closed or self.discard:
+                    return
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             if self.task is not None:      # an answer is going out on this connection: do not write into it
                 self.transport.abort()
@@ -188,62 +274,115 @@ class _ClientConn(asyncio.Protocol):
                    else "malformed HTTP request")
             self.respond(400, error_body(why, "invalid_request_error", 400), close=True)
 
+    def _refuse_now(self, status: int, why: str) -> None:
+        self._refuse(status, error_body(why, "invalid_request_error", status))
+
+    def _refuse(self, status: int, body: bytes) -> None:
+        """Answer ``status`` and close: at once when nothing is being answered, else right after (answers go out
+        in order); nothing more is read from this connection either way."""
+        self.discard = True
+        if self.task is None and not self.queue:
+            self.respond(status, body, close=True)
+        else:
+            self.transport.pause_reading()
+            self.reading_paused = True
+            self.queue.append(_Request("GET", b"/", {}, b"", False, (status, body)))
+
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.gw._clients.discard(self)
+        self.writable.set()
         if self.exchange is not None:
             self.exchange.abort()          # the answer has nobody to go to: drop the upstream connection
         if self.task is not None:
             self.task.cancel()
 
     def pause_writing(self) -> None:       # the client reads slower than the replica writes
+        self.writable.clear()
+        self.write_stalled_since = self._now()
         if self.exchange is not None:
             self.exchange.pause()
 
     def resume_writing(self) -> None:
+        self.writable.set()
+        self.write_stalled_since = None
         if self.exchange is not None:
             self.exchange.resume()
 
     # --- httptools callbacks ---------------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset()
+        self._set_deadline(self.gw.header_timeout_s, "header")
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > MAX_URL and self._reject is None:
+            self._reject = (414, error_body(f"URL over {MAX_URL >> 10} KiB", "invalid_request_error", 414))
+            self._url = bytearray(b"/")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        key = name.decode("latin-1").lower()
-        val = value.decode("latin-1")
-        self._headers[key] = f"{self._headers[key]}, {val}" if key in self._headers else val
+        self._nheaders += 1
+        if self._nheaders > MAX_HEADERS:
+            if self._reject is None:
+                self._reject = (431, error_body(f"more than {MAX_HEADERS} headers", "invalid_request_error", 431))
+            return
+        # repeated headers are kept as a list and joined once (joining as they come copied a growing string)
+        self._headers.setdefault(name.decode("latin-1").lower(), []).append(value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
-        try:
-            length = int(self._headers.get("content-length", "0"))
-        except ValueError:
-            length = 0
-        self._too_large = length > MAX_BODY
-        if self._headers.get("expect", "").lower() == "100-continue" and not self._too_large:
+        self.in_head = False
+        self.head_bytes = 0
+        headers = self._head_done = {k: ", ".join(v) for k, v in self._headers.items()}
+        self._headers = {}
+        if self._reject is None:
+            try:
+                length = int(headers.get("content-length", "0"))
+            except ValueError:
+                length = 0
+            path = bytes(self._url).split(b"?", 1)[0].decode("latin-1")
+            if self.gw.api_key and path in PROXIED + ("/v1/models",) and not self.gw._authorized(headers):
+                self._reject = _unauthorized()
+                self.gw._count("-", 401)
+            elif length > MAX_BODY:
+                self._reject = (413, error_body(f"request body over {MAX_BODY >> 20} MiB", "invalid_request_error",
+                                                413))
+                self.gw._count("-", 413)
+        if self._reject is not None:
+            # refused before its body: answered now (or right after the answer in progress) and the connection
+            # closed, so the body is never read
+            self._refuse(*self._reject)
+            return
+        self._set_deadline(self.gw.body_timeout_s, "body")
+        if headers.get("expect", "").lower() == "100-continue":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        if self._too_large:
+        if self._reject is not None:
             return
+        self._set_deadline(self.gw.body_timeout_s, "body")
         self._size += len(body)
-        if self._size > MAX_BODY:
-            self._too_large = True
+        if self._size > MAX_BODY:          # chunked: no length up front
             self._body = []
+            self._reject = (413, b"")
+            self.gw._count("-", 413)
+            self._refuse_now(413, f"request body over {MAX_BODY >> 20} MiB")
         else:
             self._body.append(body)
 
     def on_message_complete(self) -> None:
         if self.parser.should_upgrade():   # not served: feed_data raises HttpParserUpgrade right after
             return
+        if self._reject is not None or self.closed:
+            return
+        self.in_head = True
+        self.head_bytes = 0
+        self._set_deadline(None)
         self.http10 = self.parser.get_http_version() == "1.0"
-        req = _Request(self.parser.get_method().decode("latin-1"), bytes(self._url), self._headers,
-                       b"".join(self._body), self.parser.should_keep_alive(), self._too_large)
+        req = _Request(self.parser.get_method().decode("latin-1"), bytes(self._url), self._head_done,
+                       b"".join(self._body), self.parser.should_keep_alive(), None)
         self._reset()
         self.queue.append(req)
-        if len(self.queue) > 16 and not self.reading_paused:   # pipelining without reading: stop reading it
+        if len(self.queue) > MAX_PIPELINED and not self.reading_paused:   # pipelining without reading
             self.reading_paused = True
             self.transport.pause_reading()
         if self.task is None:
@@ -252,31 +391,56 @@ class _ClientConn(asyncio.Protocol):
     async def _serve(self) -> None:
         try:
             while self.queue and not self.closed:
+                # an answer waits until the client has read the previous one (pipelining without reading)
+                await self.writable.wait()
+                if self.closed:
+                    break
                 req = self.queue.popleft()
+                if req.reject is not None:
+                    self.respond(*req.reject, close=True)
+                    break
                 keep = await self.gw._handle(self, req)
                 if not keep or self.closed:
                     self.close()
                     break
-                if self.reading_paused and len(self.queue) <= 16:
+                if self.reading_paused and len(self.queue) <= MAX_PIPELINED:
                     self.reading_paused = False
                     self.transport.resume_reading()
         except asyncio.CancelledError:
             pass
         finally:
             self.task = None
+            if not self.closed and not self.queue and self.in_head and self.head_bytes == 0:
+                self._set_deadline(self.gw.idle_timeout_s, "idle")
 
     # --- writing ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
+        """Closes after what was written has gone out. The client may still be sending (a body that was refused
+        unread, pipelined requests): closing a socket with unread data sends a reset that can destroy the answer
+        in flight, so the write side is shut first and what arrives is discarded for up to LINGER_S."""
         if not self.closed:
             self.closed = True
-            self.transport.close()
+            self.discard = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.linger_until = self._now() + LINGER_S
+                self.transport.resume_reading()
+            else:
+                self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False                       # the client finished sending: close (a half-open client is not kept)
+
+    def abort(self) -> None:
+        """Ends the connection at once (an unfinished chunked answer stays visibly unfinished)."""
+        if not self.closed:
+            self.closed = True
+            self.transport.abort()
 
     def respond(self, status: int, body: bytes, ctype: str = "application/json", close: bool = False) -> None:
         if self.closed:
             return
-        head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
-        self.transport.write(head.encode("latin-1") + body)
+        self.transport.write(_response(status, body, ctype, close))
         if close:
             self.close()
 
@@ -319,14 +483,24 @@ class _UpstreamConn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         ex = self.exchange
         if ex is None:                     # nothing was asked: not a server we understand
-            self.transport.close()
+            self.closed = True
+            self.transport.abort()
             return
         ex.got_bytes = True
+        ex.last_rx = asyncio.get_running_loop().time()
         try:
             ex.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            ex.fail(f"malformed answer ({e})")
+            if not ex.finished:
+                ex.fail(f"malformed answer ({e})")
+            self.closed = True
             self.transport.abort()
+            return
+        if ex.finished:
+            # one answer per request: bytes after it (a second answer) mean the connection cannot be trusted
+            # with another request, so it is closed, never pooled
+            self.exchange = None
+            self.pool.gw_release(self, ex.keep and not ex.extra)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
@@ -343,7 +517,8 @@ class _UpstreamConn(asyncio.Protocol):
 class _Pool:
     """The kept-alive connections to one replica's process (one pool per replica and epoch)."""
 
-    def __init__(self, url: str, epoch: int) -> None:
+    def __init__(self, url: str, epoch: int, release=None) -> None:
+        self.gw_release = release
         u = urlsplit(url)
         self.host, self.port, self.epoch = u.hostname or "127.0.0.1", u.port or 80, epoch
         self.host_header = f"{u.hostname}:{self.port}".encode("latin-1")
@@ -375,20 +550,44 @@ class _Exchange:
         self.head: asyncio.Future = loop.create_future()
         self.done: asyncio.Future = loop.create_future()    # True: complete; False: cut short
         self.got_bytes = False
+        self.last_rx = loop.time()
         self.status = 0
         self.ctype = "application/json"
         self.streaming = False
         self.body: list[bytes] = []
         self.error = ""
         self.paused = False
+        self.interim = False       # a 1xx answer is being skipped
+        self.finished = False      # the one answer to this request is complete
+        self.extra = False         # the replica sent more than that one answer
+        self.keep = False
+        self.hung = False          # given up on: nothing arrived for upstream_idle_s
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.finished:
+            self.extra = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.finished:
+            return
         if name.lower() == b"content-type":
             self.ctype = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        if self.finished:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:              # a protocol switch nobody asked for
+                self.fail("the replica switched protocols")
+                self.up.closed = True
+                self.up.transport.abort()
+                return
+            self.interim = True            # 100 Continue, 103 Early Hints: the real answer follows
+            self.ctype = "application/json"
+            return
+        self.status = status
         self.streaming = self.ctype.startswith("text/event-stream")
         if self.streaming:
             self.client.start_stream(self.status, self.ctype)
@@ -396,17 +595,25 @@ class _Exchange:
             self.head.set_result(None)
 
     def on_body(self, data: bytes) -> None:
+        if self.finished or self.interim:
+            return
         if self.streaming:
             self.client.write_chunk(data)
         else:
             self.body.append(data)
 
     def on_message_complete(self) -> None:
-        keep = self.parser.should_keep_alive()
-        self.up.exchange = None
-        self.gw._release(self.up, keep)
-        if not self.done.done():
-            self.done.set_result(True)
+        if self.finished:
+            self.extra = True
+            return
+        if self.interim:
+            self.interim = False
+            return
+        if self.done.done():               # failed already (cut short): not an answer
+            return
+        self.keep = self.parser.should_keep_alive()
+        self.finished = True               # released by the connection once this read is parsed to its end
+        self.done.set_result(True)
 
     # connection events
     def lost(self) -> None:
@@ -426,15 +633,16 @@ class _Exchange:
         self.up.exchange = None
         self.up.closed = True
         self.up.transport.abort()
-        self.lost()
+        if not self.finished:
+            self.lost()
 
     def pause(self) -> None:
-        if not self.paused and not self.up.closed:
+        if not self.paused and not self.up.closed and not self.finished:
             self.paused = True
             self.up.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.paused and not self.up.closed:
+        if self.paused and not self.up.closed and not self.finished:
             self.paused = False
             self.up.transport.resume_reading()
 
@@ -447,11 +655,19 @@ class Gateway:
     are kept alive in a pool and closed when the process behind the replica changes."""
 
     def __init__(self, router: Router | None = None, api_key: str | None = None, sink: Any = None,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, *, upstream_key: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 body_timeout_s: float = BODY_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 send_timeout_s: float = SEND_TIMEOUT_S, upstream_idle_s: float = UPSTREAM_IDLE_S) -> None:
         self.router = router or Router()
         self.api_key = api_key or None
+        self.upstream_key = upstream_key or None     # llama-server's own key: added upstream, never shown
         self.sink = sink
         self.connect_timeout_s = connect_timeout_s
+        self.max_connections = max_connections
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
+        self.upstream_idle_s = upstream_idle_s
         self.counts: dict[tuple[str, str], int] = {}
         self._flushed: dict[tuple[str, str], int] = {}
         self._server: asyncio.AbstractServer | None = None
@@ -464,6 +680,7 @@ class Gateway:
     async def start(self, host: str, port: int, reuse_port: bool = False) -> str:
         """Listen on ``host:port``; ``reuse_port``: share the port with the deployment's other gateway processes
         (SO_REUSEPORT: the kernel spreads new connections over them)."""
+        self.max_connections = min(self.max_connections, _connection_room())
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _ClientConn(self), host, port, reuse_address=True,
                                                 reuse_port=reuse_port or None, backlog=1024)
@@ -491,19 +708,41 @@ class Gateway:
                 pass
         await asyncio.sleep(0)             # let the aborted transports report connection_lost
 
-    async def _housekeeping(self, every_s: float = 1.0) -> None:
+    async def _housekeeping(self, every_s: float = 0.5) -> None:
         n = 0
         while True:
             await asyncio.sleep(every_s)
             now = asyncio.get_running_loop().time()
             for pool in list(self._pools.values()):
                 pool.sweep(now)
+            self._enforce_deadlines(now)
             n += 1
-            if self.sink is not None and n % 2 == 0:
+            if self.sink is not None and n % 4 == 0:
                 try:
                     self.flush_metrics()
                 except Exception:
                     pass
+
+    def _enforce_deadlines(self, now: float) -> None:
+        """Closes connections past their head, body or keep-alive deadline, and clients that read nothing of
+        their answer for ``send_timeout_s`` (slowloris, a pipelining client that never reads)."""
+        for c in list(self._clients):
+            if c.transport is None:
+                continue
+            if c.linger_until is not None:
+                if now > c.linger_until:
+                    c.transport.abort()
+                continue
+            if c.closed:
+                continue
+            if c.deadline is not None and now > c.deadline and c.task is None:
+                if c.why_deadline == "idle":
+                    c.close()
+                else:
+                    c.respond(408, error_body(f"request {c.why_deadline} not received within the time allowed",
+                                              "invalid_request_error", 408), close=True)
+            elif c.write_stalled_since is not None and now - c.write_stalled_since > self.send_timeout_s:
+                c.transport.abort()
 
     # --- upstream connections ------------------------------------------------------------------------------------
     # One pool of kept-alive connections per replica. When the process behind a replica changes or dies, its pool
@@ -514,7 +753,7 @@ class Gateway:
         if pool is None or pool.epoch != rep.epoch:
             if pool is not None:
                 pool.close()
-            pool = self._pools[rep.name] = _Pool(rep.url, rep.epoch)
+            pool = self._pools[rep.name] = _Pool(rep.url, rep.epoch, self._release)
         return pool
 
     async def _acquire(self, rep: Replica) -> _UpstreamConn:
@@ -560,12 +799,12 @@ class Gateway:
         return self.router.version
 
     # --- handlers ------------------------------------------------------------------------------------------------
-    def _authorized(self, req: _Request) -> bool:
+    def _authorized(self, headers: Mapping[str, str]) -> bool:
         if not self.api_key:
             return True
-        auth = req.headers.get("authorization", "")
-        given = auth[7:] if auth[:7].lower() == "bearer " else req.headers.get("x-api-key", "")
-        return hmac.compare_digest(given.encode(), self.api_key.encode())
+        auth = headers.get("authorization", "")
+        given = auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
+        return hmac.compare_digest(given.encode("latin-1"), self.api_key.encode("latin-1", "replace"))
 
     def _count(self, model: str, code: int) -> None:
         key = (model, str(code))
@@ -580,9 +819,8 @@ class Gateway:
             else:
                 await self._proxy(conn, req)
         elif path == "/v1/models" and method == "GET":
-            if not self._authorized(req):
-                conn.respond(401, error_body("invalid or missing API key", "invalid_request_error",
-                                             "invalid_api_key"))
+            if not self._authorized(req.headers):
+                conn.respond(*_unauthorized())
             else:
                 data = [{"id": m, "object": "model", "created": 0, "owned_by": "orchestrator"}
                         for m in self.router.models()]
@@ -600,14 +838,9 @@ class Gateway:
         return req.keep_alive and not conn.closed
 
     async def _proxy(self, conn: _ClientConn, req: _Request) -> None:
-        if not self._authorized(req):
+        if not self._authorized(req.headers):      # checked at the head already; kept as the last word
             self._count("-", 401)
-            return conn.respond(401, error_body("invalid or missing API key", "invalid_request_error",
-                                                "invalid_api_key"))
-        if req.too_large:
-            self._count("-", 413)
-            return conn.respond(413, error_body(f"request body over {MAX_BODY >> 20} MiB", "invalid_request_error",
-                                                413), close=True)
+            return conn.respond(*_unauthorized())
         body = req.body
         requested = None
         if len(self.router.models()) > 1:
@@ -619,11 +852,13 @@ class Gateway:
                                                     400))
         model = self.router.resolve_model(requested)
         if model is None:
-            self._count(str(requested), 404)
+            self._count("-", 404)          # never the requested name: a label per made-up name grows forever
             return conn.respond(404, error_body(f"model {requested!r} not found; available: "
                                                 f"{', '.join(self.router.models())}", "invalid_request_error",
                                                 "model_not_found"))
         extra = f"Content-Type: {req.headers.get('content-type', 'application/json')}\r\n"
+        if self.upstream_key:
+            extra += f"Authorization: Bearer {self.upstream_key}\r\n"
         if "accept" in req.headers:
             extra += f"Accept: {req.headers['accept']}\r\n"
         tail = (extra + f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
@@ -640,6 +875,12 @@ class Gateway:
                 try:
                     up = await self._acquire(rep)
                 except (OSError, asyncio.TimeoutError) as e:
+                    if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                                                              errno.ENOMEM):
+                        # out of file descriptors here, not a sick replica: do not mark it unreachable
+                        self._count(model, 503)
+                        return conn.respond(503, error_body("the gateway is overloaded (out of file descriptors)",
+                                                            "service_unavailable", 503), close=True)
                     # refused / reset / no answer to connect: nothing reached the client, try another replica
                     self.router.mark_failed(rep.name, f"unreachable ({type(e).__name__})")
                     self.prune_sessions()
@@ -652,10 +893,15 @@ class Gateway:
                     return
                 up.transport.write(b"POST " + req.url + b" HTTP/1.1\r\nHost: " + up.pool.host_header + b"\r\n" + tail)
                 try:
-                    await ex.head
+                    await self._progress(ex, ex.head)
                 except _Disconnected:
                     if conn.closed:
                         return
+                    if ex.hung:                     # it took the request and went silent: not retried
+                        self.router.mark_failed(rep.name, f"hung ({ex.error})")
+                        self._count(model, 504)
+                        return conn.respond(504, error_body(f"replica {rep.name}: {ex.error}", "gateway_timeout",
+                                                            504))
                     # closed before any answer: most often a pooled connection the server had just closed (idle
                     # timeout, its keep-alive limit), not a dead server: pick again (a fresh connection) before
                     # calling the replica unreachable
@@ -666,7 +912,7 @@ class Gateway:
                     self.router.mark_failed(rep.name, "unreachable (ServerDisconnectedError)")
                     self.prune_sessions()
                     continue
-                complete = await ex.done
+                complete = await self._progress(ex, ex.done)
                 if not ex.streaming:
                     if not complete:
                         self._count(model, 502)
@@ -674,14 +920,35 @@ class Gateway:
                                                             "bad_gateway", 502))
                     self._count(model, ex.status)
                     return conn.respond(ex.status, b"".join(ex.body), ex.ctype)
-                # streamed: a replica that died mid-stream ends the stream; the client sees no [DONE]
                 self._count(model, ex.status)
+                if not complete:
+                    # cut short (the replica died, hung or broke the framing): an error event, then the
+                    # connection ends without the last chunk, so any HTTP client sees an incomplete answer
+                    self._count(model, 502)
+                    conn.write_chunk(b"data: " + error_body(f"replica {rep.name} failed mid-stream: {ex.error}",
+                                                            "bad_gateway", 502) + b"\n\n")
+                    conn.abort()
+                    return
                 if not conn.end_stream():
                     conn.close()
                 return
             finally:
                 rep.inflight -= 1
                 conn.exchange = None
+
+    async def _progress(self, ex: "_Exchange", fut: asyncio.Future):
+        """``await fut``, giving up on a replica that sends nothing for ``upstream_idle_s`` (one timer per request,
+        nothing per token)."""
+        loop = asyncio.get_running_loop()
+        while not fut.done():
+            quiet = loop.time() - ex.last_rx
+            if quiet >= self.upstream_idle_s:
+                ex.hung = True
+                ex.fail(f"no answer for {self.upstream_idle_s:g}s")
+                ex.up.transport.abort()
+                break
+            await asyncio.wait({fut}, timeout=self.upstream_idle_s - quiet)
+        return await fut
 
     # --- metrics -------------------------------------------------------------------------------------------------
     def flush_metrics(self) -> None:
@@ -711,12 +978,12 @@ class GatewayActor:
         self.gw: Gateway | None = None
 
     async def start(self, host: str, port: int, api_key: str | None, table: list[dict],
-                    reuse_port: bool = False) -> str:
+                    reuse_port: bool = False, upstream_key: str | None = None) -> str:
         from orchestrator.cluster.ray_api import RayApi
 
         if self.gw is not None:
             return self.gw.url
-        gw = Gateway(Router(), api_key=api_key, sink=RayApi().metrics_sink())
+        gw = Gateway(Router(), api_key=api_key, sink=RayApi().metrics_sink(), upstream_key=upstream_key)
         gw.set_replicas(table)
         await gw.start(host, port, reuse_port)
         self.gw = gw

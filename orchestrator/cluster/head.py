@@ -70,7 +70,7 @@ def check_port(host: str, port: int, label: str) -> None:
 
 def ensure_auth() -> str:
     """The auth mode for a new embedded head; generates the token when token auth is on and none exists."""
-    from orchestrator.cluster.ray_api import token_available
+    from orchestrator.cluster.ray_api import token_available, token_path
 
     mode = os.environ.get("RAY_AUTH_MODE", "token").lower()
     if mode == "token" and not token_available():
@@ -80,7 +80,18 @@ def ensure_auth() -> str:
             raise ClusterError("ray: cannot create a Ray auth token with `ray get-auth-token --generate`: "
                                f"{(res.stderr or '').strip().splitlines()[-1:] or ['no output']}"
                                " (or set RAY_AUTH_MODE=disabled)")
+    if mode == "token":
+        _private_file(token_path())
     return mode
+
+
+def _private_file(path: Path) -> None:
+    """A secret of ours (Ray writes its token world-readable): owner only."""
+    try:
+        if path.is_file() and path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077:
+            os.chmod(path, 0o600)
+    except OSError:
+        pass
 
 
 _LOG_ERR = re.compile(r"(error|exception|failed|already in use|address in use|refused)", re.IGNORECASE)
@@ -110,8 +121,10 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
     check_port(dashboard_host, dashboard_port, "ray.dashboard_port")
     check_port(host, metrics_port, "ray.metrics_export_port")
     mode = ensure_auth()
-    # Ray's socket paths must stay short (AF_UNIX limit): a short temp dir in /tmp, not under the state dir
-    temp_dir = tempfile.mkdtemp(prefix="orch-ray-", dir="/tmp")
+    # Ray's socket paths must stay short (AF_UNIX limit): a short temp dir in /tmp, not under the state dir.
+    # Ray makes its temp dir world-writable (again and again, as its processes start): it goes inside a folder of
+    # ours that stays owner-only, so nobody else reaches Ray's sockets, logs or session files
+    temp_dir = os.path.join(tempfile.mkdtemp(prefix="orch-ray-", dir="/tmp"), "r")
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "ray-head.log"
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
@@ -228,6 +241,7 @@ def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, 
             except psutil.Error:
                 continue
     if not procs:
+        _remove_temp_dir(temp_dir)       # the head died by itself (its raylet killed): its files still go
         return []
     try:
         if pid in procs:
@@ -243,6 +257,15 @@ def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, 
         except psutil.Error:
             pass
     _wait_gone(alive, 5)
-    if temp_dir and os.path.basename(temp_dir).startswith("orch-ray-"):
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    _remove_temp_dir(temp_dir)
     return killed
+
+
+def _remove_temp_dir(temp_dir: str | None) -> None:
+    if not temp_dir:
+        return
+    parent = os.path.dirname(temp_dir)
+    if os.path.basename(parent).startswith("orch-ray-"):
+        shutil.rmtree(parent, ignore_errors=True)
+    elif os.path.basename(temp_dir).startswith("orch-ray-"):     # recorded before the private parent
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from orchestrator.cluster.procs import server_env
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.paths import pythonpath_with_package
 
@@ -126,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 class EarlyServer:
     """One llama-server started by ``up`` through a keeper, waiting for its worker actor."""
 
-    def __init__(self, spec: LaunchSpec, log_path: Path, run_dir: Path, grace: float) -> None:
+    def __init__(self, spec: LaunchSpec, log_path: Path, run_dir: Path, grace: float,
+                 server_key: str | None = None) -> None:
         self.spec = spec
+        self.server_key = server_key        # the deployment's llama-server key (procs.server_env)
         self.log_path = log_path
         self.state_path = run_dir / f"{spec.name}.keeper.json"
         self.owner_path = run_dir / f"{spec.name}.owner.json"
@@ -137,7 +140,7 @@ class EarlyServer:
 
     def start(self, owner_pid: int | None = None) -> "EarlyServer":
         """Start the keeper; the owner is this process (``up``) unless ``owner_pid`` names another."""
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        self.state_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         for p in (self.state_path, self.owner_path):
             p.unlink(missing_ok=True)
@@ -148,9 +151,17 @@ class EarlyServer:
                 [sys.executable, "-m", "orchestrator.cluster.keeper", json.dumps(self.spec.to_dict()),
                  str(self.log_path), str(self.state_path), str(self.owner_path), str(self.grace)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                close_fds=True, env={**os.environ, "PYTHONPATH": pythonpath_with_package()})
+                close_fds=True, env={**os.environ, **server_env(self.server_key),
+                                     "PYTHONPATH": pythonpath_with_package()})
         # reap the keeper as soon as it exits (this process is its parent while `up` runs in the foreground)
-        threading.Thread(target=self.popen.wait, name=f"reap-{self.spec.name}", daemon=True).start()
+        reaper = threading.Thread(target=self.popen.wait, name=f"reap-{self.spec.name}", daemon=True)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) \
+            if threading.current_thread() is threading.main_thread() else None
+        try:
+            reaper.start()              # with up's stop signals blocked: they go to up's main thread only
+        finally:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return self
 
     def handover(self) -> dict:

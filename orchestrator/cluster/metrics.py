@@ -103,11 +103,11 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def fetch_text(url: str, path: str, timeout: float) -> str | None:
+def fetch_text(url: str, path: str, timeout: float, headers: Mapping[str, str] | None = None) -> str | None:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=dict(headers or {}))
         resp = conn.getresponse()
         body = resp.read(1 << 20).decode("utf-8", "replace")
         return body if resp.status == 200 else None

@@ -64,6 +64,17 @@ RAY_INJECTED_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "ROCR_VISIBLE_DEV
                     "ONEAPI_DEVICE_SELECTOR", "NEURON_RT_VISIBLE_CORES", "TPU_VISIBLE_CHIPS")
 
 
+def server_env(key: str | None) -> dict[str, str]:
+    """What every llama-server of a deployment gets on top of its spec: the deployment's own key (it then answers
+    only requests that carry it, which the gateway adds; ``/health`` stays open for the probes) and CORS for
+    localhost origins only (its default echoes any ``Origin``). Through the environment, not the command line that
+    ``ps`` shows everyone; a build that does not read these variables runs as before."""
+    env = {"LLAMA_ARG_CORS_ORIGINS": "localhost"}
+    if key:
+        env["LLAMA_API_KEY"] = key
+    return env
+
+
 _ANY = ("0.0.0.0", "::", "")
 
 
@@ -119,11 +130,14 @@ class LocalLauncher:
     """Starts specs on this machine with :func:`orchestrator.launch.process.start` (own process group, log
     file, TERM to the leader then KILL to the group, llama-server's reason from the log). ``drop_env`` names
     inherited variables removed before ``spec.env`` is applied (worker actors drop the ones Ray injects);
-    ``guard`` puts the parent-death exec guard in front of the argv."""
+    ``guard`` puts the parent-death exec guard in front of the argv; ``extra_env`` is set on top of the spec's
+    environment (the deployment's key for llama-server: in the environment, not on a command line ``ps`` shows)."""
 
-    def __init__(self, drop_env: tuple[str, ...] = (), guard: bool = True) -> None:
+    def __init__(self, drop_env: tuple[str, ...] = (), guard: bool = True,
+                 extra_env: Mapping[str, str] | None = None) -> None:
         self.drop_env = drop_env
         self.guard = guard
+        self.extra_env = dict(extra_env or {})   # added after spec.env: the deployment's llama-server key
 
     def start(self, spec: LaunchSpec, log_path: Path) -> _Handle:
         from orchestrator.launch.process import start
@@ -132,10 +146,13 @@ class LocalLauncher:
         argv = localize_argv(spec.argv)
         env = {k: v for k, v in os.environ.items() if k not in self.drop_env}
         env.update(spec.env)
+        env.update(self.extra_env)
         if resolve_executable(argv[0], env) is None:
             raise LaunchError(f"worker {spec.name!r}: cannot run {argv[0]!r}: not found or not executable")
         run = replace(spec, argv=(sys.executable, "-I", "-S", "-c", GUARD, str(os.getpid()), *argv)) \
             if self.guard else spec
+        if self.extra_env:
+            run = replace(run, env={**run.env, **self.extra_env})
         # the supervisor checks for a listener itself (listener_on): a bind test refuses a restart while the
         # crashed server's connections linger
         # cwd: the log's folder, where ik_llama.cpp's server also drops its llama.log (the plan's paths are absolute)

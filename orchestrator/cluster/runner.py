@@ -8,7 +8,14 @@
 3. creates the named, detached controller actor (on this node) which creates the worker actors and the gateway;
 4. waits until every worker is healthy and the gateway serves, or until one fails: then it tears everything
    down and raises with llama-server's own reason;
-5. in the foreground, waits for Ctrl-C / SIGTERM (or a ``down`` from elsewhere) and then runs ``down``.
+5. in the foreground, waits for Ctrl-C, SIGTERM, SIGHUP, its output pipe closing (or a ``down`` from
+   elsewhere) and then runs ``down``: every way of stopping it runs the same clean stop, and a second signal
+   while it stops never cuts that short (:class:`StopSignals`).
+
+Exit status of a foreground ``up`` (:attr:`UpResult.exit_code`): 0 when the stop was asked for (Ctrl-C,
+SIGTERM, ``orchestrator down``); 129 (128 + SIGHUP) when the terminal hung up; 141 (128 + SIGPIPE) when the
+pipe its output went into closed; 1 when the Ray head vanished or the stop itself failed. Interrupted while
+starting, ``up`` undoes what it started and exits 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM).
 
 ``down`` asks the controller to stop every llama-server and the gateway, kills the actors, stops the embedded
 head and KILLs anything of its process tree that is left, and removes the state file.
@@ -18,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -31,7 +40,6 @@ from orchestrator.cluster import head as headmod
 from orchestrator.cluster import state as statemod
 from orchestrator.cluster.deployment import Deployment
 from orchestrator.errors import ClusterError, ConfigError, LaunchError
-from orchestrator.sigutil import terminate_as_interrupt
 
 CONTROLLER = "controller"
 CONTROLLER_RESTARTS = 3     # Ray restarts a crashed controller; it starts the deployment again
@@ -48,6 +56,7 @@ class UpResult:
     status: dict
     seconds_to_ready: float
     stopped: bool = False          # foreground: the deployment was stopped before returning
+    exit_code: int = 0             # foreground: see the module docstring
 
 
 @dataclass
@@ -60,7 +69,30 @@ class DownResult:
 
 
 def _say_default(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    try:
+        print(msg, file=sys.stderr, flush=True)
+    except (BrokenPipeError, OSError, ValueError):
+        # the reader of our output is gone (`up | tee` after tee died): the stop still runs; later messages and
+        # the interpreter's last flush go nowhere instead of raising
+        _silence_stderr()
+
+
+_OUTPUT_LOST = False     # a message of ours hit a closed pipe: the foreground stop treats it like a closed output
+
+
+def _silence_stderr() -> None:
+    global _OUTPUT_LOST
+    _OUTPUT_LOST = True
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    except OSError:
+        pass
+    try:
+        sys.stderr = open(os.devnull, "w")
+    except OSError:
+        pass
 
 
 def _api_key(dep: Deployment) -> str | None:
@@ -87,7 +119,7 @@ def _embedded_node_name(dep: Deployment) -> str:
 def _log_dir(log_dir: str | None, namespace: str) -> Path:
     from orchestrator.paths import state_dir
 
-    return Path(log_dir) if log_dir else state_dir() / "logs" / namespace
+    return Path(log_dir) if log_dir else state_dir() / "logs" / statemod.check_namespace(namespace)
 
 
 class EarlyHead:
@@ -111,6 +143,8 @@ class EarlyHead:
         kw = dict(node_name=node_name, gcs_port=None, dashboard_host=dashboard_host, dashboard_port=dashboard_port,
                   metrics_port=metrics_port, log_dir=log_dir)
         self._thread = threading.Thread(target=self._run, args=(kw, gateway_url), name="ray-head", daemon=True)
+        # started with the stop signals open: it starts the head, and a child inherits a blocked mask (a head
+        # that cannot be TERMed); it ends once the head runs, before up ever lets go of Ray
         self._thread.start()
 
     def _run(self, kw: dict, gateway_url: str) -> None:
@@ -147,7 +181,10 @@ class EarlyHead:
         self._wait()
         if self.info is not None:
             headmod.stop_head(self.info.pid, self.info.create_time, self.info.temp_dir)
-            st = statemod.read(self.namespace)
+            try:
+                st = statemod.read(self.namespace)
+            except statemod.StateError:
+                st = None
             if st is not None and st.up_pid == os.getpid():
                 statemod.remove(self.namespace)
             self.info = None
@@ -172,20 +209,28 @@ def start_early_head(namespace: str, *, nodes: list[tuple[str, str | None]], gat
 
 
 def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], None] = _say_default,
-       ready_timeout: float | None = None, early: EarlyHead | None = None) -> UpResult:
+       ready_timeout: float | None = None, early: EarlyHead | None = None,
+       server_key: str | None = None) -> UpResult:
     """Run ``deployment``; see the module docstring. Raises ClusterError/LaunchError/ConfigError with one clear
-    line after undoing everything it started. ``early``: the head :func:`start_early_head` started for it."""
-    with terminate_as_interrupt():
+    line after undoing everything it started. ``early``: the head :func:`start_early_head` started for it.
+    ``server_key``: every llama-server's own API key, which the gateway adds upstream (a new one when None; the
+    early-started servers were given it already)."""
+    import secrets
+
+    server_key = server_key or secrets.token_urlsafe(32)
+    with _stop_signals() as sigs:
         try:
-            return _up(deployment, foreground, say, ready_timeout, early)
+            with statemod.NamespaceLock.acquire(deployment.namespace):
+                return _up(deployment, foreground, say, ready_timeout, early, sigs, server_key)
         except BaseException:
+            sigs.absorb()          # whatever stops up now, the clean-up below runs to its end
             if early is not None and not early.taken:
                 early.abandon()    # failed before _up took the head over (e.g. a bad API key variable)
             raise
 
 
 def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
-        ready_timeout: float | None, early: EarlyHead | None = None) -> UpResult:
+        ready_timeout: float | None, early: EarlyHead | None, sigs: StopSignals, server_key: str) -> UpResult:
     from orchestrator.cluster.ray_api import RayApi
 
     dep = deployment
@@ -211,7 +256,6 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
     ctrl = None
     head = None
     head_s = None
-    held = _HeldInterrupt()
 
     def record(info: headmod.HeadInfo) -> None:     # the embedded head, in the state file for `down`
         st.ray_address, st.head_pid, st.head_create_time = info.address, info.pid, info.create_time
@@ -249,17 +293,15 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
 
         driver_node = api.current_node_id()
         say(f"starting {len(dep.specs)} worker(s) and the gateway on {dep.gateway_host}:{dep.gateway_port} ...")
-        ctrl = api.create_actor(ControllerActor, dep.to_dict(), driver_node, api_key, name=CONTROLLER, namespace=ns,
+        ctrl = api.create_actor(ControllerActor, dep.to_dict(), driver_node, api_key, server_key,
+                                name=CONTROLLER, namespace=ns,
                                 detached=True, node_id=driver_node, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS)
         status = _wait_ready(api, ctrl, dep, ready_timeout, say)
-        # from "running" on, a Ctrl-C means the clean foreground stop below; it is held until up has let go of
-        # Ray (a Ctrl-C that cut ray.shutdown() in half made the stop's ray.init() abort the process)
-        held.hold()
         st.phase = "running"
         st.gateway_url = status["gateway"]["url"]
         statemod.write(st)
     except BaseException as e:
-        held.release(raise_held=False)
+        sigs.absorb()                    # a second signal must not cut the teardown short
         if isinstance(e, KeyboardInterrupt):
             say("interrupted: stopping everything up started ...")
         if head is None and early is not None and early.taken:
@@ -271,23 +313,23 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
     breakdown = _breakdown(status, head_s, time.time() - took)
     result = UpResult(ns, st.gateway_url or "", st.dashboard_url, st.metrics_url, st.ray_address, status, took)
     try:
-        say(f"ready in {took:.1f}s" + (f" ({breakdown})" if breakdown else "") + f": gateway {st.gateway_url}/v1"
-            + (f", dashboard {st.dashboard_url}" if st.dashboard_url else "")
-            + (f", metrics {st.metrics_url}" if st.metrics_url else ""))
-        if st.auth_mode == "token" and st.dashboard_url:
-            say("the dashboard asks for the Ray token: ~/.ray/auth_token (`ray get-auth-token`)")
-        api.disconnect()
-        held.release()                     # raises the Ctrl-C held since "running", if there was one
+        # from "running" on, a signal means the clean foreground stop below; it is held until up has let go of
+        # Ray (a Ctrl-C that cut ray.shutdown() in half made the stop's ray.init() abort the process)
+        with sigs.held():
+            say(f"ready in {took:.1f}s" + (f" ({breakdown})" if breakdown else "") + f": gateway {st.gateway_url}/v1"
+                + (f", dashboard {st.dashboard_url}" if st.dashboard_url else "")
+                + (f", metrics {st.metrics_url}" if st.metrics_url else ""))
+            if st.auth_mode == "token" and st.dashboard_url:
+                say("the dashboard asks for the Ray token: ~/.ray/auth_token (`ray get-auth-token`)")
+            api.disconnect()
         if foreground:
-            _foreground_wait(ns, say)
+            result.exit_code = _foreground_wait(ns, say, sigs, st)
             result.stopped = True
     except KeyboardInterrupt:
         if not foreground:
             raise
-        _stop_from_foreground(ns, say)     # Ctrl-C right after ready: the same clean stop
+        result.exit_code = _stop_from_foreground(ns, say, sigs, mine=st)   # a signal right after ready
         result.stopped = True
-    finally:
-        held.release(raise_held=False)
     return result
 
 
@@ -360,84 +402,186 @@ def _teardown(api: Any, ctrl: Any, st: statemod.ClusterState | None, dep: Deploy
     return res
 
 
-def _foreground_wait(ns: str, say: Callable[[str], None]) -> None:
-    """Block until Ctrl-C / SIGTERM / SIGHUP (then run ``down``) or until ``down`` ran elsewhere."""
+def _foreground_wait(ns: str, say: Callable[[str], None], sigs: StopSignals,
+                     mine: statemod.ClusterState | None = None) -> int:
+    """Serve until a signal, a closed output pipe, a vanished Ray head (then stop everything, as ``down``) or a
+    ``down`` from elsewhere; returns the exit status (see the module docstring)."""
     say("serving; Ctrl-C stops everything")
+    code = 0
     try:
         while True:
             time.sleep(1.0)
-            st = statemod.read(ns)
+            try:
+                st = statemod.read(ns)
+            except statemod.StateError:
+                continue                      # someone broke the record; this up still knows what it runs
             if st is None or st.up_pid != os.getpid():
                 say("stopped by `orchestrator down`")
-                return
+                return 0
             if st.embedded and not _head_alive(st):
+                sigs.absorb()
                 say("the Ray head is gone: cleaning up")
+                code = 1
+                break
+            if _OUTPUT_LOST or output_closed():
+                sigs.absorb()
+                _silence_stderr()
+                code = 128 + signal.SIGPIPE
                 break
     except KeyboardInterrupt:
         pass
-    _stop_from_foreground(ns, say)
+    return _stop_from_foreground(ns, say, sigs, code, mine)
 
 
-def _stop_from_foreground(ns: str, say: Callable[[str], None]) -> None:
-    if statemod.read(ns) is None:
+def _stop_from_foreground(ns: str, say: Callable[[str], None], sigs: StopSignals, code: int = 0,
+                          mine: statemod.ClusterState | None = None) -> int:
+    """The clean stop of a foreground ``up``; returns its exit status: ``code`` when the stop came from inside,
+    else by the signal that asked for it (0 for Ctrl-C and SIGTERM, 129 for a hang-up), 1 when it failed."""
+    sigs.absorb()                         # every further signal is only counted: nothing cuts the stop short
+    if sigs.first == signal.SIGHUP:
+        code = 128 + signal.SIGHUP        # the terminal went away: nobody asked for the stop
+    try:
+        gone = statemod.read(ns) is None
+    except statemod.StateError:
+        gone = False
+    if gone:
         say("already stopped by `orchestrator down`")
-        return
-    with _ignoring(signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut teardown short
-        say("stopping workers, gateway and Ray ...")
-        res = down(ns, say=say)
-        say(f"stopped ({len(res.workers)} worker(s)" + (", Ray head" if res.head_stopped else "") + ")")
+        return code
+    say("stopping workers, gateway and Ray ...")
+    try:
+        res = down(ns, say=say, recorded=mine)
+    except Exception as e:   # noqa: BLE001 -- said in one line; the exit status tells a script
+        say(f"the stop failed: {type(e).__name__}: {e}")
+        return code or 1
+    say(f"stopped ({len(res.workers)} worker(s)" + (", Ray head" if res.head_stopped else "") + ")"
+        + (f"; {sigs.count - 1} further signal(s) waited for it" if sigs.count > 1 else ""))
+    return code
 
 
-class _HeldInterrupt:
-    """Between ``hold()`` and ``release()`` a Ctrl-C (or the SIGTERM/SIGHUP that ``up`` treats like one) is
-    recorded instead of raised; ``release()`` raises it then, as KeyboardInterrupt. Main thread only; a signal
-    that is ignored stays ignored."""
+class StopRequested(KeyboardInterrupt):
+    """A signal (Ctrl-C, SIGTERM, SIGHUP) asked ``up`` to stop. A KeyboardInterrupt, so every clean-up path that
+    handles Ctrl-C handles it; ``exit_code`` is 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP for the whole life of ``up``: the first one raises :class:`StopRequested` (or,
+    while :meth:`held`, is kept until the hold ends); every later one is only counted, so nothing cuts the stop
+    it started short. Installed in the main thread only; ``RayApi`` puts these handlers back after ``ray.init``
+    and ``ray.shutdown`` (Ray installs its own SIGTERM handler, which exits at once)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
-        self.old: dict[int, Any] = {}
-        self.got = False
+        self.first: int | None = None        # the signal that asked for the stop
+        self.count = 0
+        self._raised = False
+        self._holds = 0
+        self._old: dict[int, Any] = {}
 
-    def hold(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in self.SIGNALS:
-            handler = signal.getsignal(sig)
-            if callable(handler):
-                self.old[sig] = signal.signal(sig, self._record)
+    def __enter__(self) -> "StopSignals":
+        global _ACTIVE
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:     # `nohup up`: a hang-up stays ignored
+                    self._old[sig] = signal.signal(sig, self._on_signal)
+        self._outer, _ACTIVE = _ACTIVE, self
+        return self
 
-    def _record(self, sig, frame) -> None:
-        self.got = True
-
-    def release(self, raise_held: bool = True) -> None:
-        for sig, handler in self.old.items():
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        for sig, handler in self._old.items():
             signal.signal(sig, handler)
-        self.old = {}
-        if self.got and raise_held:
-            self.got = False
-            raise KeyboardInterrupt
+        self._old = {}
+        _ACTIVE = self._outer
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = signum
+        if self._holds or self._raised:
+            return
+        self._raised = True
+        raise StopRequested(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Signals inside the block are kept; the first one is raised when the outermost hold ends (unless the
+        block raised itself)."""
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+        self.raise_pending()
+
+    def raise_pending(self) -> None:
+        if self._holds == 0 and self.first is not None and not self._raised:
+            self._raised = True
+            raise StopRequested(self.first)
+
+    def absorb(self) -> None:
+        """From now on every signal is only counted (the stop has begun some other way)."""
+        self._raised = True
+
+
+_ACTIVE: StopSignals | None = None
 
 
 @contextlib.contextmanager
-def _ignoring(*sigs: int):
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+def _stop_signals():
+    """The active StopSignals, or a new one installed for the block."""
+    if _ACTIVE is not None:
+        yield _ACTIVE
+    else:
+        with StopSignals() as s:
+            yield s
 
 
-def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_default) -> DownResult:
-    """Stop the deployment recorded for ``namespace``: workers, gateway, controller, and the embedded Ray head."""
+def output_closed() -> bool:
+    """True when stdout or stderr is a pipe (or socket) whose reader went away: `up ... | tee log` after tee
+    died. Terminals and files never count."""
+    for fd in (1, 2):
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            continue
+        p = select.poll()
+        p.register(fd, 0)                  # POLLERR and POLLHUP are always reported
+        try:
+            events = p.poll(0)
+        except OSError:
+            continue
+        if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in events):
+            return True
+    return False
+
+
+def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_default, force: bool = False,
+         recorded: statemod.ClusterState | None = None) -> DownResult:
+    """Stop the deployment recorded for ``namespace``: workers, gateway, controller, and the embedded Ray head.
+
+    A state file that cannot be read is an error naming it; with ``force`` the deployment is stopped from what
+    ``up`` recorded beside it (the Ray record and the keepers' files) and the broken file is removed.
+    ``recorded``: the state the caller (a foreground ``up``) holds itself, used when the file is broken."""
     from orchestrator.cluster.ray_api import RayApi
 
-    st = statemod.read(namespace)
+    try:
+        st = statemod.read(namespace)
+    except statemod.StateError as e:
+        if not (force or recorded is not None):
+            raise
+        say(f"warning: {e}")
+        st = recorded
     if st is None:
+        if force:
+            return _force_down(namespace, say)
         raise ClusterError(f"no deployment {namespace!r} is running (no state file at "
                            f"{statemod.state_path(namespace)})")
     api = None
@@ -450,9 +594,8 @@ def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_d
             problems.append(str(e))
     res = _teardown(api, None, st, None)
     res.namespace = namespace
-    from orchestrator.paths import state_dir
-
-    shutil.rmtree(state_dir() / "run" / namespace, ignore_errors=True)   # the keepers' hand-over files
+    res.killed += _stop_keepers(namespace)
+    shutil.rmtree(statemod.run_dir(namespace), ignore_errors=True)   # the keepers' hand-over files, the Ray record
     res.problems = problems + res.problems
     statemod.remove(namespace)
     for p in res.problems:
@@ -460,6 +603,75 @@ def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_d
     if res.killed:
         say(f"killed leftover processes: {', '.join(res.killed)}")
     return res
+
+
+def _force_down(namespace: str, say: Callable[[str], None]) -> DownResult:
+    """``down --force`` without a usable state file: stop what the Ray record and the keepers' files name."""
+    from orchestrator.cluster.ray_api import RayApi
+
+    rec = statemod.read_ray_record(namespace) or {}
+    res = DownResult(namespace)
+    if rec.get("embedded") and rec.get("head_pid"):
+        st = statemod.ClusterState(namespace=namespace, ray_address=str(rec.get("ray_address") or ""), embedded=True,
+                                   up_pid=int(rec.get("up_pid") or 0), started_at=0.0, head_pid=int(rec["head_pid"]),
+                                   head_create_time=rec.get("head_create_time"), head_temp_dir=rec.get("head_temp_dir"))
+        api = None
+        if _head_alive(st):
+            try:
+                api = RayApi.connect(st.ray_address, namespace)
+            except ClusterError as e:
+                res.problems.append(str(e))
+        res = _teardown(api, None, st, None)
+    elif rec.get("ray_address"):
+        try:
+            res = _teardown(RayApi.connect(str(rec["ray_address"]), namespace), None, None, None)
+        except ClusterError as e:
+            res.problems.append(str(e))
+    res.namespace = namespace
+    res.killed += _stop_keepers(namespace)
+    shutil.rmtree(statemod.run_dir(namespace), ignore_errors=True)
+    try:
+        statemod.state_path(namespace).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        res.problems.append(f"cannot remove {statemod.state_path(namespace)}: {e.strerror}")
+    for p in res.problems:
+        say(f"warning: {p}")
+    if res.killed:
+        say(f"killed leftover processes: {', '.join(res.killed)}")
+    return res
+
+
+def _stop_keepers(namespace: str) -> list[str]:
+    """Stop the keepers (and their llama-servers) of ``namespace`` that are still running; normally none are
+    left by then (a keeper stops with its owner), this is for a ``down`` after things went wrong."""
+    from orchestrator.cluster.keeper import alive, read_json
+    from orchestrator.launch.process import _killpg
+
+    out = []
+    d = statemod.run_dir(namespace)
+    for f in sorted(d.glob("*.keeper.json")) if d.is_dir() else []:
+        rec = read_json(f) or {}
+        keeper = rec.get("keeper")
+        if rec.get("exit") is not None or not alive(keeper):
+            continue
+        try:
+            os.kill(int(keeper["pid"]), signal.SIGTERM)
+        except (ProcessLookupError, KeyError, TypeError, ValueError):
+            continue
+        deadline = time.monotonic() + float(rec.get("grace") or 10) + 5
+        while alive(keeper) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if alive(keeper):
+            try:
+                os.kill(int(keeper["pid"]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if rec.get("pid"):
+                _killpg(int(rec["pid"]), signal.SIGKILL)
+            out.append(f"{keeper['pid']} (keeper of {rec.get('name', '?')})")
+    return out
 
 
 def status(namespace: str = "orchestrator") -> dict:

@@ -7,6 +7,7 @@ signal stays armed for the actor's whole life; the Ray methods only flip flags a
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -16,8 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.cluster.deployment import RestartPolicy
-from orchestrator.cluster.metrics import MetricsSink, WorkerSampler
-from orchestrator.cluster.procs import RAY_INJECTED_ENV, Launcher, LocalLauncher
+from orchestrator.cluster.metrics import MetricsSink, WorkerSampler, fetch_text
+from orchestrator.cluster.procs import RAY_INJECTED_ENV, Launcher, LocalLauncher, server_env
 from orchestrator.cluster.supervisor import FAILED, STARTING, STOPPED, Supervisor, port_busy
 from orchestrator.cluster.view import describe_binding, describe_devices
 from orchestrator.launch.spec import LaunchSpec
@@ -35,7 +36,8 @@ def default_log_dir(namespace: str) -> Path:
 
 class WorkerActor:
     def __init__(self, spec: dict, policy: dict, node_name: str, log_dir: str | None, namespace: str,
-                 resumed: bool = False, adopt: dict | None = None, sink: MetricsSink | None = None,
+                 resumed: bool = False, adopt: dict | None = None, upstream_key: str | None = None,
+                 sink: MetricsSink | None = None,
                  launcher: Launcher | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = LaunchSpec.from_dict(spec)
@@ -46,7 +48,8 @@ class WorkerActor:
         self.adopt_note = ""
         log_path = Path(log_dir) if log_dir else default_log_dir(namespace)
         self.log_path = log_path / f"{self.spec.name}.log"
-        self.sup = Supervisor(self.spec, self.policy, launcher or LocalLauncher(drop_env=RAY_INJECTED_ENV),
+        self.sup = Supervisor(self.spec, self.policy,
+                              launcher or LocalLauncher(drop_env=RAY_INJECTED_ENV, extra_env=server_env(upstream_key)),
                               self.log_path, clock=clock)
         if resumed:  # a re-created actor: the worker served before, so failures are restarted, not fatal
             self.sup.ever_ready = True
@@ -56,6 +59,8 @@ class WorkerActor:
             sink = RayApi().metrics_sink()
         self.sampler = WorkerSampler(self.spec.name, node_name, self.spec.connect_url,
                                      self.spec.env.get("CUDA_VISIBLE_DEVICES"), sink)
+        if upstream_key:     # /metrics wants the deployment's key (only /health is open)
+            self.sampler.fetch = functools.partial(fetch_text, headers={"Authorization": f"Bearer {upstream_key}"})
         self._lock = threading.Lock()
         self._want_start = False
         self._quit = threading.Event()

@@ -17,9 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def pick_namespace(given: str | None) -> str:
     """The namespace a command acts on: the given one, else the only deployment recorded, else the default."""
-    if given:
-        return given
     from orchestrator.cluster import state
+
+    if given:
+        return state.check_namespace(given)
 
     rec = state.recorded()
     return rec[0] if len(rec) == 1 else "orchestrator"

@@ -174,31 +174,3 @@ def test_a_driver_reuses_its_connection_only_to_the_same_endpoint():
     assert _same_endpoint("127.0.0.1:6379", "localhost:6379")
     assert not _same_endpoint("127.0.0.1:6379", "127.0.0.1:6380")
     assert not _same_endpoint("10.0.0.1:6379", "10.0.0.2:6379")
-
-
-def test_a_ctrl_c_between_running_and_the_foreground_wait_is_held_until_released():
-    """up holds a Ctrl-C from "running" until it has let go of Ray, then raises it (a Ctrl-C that cut
-    ray.shutdown() in half made the stop's ray.init() abort the process)."""
-    import os
-    import signal
-
-    import pytest
-
-    from orchestrator.cluster.runner import _HeldInterrupt
-
-    before = signal.getsignal(signal.SIGINT)
-    held = _HeldInterrupt()
-    held.hold()
-    os.kill(os.getpid(), signal.SIGINT)
-    done = ["the held section ran to its end"]
-    with pytest.raises(KeyboardInterrupt):
-        held.release()
-    assert done and signal.getsignal(signal.SIGINT) is before
-    quiet = _HeldInterrupt()
-    quiet.hold()
-    quiet.release()                              # nothing pressed: nothing raised
-    dropped = _HeldInterrupt()
-    dropped.hold()
-    os.kill(os.getpid(), signal.SIGINT)
-    dropped.release(raise_held=False)            # up's failure path: restore only
-    assert signal.getsignal(signal.SIGINT) is before

@@ -22,7 +22,8 @@ class Clock:
 
 class FakeWorker:
     def __init__(self, args, node_id) -> None:
-        spec, policy, node_name, log_dir, ns, resumed, adopt = args
+        spec, policy, node_name, log_dir, ns, resumed, adopt, upstream_key = args
+        self.upstream_key = upstream_key
         self.name, self.node_id, self.node_name, self.resumed = spec["name"], node_id, node_name, resumed
         self.adopt = adopt
         self.state = "starting"
@@ -52,7 +53,7 @@ class FakeGateway:
         self.dead = False
         self.stopped = False
 
-    def start(self, host, port, key, table, reuse_port=False):
+    def start(self, host, port, key, table, reuse_port=False, upstream_key=None):
         self.reuse_port = reuse_port
         if self.fail_start:
             raise RemoteError(self.fail_start)

@@ -319,6 +319,29 @@ def test_api_key_required_when_configured():
     run(go())
 
 
+def test_the_replicas_key_is_added_upstream_and_the_clients_never_goes_there():
+    async def go():
+        up = await Upstream("u0").start()
+        try:
+            gw = Gateway(Router(), api_key="client-key", upstream_key="server-key")
+            gw.set_replicas([{"name": "w0", "url": up.url, "model": "m", "healthy": True}])
+            port = free_port()
+            await gw.start("127.0.0.1", port)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"},
+                                      headers={"Authorization": "Bearer client-key"}) as r:
+                        assert r.status == 200 and "server-key" not in await r.text()
+                        assert not any("server-key" in v for v in r.headers.values())
+            finally:
+                await gw.stop()
+            assert up.headers[0]["Authorization"] == "Bearer server-key"
+            assert "client-key" not in json.dumps(up.headers[0])
+        finally:
+            await up.stop()
+    run(go())
+
+
 def test_models_lists_aliases_and_unknown_model_is_404_with_several():
     async def go():
         a, b = await Upstream("a").start(), await Upstream("b").start()
@@ -560,15 +583,23 @@ def test_a_client_that_goes_away_mid_stream_closes_the_upstream_connection():
     run(go())
 
 
-def test_a_replica_dying_mid_stream_ends_the_stream_and_mid_answer_is_502():
+def test_a_replica_dying_mid_stream_is_a_visibly_cut_stream_and_mid_answer_is_502():
+    """A stream cut short by its replica: an error event, then the connection ends without the last chunk, so
+    the client's HTTP library reports an incomplete answer (it used to end like a complete one)."""
     async def go():
         up = await SlowStream(every=0.01, die_after=3).start()
         try:
             async def fn(s, base, gw):
-                async with s.post(base + "/v1/completions", json={"stream": True}) as r:
-                    assert r.status == 200
-                    events = [ln async for ln in r.content if ln.startswith(b"data:")]
-                assert len(events) == 3 and b"[DONE]" not in events[-1]      # ended, no [DONE]
+                events = []
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async with s.post(base + "/v1/completions", json={"stream": True}) as r:
+                        assert r.status == 200
+                        async for ln in r.content:
+                            if ln.startswith(b"data:"):
+                                events.append(ln)
+                assert len(events) == 4 and b"[DONE]" not in events[2]
+                err = json.loads(events[3][5:])["error"]
+                assert err["code"] == 502 and "failed mid-stream" in err["message"]
                 async with s.post(base + "/v1/completions", json={"stream": True}) as r:   # and it serves again
                     assert r.status == 200
             await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)

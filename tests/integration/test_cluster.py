@@ -96,6 +96,79 @@ def test_streamed_completion_through_the_gateway(env):
     assert all(e["object"] == "chat.completion.chunk" for e in events)
 
 
+def test_replicas_answer_only_the_gateway_which_adds_their_key(env):
+    """Each llama-server has the deployment's own key (in its environment, never on its command line, never in
+    the state file): asked directly without it, a completion is refused; /health stays open for the probes; the
+    gateway's request carries it, and the user never sees it."""
+    from orchestrator.cluster import status
+
+    st = status(NS)
+    for w in st["workers"]:
+        url = next(s.url for s in env["dep"].specs if s.name == w["name"])
+        code, body = S.post_json(url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert code == 401, body
+        assert S.http_json(url + "/health")[0] == 200
+        proc_env = dict(ln.split("=", 1) for ln in open(f"/proc/{w['pid']}/environ").read().split("\0") if "=" in ln)
+        key = proc_env["LLAMA_API_KEY"]
+        assert len(key) >= 32 and key not in " ".join(psutil.Process(w["pid"]).cmdline())
+        assert key not in json.dumps(st) and key not in (Path(os.environ["ORCHESTRATOR_STATE"]) / "cluster" /
+                                                          f"{NS}.json").read_text()
+        code, _ = S.post_json(url + "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                              headers={"Authorization": f"Bearer {key}"})
+        assert code == 200
+    assert S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def _raw(port: int, data: bytes, timeout: float = 30.0) -> bytes:
+    """Send raw bytes to the gateway; read until it closes (a reset after its answer counts as a close)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        try:
+            c.sendall(data)
+        except OSError:
+            pass
+        got = b""
+        while True:
+            try:
+                chunk = c.recv(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+def test_hostile_clients_do_not_disturb_a_stream_from_a_real_replica(env):
+    """While hostile clients hit the gateway (200k copies of one header, an endless header, 50 slowloris
+    connections), a streamed completion from a real llama-server runs to its [DONE]; pipelined requests on one
+    connection are answered in order."""
+    port = env["dep"].gateway_port
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]
+    try:
+        for c in slow:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Slow: ")
+        results = {}
+        stream = threading.Thread(target=lambda: results.update(stream=S.stream_completion(
+            gw(env, "/v1/chat/completions"), {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24})))
+        stream.start()
+        t = time.monotonic()
+        flood = _raw(port, b"GET /health HTTP/1.1\r\n" + b"X-A: b\r\n" * 200_000 + b"\r\n")
+        endless = _raw(port, b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (4 << 20))
+        assert flood.startswith(b"HTTP/1.1 431") and endless.startswith(b"HTTP/1.1 431")
+        assert time.monotonic() - t < 5
+        stream.join(60)
+        code, events, done = results["stream"]
+        assert code == 200 and done and len(events) >= 2
+        body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+        one = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = _raw(port, one + one + one.replace(b"Host: gw", b"Host: gw\r\nConnection: close"))
+        assert got.count(b"HTTP/1.1 200 OK") == 3 and got.count(b'"text_completion"') == 3
+    finally:
+        for c in slow:
+            c.close()
+
+
 def test_models_and_health(env):
     code, body = S.http_json(gw(env, "/v1/models"))
     assert code == 200 and [m["id"] for m in body["data"]] == ["tiny"]
@@ -125,11 +198,47 @@ def test_two_gateway_processes_share_the_port(env):
     assert env["res"].status["gateway"]["processes"] == 2 and env["res"].status["gateway"]["serving"] == 2
 
 
+def test_kill_9_of_a_gateway_process_the_other_serves_and_it_is_back_within_10s(env):
+    port = env["dep"].gateway_port
+    pids = _listeners(port)
+    victim = min(pids)
+    os.kill(victim, signal.SIGKILL)
+    t = time.monotonic()
+    codes = []
+    while time.monotonic() - t < 10:
+        try:
+            codes.append((time.monotonic() - t, S.post_json(gw(env, "/v1/completions"),
+                                                            {"prompt": "x", "max_tokens": 2})[0]))
+        except OSError as e:     # a connection the kernel had queued on the dead process's socket is reset
+            codes.append((time.monotonic() - t, type(e).__name__))
+        now = _listeners(port)
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(0.2)
+    assert len(_listeners(port)) == 2 and victim not in _listeners(port), "the gateway process was not replaced"
+    assert time.monotonic() - t < 10
+    # the other process serves meanwhile: only a connection made as the dead one's socket was going may be lost
+    assert all(code == 200 for at, code in codes if at > 1.0), codes
+    assert sum(code == 200 for _, code in codes) >= len(codes) - 1, codes
+
+
+def _server_key(env) -> str:
+    """The deployment's llama-server key, read where only its owner can: a worker's environment."""
+    from orchestrator.cluster import status
+
+    pid = status(NS)["workers"][0]["pid"]
+    return dict(ln.split("=", 1) for ln in open(f"/proc/{pid}/environ").read().split("\0") if "=" in ln)[
+        "LLAMA_API_KEY"]
+
+
 def test_requests_are_spread_over_both_replicas(env):
+    key = _server_key(env)
+
     def predicted(spec):
         from orchestrator.cluster.metrics import fetch_text, parse_prometheus
 
-        return parse_prometheus(fetch_text(spec.url, "/metrics", 5))["llamacpp:tokens_predicted_total"]
+        page = fetch_text(spec.url, "/metrics", 5, headers={"Authorization": f"Bearer {key}"})
+        return parse_prometheus(page)["llamacpp:tokens_predicted_total"]
 
     before = [predicted(s) for s in env["dep"].specs]
     results = []
@@ -256,6 +365,7 @@ def test_killed_controller_is_restarted_by_ray_and_brings_the_workers_back(env):
 
     before = status(NS)
     old_servers = [w["pid"] for w in before["workers"]]
+    t = time.monotonic()
     os.kill(before["controller_pid"], signal.SIGKILL)
     # its worker actors and the gateway were owned by it: they go, and take their llama-servers along
     assert S.wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
@@ -269,9 +379,11 @@ def test_killed_controller_is_restarted_by_ray_and_brings_the_workers_back(env):
         return st if st["phase"] == "ready" else None
 
     st = S.wait_for(back, 90, 1.0)
+    took = time.monotonic() - t
     assert st and st["restarted"] and st["controller_pid"] != before["controller_pid"]
     assert all(w["pid"] not in old_servers for w in st["workers"])
     assert S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 4})[0] == 200
+    assert took < 10, f"serving again {took:.1f}s after the controller was killed"
 
 
 def test_second_up_of_the_same_namespace_is_refused(env):

@@ -373,8 +373,8 @@ def test_cli_up_failing_after_the_early_start_stops_that_llama_server(iso, tmp_p
 
 @pytest.mark.slow
 def test_cli_up_interrupted_before_the_handover_stops_the_early_llama_server(iso, tmp_path):
-    """SIGTERM to `up` while the early llama-server loads and Ray still starts: exit 130, and neither that server,
-    its keeper nor the Ray head is left."""
+    """SIGTERM to `up` while the early llama-server loads and Ray still starts: exit 143 (128 + SIGTERM: up did not
+    get to serve), and neither that server, its keeper nor the Ray head is left."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
     topo = _one_worker_topology(iso, tmp_path / "int.yaml", "early-int")
     p = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(topo)], env=env, stdout=subprocess.PIPE,
@@ -388,7 +388,7 @@ def test_cli_up_interrupted_before_the_handover_stops_the_early_llama_server(iso
     assert _ours("orchestrator.cluster.keeper"), "".join(seen)     # it is running now, before any actor
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=180)
-    assert p.returncode == 130, "".join(seen) + out
+    assert p.returncode == 128 + signal.SIGTERM, "".join(seen) + out
     assert "Traceback" not in out
     assert _ours("orchestrator.cluster.keeper") == []
     assert [q for q in _ours(iso["model"]) if q.name() == "llama-server"] == []

@@ -137,8 +137,12 @@ def test_each_worker_runs_on_its_node_and_the_gateway_serves_both(cluster):
         assert by["wa"]["pid"] in _tree(cluster["a"]) and by["wa"]["pid"] not in _tree(cluster["b"])
         assert by["wb"]["pid"] in _tree(cluster["b"]) and by["wb"]["pid"] not in _tree(cluster["a"])
 
+        environ = open(f"/proc/{by['wa']['pid']}/environ").read().split("\0")   # the deployment's server key
+        key = dict(ln.split("=", 1) for ln in environ if "=" in ln)["LLAMA_API_KEY"]
+
         def predicted(s):
-            return parse_prometheus(fetch_text(s.url, "/metrics", 5))["llamacpp:tokens_predicted_total"]
+            page = fetch_text(s.url, "/metrics", 5, headers={"Authorization": f"Bearer {key}"})
+            return parse_prometheus(page)["llamacpp:tokens_predicted_total"]
 
         before = [predicted(s) for s in specs]
         codes = []
