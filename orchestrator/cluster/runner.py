@@ -647,7 +647,7 @@ def _stop_keepers(namespace: str) -> list[str]:
     """Stop the keepers (and their llama-servers) of ``namespace`` that are still running; normally none are
     left by then (a keeper stops with its owner), this is for a ``down`` after things went wrong."""
     from orchestrator.cluster.keeper import alive, read_json
-    from orchestrator.launch.process import _killpg
+    from orchestrator.launch.process import killpg
 
     out = []
     d = statemod.run_dir(namespace)
@@ -669,7 +669,7 @@ def _stop_keepers(namespace: str) -> list[str]:
             except ProcessLookupError:
                 pass
             if rec.get("pid"):
-                _killpg(int(rec["pid"]), signal.SIGKILL)
+                killpg(int(rec["pid"]), signal.SIGKILL)
             out.append(f"{keeper['pid']} (keeper of {rec.get('name', '?')})")
     return out
 
