@@ -29,6 +29,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_base(n: int, attempts: int = 50) -> int:
+    """A port from which ``n`` consecutive ports are free now (worker i of a topology listens on base + i)."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
 def llama_spec(name: str, binary: str, model: str | Path, port: int | None = None, node: str | None = None,
                alias: str = "tiny", extra: tuple[str, ...] = (), resources: dict | None = None, env: dict | None = None):
     from orchestrator.launch.spec import LaunchSpec

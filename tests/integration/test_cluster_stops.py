@@ -53,7 +53,7 @@ class Up:
         self.iso = iso
         env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
         sets = {"model.path": iso["model"], "model.context": 1024, "gateway.port": S.free_port(),
-                "ray.dashboard_port": S.free_port(), "workers.port_base": S.free_port(), "ray.namespace": ns}
+                "ray.dashboard_port": S.free_port(), "workers.port_base": S.free_port_base(4), "ray.namespace": ns}
         argv = [sys.executable, "-m", "orchestrator", "up", str(DEMO)]
         for k, v in sets.items():
             argv += ["--set", f"{k}={v}"]

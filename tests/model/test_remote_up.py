@@ -30,7 +30,7 @@ def test_up_downloads_a_url_model_and_serves_it(tmp_path, llama_server_path):
         topo = tmp_path / "t.yaml"
         topo.write_text(f"model:\n  path: {srv.url('/models/tiny-llama.gguf')}\n  context: 512\n  alias: tiny\n"
                         f"gateway:\n  port: {port}\nray:\n  address: local\n  dashboard_port: {S.free_port()}\n"
-                        f"  namespace: {ns}\nworkers:\n  port_base: {S.free_port()}\n")
+                        f"  namespace: {ns}\nworkers:\n  port_base: {S.free_port_base(4)}\n")
         try:
             r = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
                                capture_output=True, text=True, timeout=300)
