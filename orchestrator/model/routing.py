@@ -273,14 +273,19 @@ def measure(model: os.PathLike | str, *, lengths: tuple[int, ...] = (512, 8), se
         argv += ["-n", str(n)]
     if threads:
         argv += ["-t", str(threads)]
+    return parse_report(_run_tool(argv, model, TOOL, timeout).stdout)
+
+
+def _run_tool(argv: list[str], model: Path, what: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run the router probe; a timeout or a failure is one line naming the model and the tool's last words."""
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise BackendError(f"{TOOL} on {model} took longer than {timeout:.0f}s") from None
+        raise BackendError(f"{what} on {model} took longer than {timeout:.0f}s") from None
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.splitlines()[-10:])
-        raise ModelError(f"{model}: {TOOL} failed (exit {proc.returncode}): {tail}")
-    return parse_report(proc.stdout)
+        raise ModelError(f"{model}: {what} failed (exit {proc.returncode}): {tail}")
+    return proc
 
 
 def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
@@ -314,13 +319,7 @@ def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike 
             argv += ["--sample", repr(float(sample))]
         if threads:
             argv += ["-t", str(threads)]
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise BackendError(f"{TOOL} --trace on {model} took longer than {timeout:.0f}s") from None
-        if proc.returncode != 0:
-            tail = "\n".join(proc.stderr.splitlines()[-10:])
-            raise ModelError(f"{model}: {TOOL} --trace failed (exit {proc.returncode}): {tail}")
+        _run_tool(argv, model, f"{TOOL} --trace", timeout)
         return parse_trace(out.read_bytes(), str(out))
 
 
