@@ -632,9 +632,11 @@ def write_model(
             raise ModelError(f"{out}: cannot write {part}: {e.strerror or e}") from None
         st = os.fstatvfs(fd)
         free_bytes = st.f_bavail * st.f_frsize
-        if free_bytes < len(header) + data_bytes + (16 << 20):
-            raise ModelError(f"{out}: needs {_human(len(header) + data_bytes)} but {parent} has only "
-                             f"{_human(free_bytes)} free (use --scale or --layers for a smaller model)")
+        spare = 16 << 20
+        if free_bytes < len(header) + data_bytes + spare:
+            raise ModelError(f"{out}: needs {_human(len(header) + data_bytes)} and {_human(spare)} to spare but "
+                             f"{parent} has only {_human(free_bytes)} free (use --scale or --layers for a smaller "
+                             f"model)")
         _write_all(fd, [header])
         write_data(fd, specs, seed=seed, pool_bytes=pool_bytes, style=style, progress=progress, rng=rng,
                    locality=lp, shape=shape)
