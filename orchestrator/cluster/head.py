@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from orchestrator.cluster.procs import same_start, started_since_boot
 from orchestrator.errors import ClusterError
 
 # heads started by this process: reaped in stop_head so they do not linger as zombies while we live on
@@ -35,7 +36,7 @@ _STARTED: dict[int, subprocess.Popen] = {}
 @dataclass(frozen=True)
 class HeadInfo:
     pid: int
-    create_time: float
+    started: float                  # seconds since boot (procs.started_since_boot): tells a reused pid apart
     address: str            # host:port of the GCS
     temp_dir: str
     log_path: str
@@ -144,15 +145,14 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
         p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, close_fds=True)
     _STARTED[p.pid] = p
-    create_time = psutil.Process(p.pid).create_time()
-    info = HeadInfo(pid=p.pid, create_time=create_time, address=f"{host}:{gcs_port}", temp_dir=temp_dir,
+    info = HeadInfo(pid=p.pid, started=started_since_boot(p.pid), address=f"{host}:{gcs_port}", temp_dir=temp_dir,
                     log_path=str(log_path), dashboard_url=f"http://{dashboard_host}:{dashboard_port}",
                     metrics_port=metrics_port, auth_mode=mode)
     if on_spawn is not None:
         try:
             on_spawn(info)
         except BaseException:
-            stop_head(info.pid, info.create_time, temp_dir)
+            stop_head(info.pid, info.started, temp_dir)
             raise
     deadline = time.monotonic() + timeout
     try:
@@ -167,7 +167,7 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
                 raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path})")
             time.sleep(0.25)
     except BaseException:       # failed, or Ctrl-C while it starts: nothing of it stays
-        stop_head(info.pid, info.create_time, temp_dir)
+        stop_head(info.pid, info.started, temp_dir)
         raise
 
 
@@ -187,14 +187,14 @@ def _connects(host: str, port: int) -> bool:
         return False
 
 
-def head_tree(pid: int, create_time: float | None):
+def head_tree(pid: int, started: float | None):
     """The head process and all its descendants (psutil.Process list); empty when it is gone or the pid was
     reused by another process."""
     import psutil
 
     try:
         p = psutil.Process(pid)
-        if create_time is not None and abs(p.create_time() - create_time) > 1.0:
+        if not same_start(pid, started):
             return []
         if p.status() == psutil.STATUS_ZOMBIE:
             return []
@@ -225,12 +225,12 @@ def _wait_gone(procs: list, timeout: float) -> list:
         time.sleep(0.1)
 
 
-def stop_head(pid: int, create_time: float | None, temp_dir: str | None = None, timeout: float = 30.0) -> list[str]:
+def stop_head(pid: int, started: float | None, temp_dir: str | None = None, timeout: float = 30.0) -> list[str]:
     """TERM the head (it stops all its processes), KILL what is left of its tree; returns what had to be
     killed. Ray's own processes carry the temp dir on their command line: those are collected too."""
     import psutil
 
-    procs = {p.pid: p for p in head_tree(pid, create_time)}
+    procs = {p.pid: p for p in head_tree(pid, started)}
     if temp_dir:
         for p in psutil.process_iter(["cmdline"]):
             try:

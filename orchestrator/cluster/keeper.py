@@ -55,23 +55,26 @@ def read_json(path: str | os.PathLike) -> dict | None:
 
 
 def process_identity(pid: int) -> dict:
-    """``{"pid", "create_time"}`` of a running process (the create time tells a reused pid apart)."""
-    import psutil
+    """``{"pid", "started"}`` of a running process (when it started, in seconds since boot, tells a reused pid
+    apart; see orchestrator.cluster.procs.started_since_boot)."""
+    from orchestrator.cluster.procs import started_since_boot
 
-    return {"pid": pid, "create_time": psutil.Process(pid).create_time()}
+    return {"pid": pid, "started": started_since_boot(pid)}
 
 
 def alive(ident: dict | None) -> bool:
-    """The process ``ident`` names still runs (same pid, same start time, not a zombie)."""
+    """The process ``ident`` names still runs (same pid, same start, not a zombie)."""
     import psutil
+
+    from orchestrator.cluster.procs import same_start
 
     if not ident:
         return False
     try:
-        p = psutil.Process(int(ident["pid"]))
-        if abs(p.create_time() - float(ident["create_time"])) > 0.05:
+        pid = int(ident["pid"])
+        if not same_start(pid, ident.get("started", ident.get("create_time"))):
             return False
-        return p.status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except (psutil.Error, KeyError, TypeError, ValueError):
         return False
 

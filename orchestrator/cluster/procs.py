@@ -64,6 +64,40 @@ RAY_INJECTED_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "ROCR_VISIBLE_DEV
                     "ONEAPI_DEVICE_SELECTOR", "NEURON_RT_VISIBLE_CORES", "TPU_VISIBLE_CHIPS")
 
 
+def started_since_boot(pid: int) -> float:
+    """When process ``pid`` started, in seconds since boot (``starttime`` of ``/proc/PID/stat``).
+
+    A process's identity across processes is its pid plus this. The wall-clock start time (psutil's
+    ``create_time``) is boot time plus this, and the boot time moves whenever the wall clock is stepped (NTP, a
+    VM resumed): two processes reading it a moment apart can disagree by seconds, and a live process would look
+    like a reused pid. Raises psutil.NoSuchProcess when it is gone."""
+    import psutil
+
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(int(pid)) from None
+    except OSError:             # no procfs: psutil's wall time is the best there is
+        return psutil.Process(int(pid)).create_time()
+    fields_after_comm = stat[stat.rindex(b")") + 2:].split()   # comm may hold spaces and parentheses
+    return int(fields_after_comm[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def same_start(pid: int, recorded: float | None) -> bool:
+    """Process ``pid`` is the one that started at ``recorded`` (:func:`started_since_boot`), not a reused pid.
+    ``recorded`` None: unknown, trusted. A recorded wall-clock time (older records) is compared to psutil's
+    ``create_time`` with a second of slack. Raises psutil.NoSuchProcess when it is gone."""
+    import psutil
+
+    if recorded is None:
+        return True
+    recorded = float(recorded)
+    if recorded > 1e9:          # seconds since the epoch, not since boot
+        return abs(psutil.Process(int(pid)).create_time() - recorded) <= 1.0
+    return abs(started_since_boot(pid) - recorded) <= 0.02
+
+
 def server_env(key: str | None) -> dict[str, str]:
     """What every llama-server of a deployment gets on top of its spec: the deployment's own key (it then answers
     only requests that carry it, which the gateway adds; ``/health`` stays open for the probes) and CORS for

@@ -105,7 +105,7 @@ def _api_key(dep: Deployment) -> str | None:
 
 
 def _head_alive(st: statemod.ClusterState) -> bool:
-    return bool(st.head_pid and headmod.head_tree(st.head_pid, st.head_create_time))
+    return bool(st.head_pid and headmod.head_tree(st.head_pid, st.head_started))
 
 
 def _embedded_node_name(dep: Deployment) -> str:
@@ -151,7 +151,7 @@ class EarlyHead:
         def record(info: headmod.HeadInfo) -> None:
             statemod.write(statemod.ClusterState(
                 namespace=self.namespace, ray_address=info.address, embedded=True, up_pid=os.getpid(),
-                started_at=time.time(), head_pid=info.pid, head_create_time=info.create_time,
+                started_at=time.time(), head_pid=info.pid, head_started=info.started,
                 head_temp_dir=info.temp_dir, head_log=info.log_path, dashboard_url=info.dashboard_url,
                 metrics_url=f"http://127.0.0.1:{info.metrics_port}/metrics", auth_mode=info.auth_mode,
                 gateway_url=gateway_url))
@@ -180,7 +180,7 @@ class EarlyHead:
         """Planning failed (or was interrupted): stop the head and forget it."""
         self._wait()
         if self.info is not None:
-            headmod.stop_head(self.info.pid, self.info.create_time, self.info.temp_dir)
+            headmod.stop_head(self.info.pid, self.info.started, self.info.temp_dir)
             try:
                 st = statemod.read(self.namespace)
             except statemod.StateError:
@@ -258,7 +258,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
     head_s = None
 
     def record(info: headmod.HeadInfo) -> None:     # the embedded head, in the state file for `down`
-        st.ray_address, st.head_pid, st.head_create_time = info.address, info.pid, info.create_time
+        st.ray_address, st.head_pid, st.head_started = info.address, info.pid, info.started
         st.head_temp_dir, st.head_log, st.auth_mode = info.temp_dir, info.log_path, info.auth_mode
         st.dashboard_url, st.metrics_url = info.dashboard_url, f"http://127.0.0.1:{info.metrics_port}/metrics"
         statemod.write(st)
@@ -397,7 +397,7 @@ def _teardown(api: Any, ctrl: Any, st: statemod.ClusterState | None, dep: Deploy
             api.kill(ctrl)
         api.disconnect()
     if st is not None and st.embedded and st.head_pid:
-        res.killed = headmod.stop_head(st.head_pid, st.head_create_time, st.head_temp_dir)
+        res.killed = headmod.stop_head(st.head_pid, st.head_started, st.head_temp_dir)
         res.head_stopped = True
     return res
 
@@ -614,7 +614,7 @@ def _force_down(namespace: str, say: Callable[[str], None]) -> DownResult:
     if rec.get("embedded") and rec.get("head_pid"):
         st = statemod.ClusterState(namespace=namespace, ray_address=str(rec.get("ray_address") or ""), embedded=True,
                                    up_pid=int(rec.get("up_pid") or 0), started_at=0.0, head_pid=int(rec["head_pid"]),
-                                   head_create_time=rec.get("head_create_time"), head_temp_dir=rec.get("head_temp_dir"))
+                                   head_started=rec.get("head_started", rec.get("head_create_time")), head_temp_dir=rec.get("head_temp_dir"))
         api = None
         if _head_alive(st):
             try:

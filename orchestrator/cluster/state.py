@@ -46,7 +46,7 @@ class ClusterState:
     started_at: float
     phase: str = "starting"             # starting | running
     head_pid: int | None = None
-    head_create_time: float | None = None
+    head_started: float | None = None     # seconds since boot (older records: a wall-clock time)
     head_temp_dir: str | None = None
     head_log: str | None = None
     dashboard_url: str | None = None
@@ -62,6 +62,8 @@ class ClusterState:
     @classmethod
     def from_dict(cls, d: dict) -> "ClusterState":
         names = {f.name for f in fields(cls)}
+        if "head_create_time" in d and "head_started" not in d:      # records written before the rename
+            d = {**d, "head_started": d["head_create_time"]}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -142,7 +144,7 @@ def ray_record_path(namespace: str) -> Path:
 
 def write_ray_record(st: ClusterState) -> None:
     rec = {"ray_address": st.ray_address, "embedded": st.embedded, "head_pid": st.head_pid,
-           "head_create_time": st.head_create_time, "head_temp_dir": st.head_temp_dir, "up_pid": st.up_pid}
+           "head_started": st.head_started, "head_temp_dir": st.head_temp_dir, "up_pid": st.up_pid}
     write_atomic(_private_dir(run_dir(st.namespace)) / "ray.json", json.dumps(rec), mode=0o600)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.cluster.procs import RAY_INJECTED_ENV, LocalLauncher
+from orchestrator.cluster.procs import RAY_INJECTED_ENV, LocalLauncher, same_start, started_since_boot
 from orchestrator.errors import LaunchError
 from orchestrator.launch.spec import LaunchSpec
 
@@ -146,3 +146,39 @@ def test_listener_on_sees_listeners_not_leftover_connections():
         conn.close()
         c.close()
     assert listener_on("127.0.0.1", port) is None
+
+
+def test_a_process_keeps_its_identity_when_the_wall_clock_steps(monkeypatch):
+    """A process is known by pid and start since boot. psutil's wall-clock start time is boot time plus that, and
+    the boot time moves when the clock is stepped (NTP, a resumed VM): here by 3 s, as two processes reading it a
+    moment apart can see. The identity must not move with it, and a different start must still be told apart."""
+    import psutil._pslinux as pslinux
+
+    from orchestrator.cluster.keeper import alive, process_identity
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ident = process_identity(child.pid)
+        wall_before = psutil.Process(child.pid).create_time()
+        real_boot = pslinux.boot_time
+        monkeypatch.setattr(pslinux, "boot_time", lambda: real_boot() + 3.0)
+        assert abs(psutil.Process(child.pid).create_time() - wall_before) > 2.5     # the step is visible to psutil
+        assert alive(ident)
+        assert started_since_boot(child.pid) == ident["started"]
+        assert not same_start(child.pid, ident["started"] + 0.5)                    # another process at that pid
+        assert not alive({**ident, "started": ident["started"] - 1.0})
+    finally:
+        child.kill()
+        child.wait()
+    assert not alive(ident)
+
+
+def test_older_records_with_a_wall_clock_start_still_match():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wall = psutil.Process(child.pid).create_time()
+        assert same_start(child.pid, wall) and not same_start(child.pid, wall - 5.0)
+        assert same_start(child.pid, None)
+    finally:
+        child.kill()
+        child.wait()

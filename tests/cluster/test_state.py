@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cluster import state
+from orchestrator.cluster.procs import started_since_boot
 from orchestrator.errors import ClusterError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,10 +124,8 @@ def test_down_force_stops_what_the_ray_record_names_and_removes_the_broken_file(
     then the state file is broken; `down --force` stops it from the Ray record and removes both files."""
     fake_head = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
-        import psutil
-
         st = _st("demo")
-        st.head_pid, st.head_create_time = fake_head.pid, psutil.Process(fake_head.pid).create_time()
+        st.head_pid, st.head_started = fake_head.pid, started_since_boot(fake_head.pid)
         st.ray_address = "127.0.0.1:9"                      # nothing listens: the head is stopped without Ray
         state.write(st)
         state.state_path("demo").write_text("[]")

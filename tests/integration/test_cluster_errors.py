@@ -97,11 +97,11 @@ def test_load_failure_under_an_embedded_head_stops_the_head(iso, monkeypatch):
     seen = {}
     real_stop = headmod.stop_head
 
-    def spy_stop(pid, create_time, temp_dir=None, **kw):     # records what the head had, then really stops it
-        seen["tree"] = headmod.head_tree(pid, create_time)
+    def spy_stop(pid, started, temp_dir=None, **kw):     # records what the head had, then really stops it
+        seen["tree"] = headmod.head_tree(pid, started)
         seen["cmds"] = [_cmdline(p) for p in seen["tree"]]
         seen["temp_dir"] = temp_dir
-        return real_stop(pid, create_time, temp_dir, **kw)
+        return real_stop(pid, started, temp_dir, **kw)
 
     monkeypatch.setattr(headmod, "stop_head", spy_stop)
     bad = iso["tmp"] / "bad.gguf"
@@ -213,7 +213,7 @@ def test_up_takes_over_the_head_started_during_planning(iso):
         assert res.status["phase"] == "ready" and st.head_pid == early.info.pid and st.phase == "running"
         from orchestrator.cluster.head import head_tree
 
-        tree = head_tree(st.head_pid, st.head_create_time)
+        tree = head_tree(st.head_pid, st.head_started)
         assert any("raylet" in _cmdline(p) for p in tree)
     finally:
         down("early-ok", say=lambda m: None)
