@@ -10,6 +10,7 @@ import json
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -66,13 +67,15 @@ class _Server(ThreadingHTTPServer):
 class FileServer:
     """Serves ``files`` (URL path -> Blob). ``ranges=False`` answers every GET with 200 and the whole body.
     ``drop_after``: close the connection after this many body bytes, for the next ``drops`` responses.
-    ``status``: URL path -> status code answered instead (401, 403, ...)."""
+    ``status``: URL path -> status code answered instead (401, 403, ...). ``pace_s``: a pause after each 64 KiB
+    of body (a slow link)."""
 
     def __init__(self, files: dict[str, Blob] | None = None, *, ranges: bool = True) -> None:
         self.files: dict[str, Blob] = dict(files or {})
         self.ranges = ranges
         self.drop_after: int | None = None
         self.drops = 0
+        self.pace_s = 0.0
         self.status: dict[str, int] = {}
         self.stats = Stats()
         self.httpd = _Server(("127.0.0.1", 0), self._handler())
@@ -166,6 +169,8 @@ class FileServer:
                         self.wfile.write(data)
                         server.stats.add(len(data))
                         pos += n
+                        if server.pace_s:
+                            time.sleep(server.pace_s)
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True
 
