@@ -26,10 +26,10 @@ from orchestrator.backend import patches, sources
 from orchestrator.errors import BackendError
 from orchestrator.paths import cache_dir
 
-TARGETS = ("llama-server", "llama-bench", "llama-fit-params")
+TARGETS = ("llama-server", "llama-bench", "llama-fit-params", "ggml-rpc-server")
 # ik_llama.cpp keeps its tools under examples/ and has llama-sweep-bench instead of llama-fit-params
 FLAVOR_TARGETS = {"mainline": TARGETS, "ik_llama.cpp": ("llama-server", "llama-bench", "llama-sweep-bench")}
-BUILD_FORMAT = 2  # bump when the cache layout or the fixed CMake flags change
+BUILD_FORMAT = 3  # bump when the cache layout or the fixed CMake flags change
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,10 @@ def cmake_args(opts: BuildOptions, *, cuda: bool, archs: tuple[str, ...]) -> lis
         "-DLLAMA_USE_PREBUILT_UI=OFF",
         "-DLLAMA_BUILD_UI=OFF",
     ]
+    if opts.flavor == "mainline":
+        # ggml's RPC backend: llama-server's --rpc, and ggml-rpc-server, which serves a backend of this machine as a
+        # GPU-type device; the expert cache's scheduler path runs through it in the CPU tests
+        args.append("-DGGML_RPC=ON")
     if cuda:
         args.append("-DGGML_CUDA=ON")
         if archs:

@@ -1,4 +1,5 @@
-"""orchestrator build: build (or reuse from the cache) llama.cpp's llama-server, llama-bench, llama-fit-params."""
+"""orchestrator build: build (or reuse from the cache) llama.cpp's llama-server, llama-bench, llama-fit-params
+(and ggml-rpc-server)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from orchestrator.errors import BackendError
 CMAKE = """cmake_minimum_required(VERSION 3.14)
 project(fake_llama C)
 add_library(llama STATIC src/lib.c)
-foreach(t llama-server llama-bench llama-fit-params)
+foreach(t llama-server llama-bench llama-fit-params ggml-rpc-server)
   add_executable(${t} tools/tool.c)
   target_link_libraries(${t} llama)
 endforeach()
@@ -194,7 +194,7 @@ add_custom_command(OUTPUT ${CMAKE_BINARY_DIR}/slow.c
                    COMMAND ${CMAKE_COMMAND} -E sleep 60
                    COMMAND ${CMAKE_COMMAND} -E copy ${CMAKE_SOURCE_DIR}/tools/tool.c ${CMAKE_BINARY_DIR}/slow.c)
 add_library(llama STATIC src/lib.c)
-foreach(t llama-server llama-bench llama-fit-params)
+foreach(t llama-server llama-bench llama-fit-params ggml-rpc-server)
   add_executable(${t} ${CMAKE_BINARY_DIR}/slow.c)
   target_link_libraries(${t} llama)
 endforeach()

@@ -1,9 +1,10 @@
 """The expert cache our llama.cpp patch series adds (``--moe-cache-mib``), on the CPU side.
 
-The slots live on a GPU: its device counterpart (same greedy tokens with and without the cache, hit rate, speed) is
-``lab`` device work recorded in docs/benchmarks.md. Here: the series applies to the pinned source and is part of
-the build key, the built llama-server offers the flags, a CPU-only server asked for a cache says it needs a GPU and
-serves without it, and the slot table's assignment and eviction order (C++, linked against the cached libraries).
+The slots live on a GPU: the scheduler path runs end to end on an RPC device in test_expert_cache_rpc.py, and on a
+real GPU in test_expert_cache_gpu.py (the device; speed in docs/benchmarks.md). Here: the series applies to the
+pinned source and is part of the build key, the built llama-server offers the flags, a CPU-only server asked for
+a cache says it needs a GPU and serves without it, and the slot table's assignment and eviction order (C++, linked
+against the cached libraries).
 """
 
 from __future__ import annotations

@@ -1,0 +1,163 @@
+"""The expert cache end to end without a GPU: ggml's RPC backend stands in for one.
+
+llama.cpp's RPC backend presents a remote ggml backend as a GPU device; a ``ggml-rpc-server`` on 127.0.0.1 runs
+the CPU backend behind it. With ``--rpc`` and every routed expert in host memory (``-ngl 999 --cpu-moe``) the
+expert cache puts its slot banks on that device as it does on a real GPU: the scheduler reads the router's picks,
+assigns slots (hits first, then the least recently used), uploads the missing experts into their slots and runs
+the expert matmuls from the bank. Both paths compute with the same CPU kernels, which give every output element
+from one dot product whatever the thread split, so the tokens and probabilities with the cache must equal those
+without it exactly, and the counters must add up. Speed is the device's to show (docs/benchmarks.md); this is the
+scheduler integration, in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from orchestrator.model import synth
+
+pytestmark = pytest.mark.integration
+
+N_PREDICT = 48
+PROMPT = [785, 374, 138, 838, 342, 916, 279, 156, 556, 13, 576, 397, 876, 388, 208, 96]
+SLOTS = 24              # of the model's 128 experts per tensor: decoding evicts all the time
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(cond, timeout: float, what: str, log: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"{what} exited:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{what} not ready after {timeout:.0f}s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _start(argv: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as lf:
+        return subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _run(server: str, rpc_server: str, model: Path, tmp: Path, name: str, extra: list[str]):
+    """One llama-server whose 'GPU' is a fresh ggml-rpc-server: a greedy completion and the /metrics values."""
+    rpc_port, port = _port(), _port()
+    rpc = _start([rpc_server, "-H", "127.0.0.1", "-p", str(rpc_port), "-t", "1"], tmp / f"{name}-rpc.log")
+    proc = None
+    try:
+        _wait(lambda: _listening(rpc_port), 60, "ggml-rpc-server", tmp / f"{name}-rpc.log", rpc)
+        url = f"http://127.0.0.1:{port}"
+        proc = _start([server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
+                       "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "999", "--cpu-moe", "--no-repack", "--metrics", "--no-warmup",
+                       "-t", "1", *extra], tmp / f"{name}.log")
+        _wait(lambda: _healthy(url), 300, "llama-server", tmp / f"{name}.log", proc)
+        body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0, "n_probs": 4, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True}
+        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            metrics = {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
+    finally:
+        if proc is not None:
+            _stop(proc)
+        _stop(rpc)
+    return out, metrics, (tmp / f"{name}.log").read_text()
+
+
+def _probs(out: dict) -> list[list[float]]:
+    steps = []
+    for step in out["completion_probabilities"]:
+        top = step.get("top_logprobs") or step.get("top_probs") or step.get("probs") or []
+        steps.append([math.exp(p["logprob"]) if "logprob" in p else p["prob"] for p in top])
+    assert steps and all(steps), f"no probabilities in {list(out)}"
+    return steps
+
+
+@pytest.fixture(scope="module")
+def rpc_server(llama_server_path) -> str:
+    path = Path(llama_server_path).with_name("ggml-rpc-server")
+    assert os.access(path, os.X_OK), (f"{path}: not built; orchestrator's build of llama.cpp includes ggml's RPC "
+                                      "backend and its server (scripts/setup.sh runs it)")
+    return str(path)
+
+
+def test_cache_on_an_rpc_device_gives_the_tokens_and_probabilities_of_no_cache(llama_server_path, rpc_server,
+                                                                               tmp_path):
+    from orchestrator.model.reader import read_gguf
+
+    model = synth.write_model(tmp_path / "m.gguf", "qwen3-30b-a3b", scale=0.125, quant="q4_0", seed=21).path
+    info = read_gguf(model)
+    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+    assert len({t.nbytes for t in experts}) == 1      # one slot size for every tensor
+    n_expert = experts[0].shape[-1]
+    expert_bytes = experts[0].nbytes // n_expert
+    n_tensors = len(experts)
+    mib = -(-SLOTS * expert_bytes * n_tensors // 2**20)     # the least whole MiB with room for SLOTS slots
+    slots = mib * 2**20 // (expert_bytes * n_tensors)        # what the cache makes of it: one slot per expert
+    assert SLOTS <= slots < n_expert // 2                     # of every tensor, all tensors alike
+
+    cache, m_cache, log = _run(llama_server_path, rpc_server, model, tmp_path, "cache",
+                               ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4"])
+    plain, m_plain, _ = _run(llama_server_path, rpc_server, model, tmp_path, "plain", [])
+
+    assert m_cache.get("moe_cache_active") == 1, log[-3000:]
+    assert m_cache["moe_cache_slots"] == slots and m_cache["moe_cache_tensors"] == n_tensors
+    assert not m_plain.get("moe_cache_active")                # (no cache asked: no cache lines)
+
+    assert len(cache["tokens"]) == N_PREDICT
+    assert cache["tokens"] == plain["tokens"]
+    assert _probs(cache) == _probs(plain)
+
+    # every decode step looks up the token's experts in each tensor (the 16-token prompt is above the cache's
+    # batches and takes the usual path); each miss uploads one whole expert
+    lookups, hits, misses = (m_cache["moe_cache_lookups_total"], m_cache["moe_cache_hits_total"],
+                             m_cache["moe_cache_misses_total"])
+    used = info.metadata.get("qwen3moe.expert_used_count")
+    assert lookups == hits + misses
+    assert lookups >= (N_PREDICT - 1) * used * n_tensors
+    assert misses > slots * n_tensors and hits > 0          # slots were reused, and evicted
+    assert m_cache["moe_cache_uploaded_bytes_total"] == pytest.approx(misses * expert_bytes, rel=1e-5)
