@@ -1,4 +1,4 @@
-// Slot assignment and eviction order of the expert cache (ggml-moe-cache.h from our llama.cpp patch series),
+// Slot assignment and eviction order, and expert recency, of the expert cache (ggml-moe-cache.h from our llama.cpp patch series),
 // linked against the cached build's libggml-base. Prints one line per failed check; exits 1 if any failed.
 #include "ggml-moe-cache.h"
 
@@ -93,6 +93,28 @@ int main() {
     CHECK(loads == 8);
     ggml_moe_slot_table_free(full);
     ggml_moe_slot_table_free(t);
+
+    // recency: how many distinct experts were used since an expert's last use (the LRU stack distance)
+    CHECK(ggml_moe_recency_new(0) == nullptr);
+    ggml_moe_recency_t rec = ggml_moe_recency_new(16);
+    CHECK(ggml_moe_recency_distance(rec, 3) == -1);          // never used
+    CHECK(ggml_moe_recency_distance(rec, 99) == -1);         // out of range
+    const int32_t b1[] = {3, 5};
+    ggml_moe_recency_touch(rec, b1, 2);
+    CHECK(ggml_moe_recency_distance(rec, 3) == 0 && ggml_moe_recency_distance(rec, 5) == 0);   // one batch: neither before the other
+    const int32_t b2[] = {7, 8, 9};
+    ggml_moe_recency_touch(rec, b2, 3);
+    CHECK(ggml_moe_recency_distance(rec, 3) == 3);           // 7, 8, 9 since
+    CHECK(ggml_moe_recency_distance(rec, 9) == 0);
+    const int32_t b3[] = {5, 7};
+    ggml_moe_recency_touch(rec, b3, 2);
+    CHECK(ggml_moe_recency_distance(rec, 3) == 4);           // 5, 7, 8, 9: a repeat counts once
+    CHECK(ggml_moe_recency_distance(rec, 8) == 2);           // 5, 7
+    CHECK(ggml_moe_recency_distance(rec, 5) == 0);
+    const int32_t bad[] = {-1, 16, 2};
+    ggml_moe_recency_touch(rec, bad, 3);                     // out-of-range ids are ignored
+    CHECK(ggml_moe_recency_distance(rec, 2) == 0 && ggml_moe_recency_distance(rec, 5) == 1);
+    ggml_moe_recency_free(rec);
 
     std::printf("%d failed\n", failures);
     return failures == 0 ? 0 : 1;

@@ -125,28 +125,49 @@ def rpc_server(llama_server_path) -> str:
     return str(path)
 
 
-def test_cache_on_an_rpc_device_gives_the_tokens_and_probabilities_of_no_cache(llama_server_path, rpc_server,
-                                                                               tmp_path):
+class Setup:
+    def __init__(self, model: Path, info) -> None:
+        experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+        assert len({t.nbytes for t in experts}) == 1      # one slot size for every tensor
+        self.model = model
+        self.n_expert = experts[0].shape[-1]
+        self.expert_bytes = experts[0].nbytes // self.n_expert
+        self.n_tensors = len(experts)
+        self.n_used = info.metadata["qwen3moe.expert_used_count"]
+        self.mib = -(-SLOTS * self.expert_bytes * self.n_tensors // 2**20)   # the least whole MiB for SLOTS slots
+        self.slots = self.mib * 2**20 // (self.expert_bytes * self.n_tensors)  # what the cache makes of it
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Setup:
     from orchestrator.model.reader import read_gguf
 
-    model = synth.write_model(tmp_path / "m.gguf", "qwen3-30b-a3b", scale=0.125, quant="q4_0", seed=21).path
-    info = read_gguf(model)
-    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
-    assert len({t.nbytes for t in experts}) == 1      # one slot size for every tensor
-    n_expert = experts[0].shape[-1]
-    expert_bytes = experts[0].nbytes // n_expert
-    n_tensors = len(experts)
-    mib = -(-SLOTS * expert_bytes * n_tensors // 2**20)     # the least whole MiB with room for SLOTS slots
-    slots = mib * 2**20 // (expert_bytes * n_tensors)        # what the cache makes of it: one slot per expert
-    assert SLOTS <= slots < n_expert // 2                     # of every tensor, all tensors alike
+    path = synth.write_model(tmp_path_factory.mktemp("rpc") / "m.gguf", "qwen3-30b-a3b", scale=0.125, quant="q4_0",
+                             seed=21).path
+    s = Setup(path, read_gguf(path))
+    assert SLOTS <= s.slots < s.n_expert // 2             # of every tensor, all tensors alike
+    return s
 
-    cache, m_cache, log = _run(llama_server_path, rpc_server, model, tmp_path, "cache",
-                               ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4"])
-    plain, m_plain, _ = _run(llama_server_path, rpc_server, model, tmp_path, "plain", [])
 
-    assert m_cache.get("moe_cache_active") == 1, log[-3000:]
-    assert m_cache["moe_cache_slots"] == slots and m_cache["moe_cache_tensors"] == n_tensors
-    assert not m_plain.get("moe_cache_active")                # (no cache asked: no cache lines)
+@pytest.fixture(scope="module")
+def plain(setup, llama_server_path, rpc_server, tmp_path_factory):
+    """The same server without the cache: the experts are computed on the CPU from host memory."""
+    out, metrics, _ = _run(llama_server_path, rpc_server, setup.model, tmp_path_factory.mktemp("plain"), "plain", [])
+    assert not metrics.get("moe_cache_active")             # (no cache asked: no cache lines)
+    return out
+
+
+@pytest.fixture(scope="module")
+def uploads(setup, llama_server_path, rpc_server, tmp_path_factory):
+    """The cache as upstream has it: every miss is uploaded."""
+    return _run(llama_server_path, rpc_server, setup.model, tmp_path_factory.mktemp("cache"), "cache",
+                ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4"])
+
+
+def test_cache_on_an_rpc_device_gives_the_tokens_and_probabilities_of_no_cache(setup, plain, uploads):
+    cache, m, log = uploads
+    assert m.get("moe_cache_active") == 1, log[-3000:]
+    assert m["moe_cache_slots"] == setup.slots and m["moe_cache_tensors"] == setup.n_tensors
 
     assert len(cache["tokens"]) == N_PREDICT
     assert cache["tokens"] == plain["tokens"]
@@ -154,10 +175,34 @@ def test_cache_on_an_rpc_device_gives_the_tokens_and_probabilities_of_no_cache(l
 
     # every decode step looks up the token's experts in each tensor (the 16-token prompt is above the cache's
     # batches and takes the usual path); each miss uploads one whole expert
-    lookups, hits, misses = (m_cache["moe_cache_lookups_total"], m_cache["moe_cache_hits_total"],
-                             m_cache["moe_cache_misses_total"])
-    used = info.metadata.get("qwen3moe.expert_used_count")
+    lookups, hits, misses = m["moe_cache_lookups_total"], m["moe_cache_hits_total"], m["moe_cache_misses_total"]
     assert lookups == hits + misses
-    assert lookups >= (N_PREDICT - 1) * used * n_tensors
-    assert misses > slots * n_tensors and hits > 0          # slots were reused, and evicted
-    assert m_cache["moe_cache_uploaded_bytes_total"] == pytest.approx(misses * expert_bytes, rel=1e-5)
+    assert lookups >= (N_PREDICT - 1) * setup.n_used * setup.n_tensors
+    assert misses > setup.slots * setup.n_tensors and hits > 0      # slots were reused, and evicted
+    assert m["moe_cache_cpu_misses_total"] == 0
+    assert m["moe_cache_uploaded_bytes_total"] == pytest.approx(misses * setup.expert_bytes, rel=1e-5)
+
+
+def test_misses_computed_on_the_cpu_give_the_same_tokens_and_upload_less(setup, plain, uploads, llama_server_path,
+                                                                        rpc_server, tmp_path):
+    """--moe-cache-cpu-misses: an expert missing from the slots that was not used recently enough to stay in an
+    LRU of the slots' size is computed on the CPU (its row written over the device's), not uploaded. The CPU's
+    rows come from llama.cpp's own CPU kernel: the tokens and probabilities stay exactly those without a cache."""
+    out, m, log = _run(llama_server_path, rpc_server, setup.model, tmp_path, "cpu-misses",
+                       ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"])
+    assert m.get("moe_cache_active") == 1, log[-3000:]
+
+    assert out["tokens"] == plain["tokens"]
+    assert _probs(out) == _probs(plain)
+
+    lookups, hits, misses, cpu = (m["moe_cache_lookups_total"], m["moe_cache_hits_total"],
+                                  m["moe_cache_misses_total"], m["moe_cache_cpu_misses_total"])
+    assert lookups == hits + misses
+    assert lookups >= (N_PREDICT - 1) * setup.n_used * setup.n_tensors
+    assert 0 < cpu < misses                              # some computed on the CPU, some reused soon and uploaded
+    uploaded = m["moe_cache_uploaded_bytes_total"]
+    assert uploaded == pytest.approx((misses - cpu) * setup.expert_bytes, rel=1e-5)
+    assert hits > 0 and uploaded < uploads[1]["moe_cache_uploaded_bytes_total"]
+    print(f"cpu misses: {cpu:.0f} of {misses:.0f} misses ({lookups:.0f} lookups, {hits:.0f} hits); uploaded "
+          f"{uploaded / 2**20:.1f} MiB against {uploads[1]['moe_cache_uploaded_bytes_total'] / 2**20:.1f} MiB "
+          f"uploading every miss ({uploads[1]['moe_cache_hits_total']:.0f} hits)")
