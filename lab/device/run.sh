@@ -30,10 +30,11 @@
 #   w1-cpu-flags      W1 at 12 GiB: plan / --fit / the plan with --no-host, --cpu-strict 1, --prio 2, --poll 100
 #   w1-load-modes     W1 at 8 GiB: plan / --fit / the plan memory-mapped / the plan with --no-host
 #   w2                W2 under 24 GiB: plan / --fit
-#   w1-plan-cache[=L] W1 written at routing locality L (0 | default | high; default: default), its routing profile
+#   w1-cache[=L]      W1 written at routing locality L (0 | default | high; default: default), its routing profile
 #                     measured (`orchestrator model --routing`), then the plan's own choice of expert layers and
 #                     cache at 12, 8 and 16 GiB (as far as RUN_SECONDS allows): plan / fit-pinned / cache-grid
-#                     (whose +0 point is the plan's placement without its cache) / the plan again (A/A, 12 GiB)
+#                     (whose +0 point is the plan's placement without its cache) / the plan with
+#                     --moe-cache-cpu-misses / the plan again (A/A, 12 GiB)
 #
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
@@ -60,7 +61,7 @@ cd "$(dirname "$0")/../.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 STEPS=(build machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
-       w1-cpu-flags w1-load-modes w2 w1-plan-cache w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
+       w1-cpu-flags w1-load-modes w2 w1-cache w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
        gateway-cpu)
 known() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -225,7 +226,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
       --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none --max-minutes 6 \
       --out "$O/w1-8g-mem" > "$O/w1-8g-mem.log" 2>&1
     ;;
-  w1-plan-cache)
+  w1-cache)
     need_server
     local loc=${arg:-default}
     local mdl=$M/w1-loc-$loc.gguf
@@ -237,8 +238,12 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     for b in 12 8 16; do
       [ "$(left)" -gt 150 ] || { log "no time left for ${b} GiB"; break; }
       orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" > "$O/plan-${b}g.txt" 2>&1
+      orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" --json > "$O/plan-${b}g.json" 2>&1
       cfg=plan,fit-pinned,cache-grid; [ "$b" = 12 ] && cfg=$cfg,control
-      timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs "$cfg" \
+      local V=()     # the plan's placement and cache with a single token's rarely used experts on the CPU
+      grep -q -- '--moe-cache-mib' "$O/plan-${b}g.json" && \
+        V=(--config "$(python3 lab/device/plan-config.py plan-cpu-misses "$O/plan-${b}g.json" --add=--moe-cache-cpu-misses)")
+      timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs "$cfg" "${V[@]}" \
         --rounds 1 --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 6 \
         --max-minutes "$(mins 10)" --out "$O/w1-${b}g" > "$O/w1-${b}g.log" 2>&1
       log "${b} GiB rc=$?"; tail -25 "$O/w1-${b}g.log"
