@@ -41,7 +41,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "orchestrator_worker_expert_cache_hit_ratio": ("gauge", "expert cache: hits / lookups since the last scrape "
                                                    "(the last value while nothing was looked up)"),
     "orchestrator_worker_expert_cache_lookups": ("counter", "expert cache: experts looked up (per batch and tensor)"),
-    "orchestrator_worker_expert_cache_misses": ("counter", "expert cache: lookups that uploaded the expert"),
+    "orchestrator_worker_expert_cache_misses": ("counter", "expert cache: lookups not found in a slot (uploaded, "
+                                                "or computed on the CPU)"),
+    "orchestrator_worker_expert_cache_cpu_misses": ("counter", "expert cache: misses computed on the CPU instead of "
+                                                    "uploaded (--moe-cache-cpu-misses)"),
     "orchestrator_worker_expert_cache_uploaded_bytes": ("counter", "expert cache: bytes uploaded from host memory"),
     "orchestrator_worker_expert_cache_bytes": ("gauge", "expert cache: GPU memory held by its slots"),
     "orchestrator_node_numa_balancing": ("gauge", "kernel.numa_balancing on the worker's node (0 = off)"),
@@ -148,7 +151,8 @@ class ExpertCacheCounters:
     hit_ratio: float | None = None
 
     KEYS = {"lookups": "llamacpp:moe_cache_lookups_total", "hits": "llamacpp:moe_cache_hits_total",
-            "misses": "llamacpp:moe_cache_misses_total", "uploaded": "llamacpp:moe_cache_uploaded_bytes_total"}
+            "misses": "llamacpp:moe_cache_misses_total", "uploaded": "llamacpp:moe_cache_uploaded_bytes_total",
+            "cpu_misses": "llamacpp:moe_cache_cpu_misses_total"}
 
     def update(self, sample: Mapping[str, float]) -> dict[str, float] | None:
         """Increments since the last page (all since the start on the first one), or None when the page has no
@@ -304,6 +308,7 @@ class WorkerSampler:
                 s.inc("orchestrator_worker_expert_cache_lookups", delta["lookups"], tags)
                 s.inc("orchestrator_worker_expert_cache_misses", delta["misses"], tags)
                 s.inc("orchestrator_worker_expert_cache_uploaded_bytes", delta["uploaded"], tags)
+                s.inc("orchestrator_worker_expert_cache_cpu_misses", delta["cpu_misses"], tags)
                 s.set("orchestrator_worker_expert_cache_bytes", m.get("llamacpp:moe_cache_bytes", 0.0), tags)
                 if self.cache.hit_ratio is not None:
                     s.set("orchestrator_worker_expert_cache_hit_ratio", self.cache.hit_ratio, tags)

@@ -44,6 +44,7 @@ OWNED_FLAGS: dict[str, str] = {
     **dict.fromkeys(flags_of("load_mode"), "workers.load_mode"),
     **dict.fromkeys(("--op-offload", "--no-op-offload"), "workers.op_offload_min_batch"),
     **dict.fromkeys(flags_of("moe_cache_mib", "moe_cache_max_batch"), "workers.expert_cache"),
+    **dict.fromkeys(flags_of("moe_cache_cpu_misses"), "workers.expert_cache_misses"),
     **dict.fromkeys(flags_of("host"), "workers.host"),
     **dict.fromkeys(flags_of("port"), "workers.port_base"),
     **dict.fromkeys(API_KEY_FLAGS, "gateway.api_key_env"),
@@ -265,6 +266,14 @@ class WorkersConfig(Section):
     rest. auto: when the llama-server has the cache and some expert layers stay in host memory, the plan splits
     the VRAM by the model's routing profile (`orchestrator model MODEL --routing`; a stated default curve
     without one), the measured PCIe bandwidth and the objective, and keeps no cache where it would lose."""
+
+    expert_cache_misses: Choice(AUTO, "upload", "cpu") = "upload"
+    """What the expert cache does with an expert a single token needs that is not in its slots: upload (copy it
+    into a slot over PCIe, as upstream llama.cpp's cache does), cpu (`--moe-cache-cpu-misses`: an expert not
+    used recently enough to stay in a cache of this size is computed on the CPU from host memory while the GPU
+    computes the cached ones; one used again soon enough is uploaded), or auto (whichever the plan predicts
+    faster from the host-memory and PCIe bandwidths). upload by default: the CPU path's cost per layer on a GPU
+    is an estimate until it is measured there."""
 
     warmup: Bool = False
     """Before `up` starts the workers: drop the page cache (needs root; otherwise it is kept, with a note) and

@@ -39,6 +39,7 @@ FIELD_FLAGS: dict[str, tuple[str, ...]] = {
     "op_offload_min_batch": ("--no-op-offload", "--op-offload", "-cuda", "--cuda-params"),
     "moe_cache_mib": ("--moe-cache-mib",),
     "moe_cache_max_batch": ("--moe-cache-max-batch",),
+    "moe_cache_cpu_misses": ("--moe-cache-cpu-misses",),
     "fit": ("--fit", "-fit"),
     "fit_ctx": ("--fit-ctx", "-fitc"),
     "threads": ("-t", "--threads"),
@@ -123,6 +124,8 @@ def server_args(s: WorkerSettings, backend: BackendInfo) -> tuple[str, ...]:
         a += ["--moe-cache-mib", str(s.moe_cache_mib)]
         if s.moe_cache_max_batch is not None:
             a += ["--moe-cache-max-batch", str(s.moe_cache_max_batch)]
+        if s.moe_cache_cpu_misses and backend.has("moe_cache_cpu_misses"):
+            a.append("--moe-cache-cpu-misses")
     if s.fit is not None and backend.has("fit") and not backend.ik:
         a += ["--fit", "on" if s.fit else "off"]
     if s.fit_ctx is not None and backend.has("fit") and not backend.ik:
@@ -281,7 +284,7 @@ def _set(kw: dict, name: str | None, flag: str | None, value: str | None) -> boo
         kw[name] = kw.get(name, ()) + tuple((p, b) for p, b in pairs)
     elif name == "cpu_moe" and value is None:
         kw[name] = True
-    elif name == "metrics" and value is None:
+    elif name in ("metrics", "moe_cache_cpu_misses") and value is None:
         kw[name] = True
     elif name == "fit":
         if value not in (None, "on", "off"):
@@ -313,7 +316,7 @@ def backend_seen_in(args: Sequence[str], server: str = "llama-server") -> Backen
     flags = {f for f, _v in split_flags(args) if f}
     seen = {"fit": {"--fit", "-fit"}, "load_mode": {"--load-mode", "-lm"}, "no_op_offload": {"--no-op-offload"},
             "metrics": {"--metrics"}, "numa": {"--numa"}, "cuda_params": {"-cuda", "--cuda-params"},
-            "moe_cache": {"--moe-cache-mib"}}
+            "moe_cache": {"--moe-cache-mib"}, "moe_cache_cpu_misses": {"--moe-cache-cpu-misses"}}
     feats = {name for name, spellings in seen.items() if flags & spellings}
     ik = "cuda_params" in feats
     if "fit" in feats and not ik:

@@ -12,6 +12,8 @@ experts' time per generated token is predicted from the routing profile's hit-ra
       + misses / PCIe bw + misses / GPU bw        (miss mode "upload": copied into a slot, then read)
         or misses / host bw                       (miss mode "cpu": computed on the CPU where they lie)
       + host layers x cache_layer_overhead_s + cache_fixed_s        (the cache path's costs beyond the bytes)
+      + host layers x P(a token misses in the layer) x host_layer_overhead_s   (miss mode "cpu": the hop
+                                                  GPU -> CPU -> GPU of the no-cache path, where a miss needs it)
 
 and, without a cache, t = GPU-resident bytes / GPU bw + every host layer's picks / host bw + host layers x
 host_layer_overhead_s (the CPU computes them; the hop GPU -> CPU -> GPU). The bandwidths are the effective ones
@@ -55,7 +57,8 @@ class CacheInputs:
     host_bw: float               # host memory bytes/s that CPU expert compute reads at
     gpu_bw: float                # GPU memory bytes/s
     base_seconds: float = 0.0    # per-token time of everything but the routed experts
-    cpu_misses: bool = True      # the backend can compute cache misses on the CPU
+    cpu_misses: bool = True      # the backend can compute cache misses on the CPU (and they may be)
+    upload_misses: bool = True   # misses may be uploaded (False: the CPU computes them wherever it can)
     host_layer_overhead_s: float = 0.0   # per host-resident layer whose experts the CPU computes
     cache_layer_overhead_s: float = 0.0  # per host-resident layer the cache serves (expert ids read back)
     cache_fixed_s: float = 0.0           # per token on the cache path, beyond the bytes
@@ -191,7 +194,9 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
         t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw + fixed
         host_read, pcie = 0.0, misses
     else:
-        t = (gpu_resident + hits) / inp.gpu_bw + misses / inp.host_bw + fixed + h * inp.host_layer_overhead_s
+        # a layer needs the CPU (and its hop) only for a token with a miss among its picks
+        p_miss = 1.0 - hit ** inp.n_expert_used
+        t = (gpu_resident + hits) / inp.gpu_bw + misses / inp.host_bw + fixed + h * p_miss * inp.host_layer_overhead_s
         host_read, pcie = misses, 0.0
     return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
                           host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)))
@@ -206,7 +211,7 @@ def candidates(inp: CacheInputs, cache_bytes: int | None = None,
     then the most whole layers of ``vram_free``."""
     free = max(0, int(inp.vram_free))
     k_max = min(inp.n_moe_layers, free // inp.layer_expert_bytes) if inp.layer_expert_bytes > 0 else 0
-    modes = ("upload", "cpu") if inp.cpu_misses else ("upload",)
+    modes = tuple(m for m, ok in (("upload", inp.upload_misses or not inp.cpu_misses), ("cpu", inp.cpu_misses)) if ok)
     out = []
     expert = inp.layer_expert_bytes / inp.n_expert if inp.n_expert else 0
     if splits is not None:

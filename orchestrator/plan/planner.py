@@ -464,7 +464,9 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
     inp = X.CacheInputs(curve=curve, layer_expert_bytes=layer_bytes, n_expert=costs.n_expert,
                         n_expert_used=costs.n_expert_used, n_moe_layers=len(moe),
                         vram_free=on_gpu + (size_req if forced else leftover), pcie_bw=pcie, host_bw=host_bw,
-                        gpu_bw=gpu_bw, base_seconds=base, cpu_misses=False,
+                        gpu_bw=gpu_bw, base_seconds=base,
+                        cpu_misses=req.expert_cache_misses != "upload" and backend.has("moe_cache_cpu_misses"),
+                        upload_misses=req.expert_cache_misses != "cpu",
                         host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
                         cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S,
                         min_gpu_layers=min_gpu_layers)
@@ -474,6 +476,8 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
         inp = replace(inp, vram_free=on_gpu)
     cplan = X.plan_expert_cache(inp, req.objective, cache_bytes=size_req, splits=splits)
     curve_note = f"; hit-rate curve: {curve.source}"
+    if req.expert_cache_misses == "cpu" and not backend.has("moe_cache_cpu_misses"):
+        curve_note += "; misses uploaded: this llama-server has no --moe-cache-cpu-misses"
     if not cplan.use_cache:
         return cplan, Decision("expert cache", "off", cplan.reason + curve_note), best, None
     c = cplan.chosen
@@ -688,6 +692,7 @@ def plan_worker(*, name: str, node_req: NodeRequest, machine: Machine, model: Mo
         tensor_overrides=overrides, fit=False, op_offload_min_batch=side.threshold, load_mode=load_mode,
         moe_cache_mib=side.cache_mib,
         moe_cache_max_batch=_cache_max_batch(req) if side.cache_mib and req.parallel > MOE_CACHE_MAX_BATCH else None,
+        moe_cache_cpu_misses=bool(side.cache_mib and side.cache is not None and side.cache.chosen.miss_mode == "cpu"),
         numa=cpu.numa, numa_flag=cpu.numa_flag,
         disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
         threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=_n_batch(req, side.ubatch),

@@ -87,6 +87,7 @@ class PlanRequest:
     expert_layers_on_cpu: tuple[int, ...] | None = None   # force this placement (benchmarks / experts)
     objective: str = "generation"            # "generation" | "balanced" | "prompt": what the VRAM split favours
     expert_cache: int | None = None          # None = the plan decides; 0 = off; bytes = a cache of this size
+    expert_cache_misses: str = "upload"      # "upload" | "cpu" | "auto": what the cache does with a miss
 
     def copy(self, **changes) -> "PlanRequest":
         return replace(self, **changes)

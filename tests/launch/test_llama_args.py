@@ -61,11 +61,23 @@ def test_expert_cache_only_when_asked_for_and_offered():
         replace(S, moe_cache_mib=-1)
 
 
+def test_cpu_misses_only_with_a_cache_and_a_binary_that_has_them():
+    cpu = replace(S, moe_cache_mib=4096, moe_cache_cpu_misses=True)
+    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache_cpu_misses"})
+    args = server_args(cpu, has)
+    assert "--moe-cache-cpu-misses" in args and parse_server_args(args).moe_cache_cpu_misses
+    older = replace(MAINLINE, features=MAINLINE.features - {"moe_cache_cpu_misses"})
+    assert "--moe-cache-cpu-misses" not in server_args(cpu, older)                   # the binary lacks it
+    assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, moe_cache_mib=0), has)      # no cache
+    assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, moe_cache_cpu_misses=False), has)
+
+
 @pytest.mark.parametrize("backend", [MAINLINE, IK], ids=["mainline", "ik"])
 def test_rendered_flags_read_back_to_the_same_settings(backend):
     """What launch renders, parse_server_args reads back (the NUMA binding is numactl's, not llama-server's)."""
-    cached = replace(S, moe_cache_mib=512, extra_args=("--seed", "-1"))
-    b = replace(backend, features=backend.features | {"moe_cache"})
+    cached = replace(S, moe_cache_mib=512, moe_cache_cpu_misses=not backend.ik, extra_args=("--seed", "-1"))
+    b = replace(backend, features=backend.features | {"moe_cache"} | ({"moe_cache_cpu_misses"} if not backend.ik
+                                                                        else set()))
     back = parse_server_args(server_args(cached, b), server_env(cached, b))
     expected = cached if not b.ik else replace(cached, fit=None)                   # ik is never told --fit
     assert back == replace(expected, metrics=back.metrics)

@@ -245,3 +245,32 @@ def test_plan_reads_the_cached_routing_profile_and_prints_the_arithmetic(models,
     assert "--moe-cache-mib" not in off["argv"] and "expert_cache" not in off
     sized = plan_document(_resolve(model, **{"workers.expert_cache": "1GiB"}))["workers"][0]
     assert sized["settings"]["moe_cache_mib"] == 1024
+
+
+def _plan_with(models, h200, budget_gib, curve, backend, **kw):
+    req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=budget_gib * GiB, vram_reserve=256 * MiB),), **kw)
+    return make_plan(machines={"h200": with_gpu_free(h200, budget_gib * GiB)}, model=models("qwen3-30b-a3b"),
+                     request=req, backend=backend, routing=curve).workers[0]
+
+
+def test_misses_on_the_cpu_when_asked_for_and_when_predicted_faster(models, h200):
+    cached = _cached_backend()
+    both = cached.__class__(**{**cached.__dict__, "features": cached.features | {"moe_cache_cpu_misses"}})
+    curve = _curve("default")
+    upload = _plan_with(models, h200, 12, curve, both)                       # the default: upload
+    assert upload.expert_cache.chosen.miss_mode == "upload" and "--moe-cache-cpu-misses" not in upload.args
+    cpu = _plan_with(models, h200, 12, curve, both, expert_cache_misses="cpu")
+    assert cpu.expert_cache.use_cache and cpu.expert_cache.chosen.miss_mode == "cpu"
+    assert cpu.settings.moe_cache_cpu_misses and "--moe-cache-cpu-misses" in cpu.args
+    assert cpu.expert_cache.chosen.pcie_bytes == 0 and cpu.expert_cache.chosen.host_read_bytes > 0
+    # a binary without the option: uploads, and the plan says why
+    older = _plan_with(models, h200, 12, curve, cached, expert_cache_misses="cpu")
+    assert older.expert_cache.chosen.miss_mode == "upload" and "--moe-cache-cpu-misses" not in older.args
+    assert any("no --moe-cache-cpu-misses" in d.why for d in older.decisions if d.what == "expert cache")
+    # auto: whichever mode predicts the faster generation (within the objective's 3%)
+    for loc in ("loc0", "default", "high"):
+        c = _curve(loc)
+        auto = _plan_with(models, h200, 12, c, both, expert_cache_misses="auto")
+        best = max(_plan_with(models, h200, 12, c, both, expert_cache_misses=m).predicted.tg for m in ("upload", "cpu"))
+        assert auto.predicted.tg >= 0.97 * best
+        assert ("--moe-cache-cpu-misses" in auto.args) == (auto.expert_cache.chosen.miss_mode == "cpu")
