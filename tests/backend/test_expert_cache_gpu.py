@@ -149,3 +149,35 @@ def test_cache_gives_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_p
     assert worst < 0.02, (same, worst)
     print(f"cache vs offload: {len(cache['tokens'])} identical tokens; cache vs cpu: {same} identical tokens, "
           f"max |dp| {worst:.2e} before divergence; hit rate {hits / lookups:.3f}")
+
+
+def test_misses_computed_on_the_cpu_agree_with_the_gpu_path(model, tmp_path):
+    """--moe-cache-cpu-misses on a real GPU: a single token's rarely used experts are computed by the CPU kernels
+    and written over the GPU's rows. Other kernels for those rows: the probabilities agree within the backends'
+    usual tolerance until the first greedy divergence; fewer bytes are uploaded than misses."""
+    server = _server_path()
+    from orchestrator.model.reader import read_gguf
+
+    info = read_gguf(model)
+    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
+    mib = -(-24 * expert_bytes * len(experts) // 2**20)
+    env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+    cpu, m, log = _run(server, model, tmp_path / "cpu-misses.log",
+                       ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"], env)
+    offload, _m, _l = _run(server, model, tmp_path / "offload.log", [], env)
+    assert m.get("moe_cache_active") == 1, log[-3000:]
+    lookups, hits, misses, on_cpu = (m["moe_cache_lookups_total"], m["moe_cache_hits_total"],
+                                     m["moe_cache_misses_total"], m["moe_cache_cpu_misses_total"])
+    assert lookups == hits + misses and 0 < on_cpu < misses and hits > 0
+    assert m["moe_cache_uploaded_bytes_total"] == pytest.approx((misses - on_cpu) * expert_bytes, rel=1e-5)
+    same = 0
+    for a, b in zip(cpu["tokens"], offload["tokens"]):
+        if a != b:
+            break
+        same += 1
+    pc, po = _probs(cpu), _probs(offload)
+    worst = max(abs(x - y) for step in range(max(1, same)) for x, y in zip(pc[step], po[step]))
+    assert worst < 0.02, (same, worst)
+    print(f"cpu misses vs offload: {same} identical tokens, max |dp| {worst:.2e} before divergence; "
+          f"{on_cpu:.0f} of {misses:.0f} misses on the CPU, hit rate {hits / lookups:.3f}")
