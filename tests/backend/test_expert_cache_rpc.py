@@ -6,8 +6,9 @@ expert cache puts its slot banks on that device as it does on a real GPU: the sc
 assigns slots (hits first, then the least recently used), uploads the missing experts into their slots and runs
 the expert matmuls from the bank. Both paths compute with the same CPU kernels, which give every output element
 from one dot product whatever the thread split, so the tokens and probabilities with the cache must equal those
-without it exactly, and the counters must add up. Speed is the device's to show (docs/benchmarks.md); this is the
-scheduler integration, in CI.
+without it exactly, and the counters must add up. The counters' hit rate must also be what the plan predicts from
+the model's routing profile. Speed is the device's to show (docs/benchmarks.md); this is the scheduler
+integration, in CI.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=30)
 
 
-def _run(server: str, rpc_server: str, model: Path, tmp: Path, name: str, extra: list[str]):
-    """One llama-server whose 'GPU' is a fresh ggml-rpc-server: a greedy completion and the /metrics values."""
+def _run(server: str, rpc_server: str, model: Path, tmp: Path, name: str, extra: list[str], sampling=None):
+    """One llama-server whose 'GPU' is a fresh ggml-rpc-server: a completion (greedy, or ``sampling``'s request
+    fields) and the /metrics values."""
     rpc_port, port = _port(), _port()
     rpc = _start([rpc_server, "-H", "127.0.0.1", "-p", str(rpc_port), "-t", "1"], tmp / f"{name}-rpc.log")
     proc = None
@@ -94,7 +96,7 @@ def _run(server: str, rpc_server: str, model: Path, tmp: Path, name: str, extra:
                        "-t", "1", *extra], tmp / f"{name}.log")
         _wait(lambda: _healthy(url), 300, "llama-server", tmp / f"{name}.log", proc)
         body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0, "n_probs": 4, "ignore_eos": True,
-                "cache_prompt": False, "return_tokens": True}
+                "cache_prompt": False, "return_tokens": True, **(sampling or {})}
         req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -206,3 +208,33 @@ def test_misses_computed_on_the_cpu_give_the_same_tokens_and_upload_less(setup, 
     print(f"cpu misses: {cpu:.0f} of {misses:.0f} misses ({lookups:.0f} lookups, {hits:.0f} hits); uploaded "
           f"{uploaded / 2**20:.1f} MiB against {uploads[1]['moe_cache_uploaded_bytes_total'] / 2**20:.1f} MiB "
           f"uploading every miss ({uploads[1]['moe_cache_hits_total']:.0f} hits)")
+
+
+@pytest.mark.parametrize("locality", [None, 0.0], ids=["default-locality", "no-locality"])
+def test_the_cache_hits_as_the_routing_profile_predicts(llama_server_path, rpc_server, tmp_path, locality):
+    """The plan predicts the cache's hit rate from the model's routing profile (a decode-order trace through
+    llama.cpp, orchestrator.model.routing). Here the cache's own counters, over a sampled generation, must agree
+    with that prediction within 5 points: about 0.9 with the default routing locality, about the slot fraction
+    (0.24) when every token routes independently."""
+    from orchestrator.model import routing
+    from orchestrator.model import routing_profile as R
+    from orchestrator.model.reader import read_gguf
+
+    res = synth.write_model(tmp_path / "demo.gguf", "qwen3-30b-a3b", scale=0.125, quant="q8_0", seed=11,
+                            locality=locality, fsync=False)
+    curve = R.profile(routing.trace(res.path, tokens=512, sample=1.0, seed=3, threads=2)).curve("lru-layer")
+    info = read_gguf(res.path)
+    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+    n_expert = experts[0].shape[-1]
+    expert_bytes = experts[0].nbytes // n_expert
+    mib = int(0.25 * n_expert) * expert_bytes * len(experts) // 2**20        # about a quarter of the experts
+    slots = mib * 2**20 // (expert_bytes * len(experts))
+    predicted = R.hit_rate(curve, slots / n_expert)
+    out, m, log = _run(llama_server_path, rpc_server, res.path, tmp_path, "sampled",
+                       ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4"],
+                       sampling={"n_predict": 384, "temperature": 1.0, "seed": 7, "n_probs": 0})
+    assert m.get("moe_cache_active") == 1 and m["moe_cache_slots"] == slots, log[-3000:]
+    assert len(set(out["tokens"])) > 300                                     # a stream that does not loop
+    measured = m["moe_cache_hits_total"] / m["moe_cache_lookups_total"]
+    assert measured == pytest.approx(predicted, abs=0.05), (slots, measured, predicted)
+    print(f"locality {locality}: {slots} of {n_expert} slots: hit rate {measured:.3f} measured, {predicted:.3f} predicted")
