@@ -30,3 +30,16 @@ def test_gateway_overhead_against_a_stand_in_upstream():
     assert res.returncode == 0, res.stderr
     assert "time to first token p50" in res.stdout and "gateway CPU per streamed chunk" in res.stdout
     assert "target p50 added <= 1 ms" in res.stdout
+
+
+@pytest.mark.integration
+def test_cache_miss_modes_counts_both_modes_on_the_rpc_device():
+    res = subprocess.run([sys.executable, str(REPO / "lab" / "bench" / "cache_miss_modes.py"), "--tokens", "24"],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = [ln for ln in res.stdout.splitlines() if "|" in ln][1:]
+    assert len(rows) == 6
+    for ln in rows:
+        upload, cpu = (tuple(float(x) for x in col.split(" / ")) for col in ln.split("|")[1:])
+        assert upload[1] == 0 and sum(upload) == pytest.approx(1, abs=2e-3)       # no CPU misses asked for
+        assert sum(cpu) == pytest.approx(1, abs=2e-3) and cpu[2] <= upload[2]     # fewer uploads
