@@ -272,8 +272,9 @@ class WorkersConfig(Section):
     into a slot over PCIe, as upstream llama.cpp's cache does), cpu (`--moe-cache-cpu-misses`: an expert not
     used recently enough to stay in a cache of this size is computed on the CPU from host memory while the GPU
     computes the cached ones; one used again soon enough is uploaded), or auto (whichever the plan predicts
-    faster from the host-memory and PCIe bandwidths). upload by default: the CPU path's cost per layer on a GPU
-    is an estimate until it is measured there."""
+    faster from the host-memory and PCIe bandwidths and the shares the model's routing profile replays; without
+    a profile, upload). upload by default: the CPU path's cost per layer on a GPU is an estimate until it is
+    measured there."""
 
     warmup: Bool = False
     """Before `up` starts the workers: drop the page cache (needs root; otherwise it is kept, with a note) and

@@ -398,7 +398,8 @@ def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os
     path = profile_path(model, cache)
     if not refresh:
         old = load_profile(model, cache)
-        if old is not None and old[1] == settings:
+        # a profile cached before the CPU-miss shares were replayed is measured again
+        if old is not None and old[1] == settings and old[0].cpu_misses is not None:
             return old[0], path, True
     tr = trace(model, tokens=tokens, prompts=prompts, sample=sample, seed=seed, threads=threads, tool=tool)
     start = f"text of {prompts.name}" if prompts is not None else "random token ids"

@@ -86,16 +86,44 @@ def trace_bytes(trace: Trace) -> bytes:
 
 
 @dataclass(frozen=True)
+class CpuMissRates:
+    """What the cache does with CPU-computed misses (``--moe-cache-cpu-misses``), per expert pick, against its
+    size as a fraction of the experts: the share found in a slot (``hits``) and the share uploaded because it was
+    used again within the cache's horizon (``uploads``); the rest is computed on the CPU. Simulated on a trace with
+    the patch's own rule (:func:`cpu_miss_rates`)."""
+
+    fractions: tuple[float, ...]
+    hits: tuple[float, ...]
+    uploads: tuple[float, ...]
+
+    def at(self, fraction: float) -> tuple[float, float]:
+        """(hits, uploads) at ``fraction``, linear between the simulated sizes, constant beyond the ends."""
+        f = float(fraction)
+        return (float(np.interp(f, self.fractions, self.hits)), float(np.interp(f, self.fractions, self.uploads)))
+
+    def to_json(self) -> dict:
+        return {"fractions": list(self.fractions), "hits": [round(h, 5) for h in self.hits],
+                "uploads": [round(u, 5) for u in self.uploads]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CpuMissRates":
+        return cls(tuple(float(x) for x in d["fractions"]), tuple(float(x) for x in d["hits"]),
+                   tuple(float(x) for x in d["uploads"]))
+
+
+@dataclass(frozen=True)
 class HitCurve:
     """Hit rate (0..1) of an expert cache against its size as a fraction of the host-resident experts.
 
     ``fractions`` ascend from 0; ``hits`` do not descend. ``source`` says where the numbers come from.
+    ``cpu_misses``: the same cache with CPU-computed misses, when the curve comes from a measured trace.
     """
 
     fractions: tuple[float, ...]
     hits: tuple[float, ...]
     source: str
     policy: str = "lru-layer"
+    cpu_misses: CpuMissRates | None = None
 
     def __post_init__(self):
         if len(self.fractions) != len(self.hits) or len(self.fractions) < 2:
@@ -107,12 +135,15 @@ class HitCurve:
 
     def to_json(self) -> dict:
         return {"policy": self.policy, "source": self.source, "fractions": list(self.fractions),
-                "hits": list(self.hits)}
+                "hits": list(self.hits),
+                **({"cpu_misses": self.cpu_misses.to_json()} if self.cpu_misses is not None else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "HitCurve":
+        cpu = d.get("cpu_misses")
         return cls(tuple(float(x) for x in d["fractions"]), tuple(float(x) for x in d["hits"]),
-                   str(d.get("source", "")), str(d.get("policy", "lru-layer")))
+                   str(d.get("source", "")), str(d.get("policy", "lru-layer")),
+                   CpuMissRates.from_json(cpu) if cpu else None)
 
 
 # Public measurements of Qwen3-30B-A3B decoding about 1k tokens of mixed text: an LRU holding 5% / 15% / 30% /
@@ -209,6 +240,56 @@ def _hits_by_slots(dist: np.ndarray, max_slots: int) -> np.ndarray:
     return cum[: max_slots + 1] / max(d.size, 1)
 
 
+CPU_MISS_FRACTIONS = (0.05, 0.10, 0.15, 0.20, 0.30, 0.40, 0.50, 0.75, 1.0)
+
+
+def cpu_miss_rates(trace: Trace, fractions: tuple[float, ...] = CPU_MISS_FRACTIONS) -> CpuMissRates:
+    """Replay ``trace`` through the patch's cache with CPU-computed misses, one bank per layer of
+    ``round(fraction * n_expert)`` slots: a pick in a slot is a hit; a pick missing from the slots is uploaded
+    (into the least recently used slot that the token does not use) when fewer than the slot count of distinct
+    experts were used since its own last use (an LRU of that size would hold it), else computed on the CPU.
+    A token's picks are used together. Returns the hit and upload shares of all picks at each size (0 and 0 where
+    a bank would hold fewer experts than one token picks: the cache does not serve that)."""
+    ids = trace.ids
+    t_n, nl, k = ids.shape
+    e_n = trace.n_expert
+    rows = np.arange(nl)[:, None]
+    hits_out, ups_out = [], []
+    for f in fractions:
+        slots = int(round(f * e_n))
+        if slots < k:                                  # a bank smaller than one token's picks serves nothing
+            hits_out.append(0.0)
+            ups_out.append(0.0)
+            continue
+        ghost = np.full((nl, e_n), -1, np.int64)      # last use of every expert, cached or not
+        stamp = np.full((nl, e_n), -1, np.int64)      # last use of the experts in slots; -1 = not in a slot
+        filled = np.zeros(nl, np.int64)
+        hits = ups = 0
+        for t in range(t_n):
+            picks = ids[t]
+            cached = stamp[rows, picks] >= 0
+            g = ghost[rows, picks]
+            recency = (ghost[:, None, :] > g[:, :, None]).sum(-1)
+            admit = ~cached & (g >= 0) & (recency < slots)
+            hits += int(cached.sum())
+            ups += int(admit.sum())
+            stamp[rows, picks] = np.where(cached, t, stamp[rows, picks])
+            for li in np.flatnonzero(admit.any(1)):
+                for e in picks[li][admit[li]]:
+                    if filled[li] < slots:
+                        filled[li] += 1
+                    else:
+                        row = stamp[li]
+                        older = np.flatnonzero((row >= 0) & (row < t))
+                        row[older[np.argmin(row[older])]] = -1
+                    stamp[li, e] = t
+            ghost[rows, picks] = t
+        n = max(1, t_n * nl * k)
+        hits_out.append(hits / n)
+        ups_out.append(ups / n)
+    return CpuMissRates(tuple(float(f) for f in fractions), tuple(hits_out), tuple(ups_out))
+
+
 @dataclass(frozen=True)
 class LayerStats:
     layer: int
@@ -228,6 +309,7 @@ class RoutingProfile:
     layers: tuple[LayerStats, ...]
     global_hits: tuple[float, ...]   # global LRU hit rate with s * n_layers slots, s = 0..n_expert
     source: str
+    cpu_misses: CpuMissRates | None = None   # per-layer banks with CPU-computed misses (None: not simulated)
 
     def fractions(self) -> tuple[float, ...]:
         return tuple(s / self.n_expert for s in range(self.n_expert + 1))
@@ -240,7 +322,8 @@ class RoutingProfile:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
         hits = self.layer_total() if policy == "lru-layer" else self.global_hits
-        return HitCurve(self.fractions(), tuple(float(h) for h in hits), self.source, policy)
+        return HitCurve(self.fractions(), tuple(float(h) for h in hits), self.source, policy,
+                        self.cpu_misses if policy == "lru-layer" else None)
 
     def to_json(self) -> dict:
         return {
@@ -251,6 +334,7 @@ class RoutingProfile:
                         "experts_for_90": ls.experts_for_90,
                         "distinct": [[w, round(v, 3)] for w, v in ls.distinct],
                         "consecutive_overlap": round(ls.consecutive_overlap, 5)} for ls in self.layers],
+            **({"cpu_misses": self.cpu_misses.to_json()} if self.cpu_misses is not None else {}),
         }
 
     @classmethod
@@ -259,7 +343,9 @@ class RoutingProfile:
                                   tuple((int(w), float(v)) for w, v in x["distinct"]),
                                   float(x["consecutive_overlap"])) for x in d["layers"])
         glob = tuple(float(h) for h in d["curves"]["lru-global"]["hits"])
-        return cls(int(d["n_expert"]), int(d["n_expert_used"]), int(d["n_tokens"]), layers, glob, str(d["source"]))
+        cpu = CpuMissRates.from_json(d["cpu_misses"]) if d.get("cpu_misses") else None
+        return cls(int(d["n_expert"]), int(d["n_expert_used"]), int(d["n_tokens"]), layers, glob, str(d["source"]),
+                   cpu)
 
 
 WINDOWS = (8, 32, 128, 512)
@@ -291,7 +377,7 @@ def profile(trace: Trace, source: str = "measured") -> RoutingProfile:
             overlap = 0.0
         stats.append(LayerStats(layer, tuple(float(h) for h in _hits_by_slots(d_layer[:, li, :], e_n)), cover,
                                 tuple(distinct), overlap))
-    return RoutingProfile(e_n, k, t_n, tuple(stats), global_hits, source)
+    return RoutingProfile(e_n, k, t_n, tuple(stats), global_hits, source, cpu_miss_rates(trace))
 
 
 def format_profile(p: RoutingProfile, points: tuple[float, ...] = (0.05, 0.10, 0.15, 0.30, 0.50)) -> str:
@@ -303,6 +389,12 @@ def format_profile(p: RoutingProfile, points: tuple[float, ...] = (0.05, 0.10, 0
              f"  {'size':>6} {'slots/layer':>11} {'per-layer LRU':>13} {'global LRU':>10}"]
     for f in points:
         lines.append(f"  {f:>6.0%} {f * p.n_expert:>11.1f} {hit_rate(lay, f):>13.1%} {hit_rate(glob, f):>10.1%}")
+    if p.cpu_misses is not None:
+        lines.append("with CPU-computed misses (--moe-cache-cpu-misses), hits / uploaded / on the CPU:")
+        for f in points:
+            h, u = p.cpu_misses.at(f)
+            if round(f * p.n_expert) >= p.n_expert_used:
+                lines.append(f"  {f:>6.0%} {h:>7.1%} / {u:.1%} / {max(0.0, 1 - h - u):.1%}")
     lines.append(f"  {'layer':>6} " + " ".join(f"{f:>6.0%}" for f in points)
                  + f" {'90% cover':>9} {'overlap':>7}")
     for ls in p.layers:

@@ -10,10 +10,15 @@ experts' time per generated token is predicted from the routing profile's hit-ra
     t = GPU-resident expert bytes / GPU bw                          (k layers, n_expert_used experts each)
       + cache hits / GPU bw                                         (host layers' picks found in the cache)
       + misses / PCIe bw + misses / GPU bw        (miss mode "upload": copied into a slot, then read)
-        or misses / host bw                       (miss mode "cpu": computed on the CPU where they lie)
+        or CPU misses / host bw                   (miss mode "cpu": computed on the CPU where they lie)
+           + re-used misses / PCIe bw + re-used misses / GPU bw     (uploaded: used again within the horizon)
       + host layers x cache_layer_overhead_s + cache_fixed_s        (the cache path's costs beyond the bytes)
-      + host layers x P(a token misses in the layer) x host_layer_overhead_s   (miss mode "cpu": the hop
-                                                  GPU -> CPU -> GPU of the no-cache path, where a miss needs it)
+      + host layers x P(a token has a CPU miss in the layer) x host_layer_overhead_s   (miss mode "cpu": the
+                                                  hop GPU -> CPU -> GPU of the no-cache path, where it is needed)
+
+In miss mode "cpu" the hit, upload and CPU shares come from the curve's ``cpu_misses`` (the patch's rule
+replayed on the measured trace); a curve without them (the default curve) leaves the mode to a user who asks
+for it, and then every miss is taken as computed on the CPU.
 
 and, without a cache, t = GPU-resident bytes / GPU bw + every host layer's picks / host bw + host layers x
 host_layer_overhead_s (the CPU computes them; the hop GPU -> CPU -> GPU). The bandwidths are the effective ones
@@ -194,10 +199,16 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
         t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw + fixed
         host_read, pcie = 0.0, misses
     else:
-        # a layer needs the CPU (and its hop) only for a token with a miss among its picks
-        p_miss = 1.0 - hit ** inp.n_expert_used
-        t = (gpu_resident + hits) / inp.gpu_bw + misses / inp.host_bw + fixed + h * p_miss * inp.host_layer_overhead_s
-        host_read, pcie = misses, 0.0
+        up = 0.0                                   # without the replayed shares: every miss on the CPU
+        if inp.curve.cpu_misses is not None:
+            hit, up = inp.curve.cpu_misses.at(fraction)
+        hits, uploads = hit * host_picks, up * host_picks
+        on_cpu = max(0.0, host_picks - hits - uploads)
+        # a layer needs the CPU (and its hop) only for a token with a CPU miss among its picks
+        p_cpu = 1.0 - (1.0 - on_cpu / host_picks) ** inp.n_expert_used if host_picks else 0.0
+        t = ((gpu_resident + hits + uploads) / inp.gpu_bw + uploads / inp.pcie_bw + on_cpu / inp.host_bw + fixed
+             + h * p_cpu * inp.host_layer_overhead_s)
+        host_read, pcie = on_cpu, uploads
     return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
                           host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)))
 
@@ -211,7 +222,9 @@ def candidates(inp: CacheInputs, cache_bytes: int | None = None,
     then the most whole layers of ``vram_free``."""
     free = max(0, int(inp.vram_free))
     k_max = min(inp.n_moe_layers, free // inp.layer_expert_bytes) if inp.layer_expert_bytes > 0 else 0
-    modes = tuple(m for m, ok in (("upload", inp.upload_misses or not inp.cpu_misses), ("cpu", inp.cpu_misses)) if ok)
+    # the CPU mode is weighed where its shares are known (a measured curve), or where the user asked for it
+    cpu = inp.cpu_misses and (inp.curve.cpu_misses is not None or not inp.upload_misses)
+    modes = tuple(m for m, ok in (("upload", inp.upload_misses or not cpu), ("cpu", cpu)) if ok)
     out = []
     expert = inp.layer_expert_bytes / inp.n_expert if inp.n_expert else 0
     if splits is not None:

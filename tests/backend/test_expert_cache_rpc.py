@@ -237,4 +237,14 @@ def test_the_cache_hits_as_the_routing_profile_predicts(llama_server_path, rpc_s
     assert len(set(out["tokens"])) > 300                                     # a stream that does not loop
     measured = m["moe_cache_hits_total"] / m["moe_cache_lookups_total"]
     assert measured == pytest.approx(predicted, abs=0.05), (slots, measured, predicted)
-    print(f"locality {locality}: {slots} of {n_expert} slots: hit rate {measured:.3f} measured, {predicted:.3f} predicted")
+    # with CPU-computed misses: the hits and the re-used misses uploaded, as the patch's rule replayed on the trace
+    _o, c, log = _run(llama_server_path, rpc_server, res.path, tmp_path, "sampled-cpu",
+                      ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"],
+                      sampling={"n_predict": 384, "temperature": 1.0, "seed": 7, "n_probs": 0})
+    n = c["moe_cache_lookups_total"]
+    cpu_hit, cpu_up = c["moe_cache_hits_total"] / n, (c["moe_cache_misses_total"] - c["moe_cache_cpu_misses_total"]) / n
+    want_hit, want_up = curve.cpu_misses.at(slots / n_expert)
+    assert cpu_hit == pytest.approx(want_hit, abs=0.05) and cpu_up == pytest.approx(want_up, abs=0.05), \
+        (cpu_hit, want_hit, cpu_up, want_up)
+    print(f"locality {locality}: {slots} of {n_expert} slots: hit rate {measured:.3f} measured, {predicted:.3f} "
+          f"predicted; CPU misses: hits {cpu_hit:.3f} / {want_hit:.3f}, uploads {cpu_up:.3f} / {want_up:.3f}")

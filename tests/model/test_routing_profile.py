@@ -122,5 +122,26 @@ def test_profile_json_round_trip_and_text():
     q = R.RoutingProfile.from_json(p.to_json())
     assert q.curve("lru-global") == p.curve("lru-global")
     assert q.curve("lru-layer").hits == pytest.approx(p.curve("lru-layer").hits, abs=1e-5)
+    assert p.cpu_misses is not None and q.cpu_misses.fractions == p.cpu_misses.fractions
+    assert q.cpu_misses.hits == pytest.approx(p.cpu_misses.hits, abs=1e-5)
+    assert q.cpu_misses.uploads == pytest.approx(p.cpu_misses.uploads, abs=1e-5)
+    assert q.curve("lru-layer").cpu_misses == q.cpu_misses and q.curve("lru-global").cpu_misses is None
     text = R.format_profile(p)
-    assert "per-layer LRU" in text and len(text.splitlines()) == 3 + 5 + 1 + 3
+    # (the CPU-miss lines: a header and the sizes whose bank holds one token's 3 picks: 30% and 50% of 16)
+    assert "per-layer LRU" in text and len(text.splitlines()) == 3 + 5 + 3 + 1 + 3
+    assert "with CPU-computed misses" in text
+
+
+def test_cpu_miss_rates_replay_the_patch_rule():
+    """One layer, 8 experts, 2 picks per token, 4 slots. A first use is computed on the CPU; a miss is uploaded
+    when fewer than 4 other experts were used since its own last use; a cached expert is a hit."""
+    ids = np.array([[0, 1], [2, 3], [0, 1], [4, 5], [0, 1], [2, 3]], np.int32)[:, None, :]
+    r = R.cpu_miss_rates(_trace(ids, 8), fractions=(0.5,))
+    # t0, t1, t3: first uses (CPU); t2: 0 and 1 seen 2 experts ago -> uploaded; t4: hits; t5: 2 and 3 were
+    # last used 4 experts ago (0, 1, 4, 5) -> CPU
+    assert r.hits == (2 / 12,) and r.uploads == (2 / 12,)
+    assert R.cpu_miss_rates(_trace(ids, 8), fractions=(0.125,)).hits == (0.0,)   # 1 slot < 2 picks: no cache
+    # more slots: t5's 2 and 3 are within reach and uploaded
+    assert R.cpu_miss_rates(_trace(ids, 8), fractions=(0.625,)).uploads == (4 / 12,)
+    assert r.at(0.2) == (2 / 12, 2 / 12)
+    assert R.CpuMissRates.from_json(r.to_json()).at(0.5) == pytest.approx(r.at(0.5), abs=1e-5)

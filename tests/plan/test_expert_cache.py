@@ -63,12 +63,38 @@ def test_fast_link_and_local_routing_choose_a_cache():
     assert js["chosen"]["bytes_per_token"]["host_memory"] + js["chosen"]["bytes_per_token"]["pcie"] > 0
 
 
-def test_cpu_misses_are_used_when_the_cpu_reads_faster_than_the_link():
-    fast_host = X.plan_expert_cache(_inputs(host_bw=100e9, pcie_bw=40e9)).chosen
-    assert fast_host.miss_mode == "cpu" and fast_host.pcie_bytes == 0
-    no_cpu = X.plan_expert_cache(_inputs(host_bw=100e9, pcie_bw=40e9, cpu_misses=False)).chosen
-    assert no_cpu.miss_mode == "upload"
-    assert no_cpu.tokens_per_s <= fast_host.tokens_per_s
+def _measured_curve(name: str = "default") -> HitCurve:
+    """The per-layer curve of a recorded trace, with its CPU-miss shares (the patch's rule replayed)."""
+    from pathlib import Path
+
+    from orchestrator.model.routing_profile import parse_trace, profile
+
+    trace = Path(__file__).resolve().parents[1] / "fixtures" / "routing" / f"demo-locality-{name}.trace"
+    return profile(parse_trace(trace.read_bytes()), f"recorded {name}").curve("lru-layer")
+
+
+def test_cpu_misses_are_weighed_with_their_replayed_shares():
+    curve = _measured_curve()
+    fast_host = X.plan_expert_cache(_inputs(curve=curve, host_bw=100e9, pcie_bw=10e9)).chosen
+    assert fast_host.miss_mode == "cpu"
+    hit, up = curve.cpu_misses.at(fast_host.fraction)
+    host = fast_host.host_layers * 8 * LAYER / 128
+    assert fast_host.hit_rate == pytest.approx(hit)
+    assert fast_host.pcie_bytes == pytest.approx(up * host) and fast_host.pcie_bytes > 0    # reused misses
+    assert fast_host.host_read_bytes == pytest.approx((1 - hit - up) * host)
+    no_cpu = X.plan_expert_cache(_inputs(curve=curve, host_bw=100e9, pcie_bw=10e9, cpu_misses=False)).chosen
+    assert no_cpu.miss_mode in ("upload", "none")                 # on this link uploads may not pay at all
+    assert no_cpu.tokens_per_s < fast_host.tokens_per_s
+    # a fast link: uploading every miss wins
+    assert X.plan_expert_cache(_inputs(curve=curve, host_bw=50e9, pcie_bw=50e9)).chosen.miss_mode == "upload"
+
+
+def test_without_replayed_shares_the_cpu_mode_is_only_taken_when_asked_for():
+    assert DEFAULT_CURVE.cpu_misses is None
+    auto = X.plan_expert_cache(_inputs(host_bw=100e9, pcie_bw=10e9)).chosen
+    assert auto.miss_mode in ("upload", "none")
+    asked = X.plan_expert_cache(_inputs(host_bw=100e9, pcie_bw=10e9, upload_misses=False)).chosen
+    assert asked.miss_mode == "cpu" and asked.pcie_bytes == 0      # taken as: every miss on the CPU
 
 
 def test_no_cache_where_it_is_predicted_to_lose():

@@ -262,7 +262,10 @@ def test_misses_on_the_cpu_when_asked_for_and_when_predicted_faster(models, h200
     cpu = _plan_with(models, h200, 12, curve, both, expert_cache_misses="cpu")
     assert cpu.expert_cache.use_cache and cpu.expert_cache.chosen.miss_mode == "cpu"
     assert cpu.settings.moe_cache_cpu_misses and "--moe-cache-cpu-misses" in cpu.args
-    assert cpu.expert_cache.chosen.pcie_bytes == 0 and cpu.expert_cache.chosen.host_read_bytes > 0
+    chosen = cpu.expert_cache.chosen                         # the shares replayed on the recorded trace
+    hit, up = curve.cpu_misses.at(chosen.fraction)
+    assert chosen.hit_rate == pytest.approx(hit) and chosen.host_read_bytes > 0
+    assert chosen.pcie_bytes == pytest.approx(up / hit * chosen.cache_hit_bytes)     # the re-used misses
     # a binary without the option: uploads, and the plan says why
     older = _plan_with(models, h200, 12, curve, cached, expert_cache_misses="cpu")
     assert older.expert_cache.chosen.miss_mode == "upload" and "--moe-cache-cpu-misses" not in older.args
