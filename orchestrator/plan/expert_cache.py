@@ -143,7 +143,7 @@ class CachePlan:
             lines.append(f"  {c.gpu_layers} expert layers on the GPU, {c.host_layers} in host memory; cache "
                          f"{c.cache_mib} MiB = {c.slots_per_layer} experts per layer = {c.fraction:.1%} of the "
                          f"host-resident ones "
-                         f"-> predicted hit rate {c.hit_rate:.1%}; misses {c.miss_mode}")
+                         f"-> predicted hit rate {c.hit_rate:.1%}; " + _misses_text(c))
         else:
             lines.append(f"  {c.gpu_layers} expert layers on the GPU, {c.host_layers} in host memory; no cache")
         lines.append(f"  per token: {c.gpu_resident_bytes / gb:.3f} GB GPU-resident experts + "
@@ -176,6 +176,16 @@ class CachePlan:
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
                 "candidates": [cand(c) for c in self.candidates],
                 **({"per_gpu": [g.to_json() for g in self.per_gpu]} if self.per_gpu else {})}
+
+
+def _misses_text(c: CacheCandidate) -> str:
+    if c.miss_mode != "cpu":
+        return "misses uploaded"
+    picks = c.cache_hit_bytes + c.host_read_bytes + c.pcie_bytes
+    if not picks:
+        return "misses on the CPU"
+    return (f"misses: {c.host_read_bytes / picks:.1%} of the picks on the CPU, {c.pcie_bytes / picks:.1%} uploaded "
+            f"(used again within the cache's horizon; --moe-cache-cpu-misses)")
 
 
 def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCandidate:
