@@ -240,7 +240,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
       orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" > "$O/plan-${b}g.txt" 2>&1
       orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" --json > "$O/plan-${b}g.json" 2>&1
       cfg=plan,fit-pinned,cache-grid; [ "$b" = 12 ] && cfg=$cfg,control
-      local V=()     # the plan's placement and cache with a single token's rarely used experts on the CPU
+      local V=()     # the plan's placement and cache with rarely used experts on the CPU
       grep -q -- '--moe-cache-mib' "$O/plan-${b}g.json" && \
         V=(--config "$(python3 lab/device/plan-config.py plan-cpu-misses "$O/plan-${b}g.json" --add=--moe-cache-cpu-misses)")
       timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs "$cfg" "${V[@]}" \

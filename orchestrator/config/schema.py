@@ -268,7 +268,7 @@ class WorkersConfig(Section):
     without one), the measured PCIe bandwidth and the objective, and keeps no cache where it would lose."""
 
     expert_cache_misses: Choice(AUTO, "upload", "cpu") = "upload"
-    """What the expert cache does with an expert a single token needs that is not in its slots: upload (copy it
+    """What the expert cache does with an expert a batch needs that is not in its slots: upload (copy it
     into a slot over PCIe, as upstream llama.cpp's cache does), cpu (`--moe-cache-cpu-misses`: an expert not
     used recently enough to stay in a cache of this size is computed on the CPU from host memory while the GPU
     computes the cached ones; one used again soon enough is uploaded), or auto (whichever the plan predicts

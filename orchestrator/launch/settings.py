@@ -41,7 +41,7 @@ class WorkerSettings:
     moe_cache_mib: int = 0                     # VRAM for the expert cache (--moe-cache-mib); 0 = off
     moe_cache_max_batch: int | None = None     # largest batch the cache serves (--moe-cache-max-batch); None =
                                                # llama-server's default (8)
-    moe_cache_cpu_misses: bool = False         # a single token's rarely used experts are computed on the CPU,
+    moe_cache_cpu_misses: bool = False         # rarely used experts are computed on the CPU,
                                                # not uploaded (--moe-cache-cpu-misses)
     load_mode: str = "mmap"                    # one of LOAD_MODES
     # CPU side

@@ -152,7 +152,7 @@ def test_cache_gives_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_p
 
 
 def test_misses_computed_on_the_cpu_agree_with_the_gpu_path(model, tmp_path):
-    """--moe-cache-cpu-misses on a real GPU: a single token's rarely used experts are computed by the CPU kernels
+    """--moe-cache-cpu-misses on a real GPU: rarely used experts are computed by the CPU kernels
     and written over the GPU's rows. Other kernels for those rows: the probabilities agree within the backends'
     usual tolerance until the first greedy divergence; fewer bytes are uploaded than misses."""
     server = _server_path()

@@ -248,3 +248,19 @@ def test_the_cache_hits_as_the_routing_profile_predicts(llama_server_path, rpc_s
         (cpu_hit, want_hit, cpu_up, want_up)
     print(f"locality {locality}: {slots} of {n_expert} slots: hit rate {measured:.3f} measured, {predicted:.3f} "
           f"predicted; CPU misses: hits {cpu_hit:.3f} / {want_hit:.3f}, uploads {cpu_up:.3f} / {want_up:.3f}")
+
+
+def test_cpu_misses_in_a_batch_of_several_tokens(setup, llama_server_path, rpc_server, tmp_path):
+    """A 3-token prompt is one batch within the cache's 4: it runs through the cache with an empty cache, so
+    every expert it picks is a first use, computed on the CPU, row by row of each token. Then decode. The same
+    tokens and probabilities as without the cache."""
+    prompt = {"prompt": PROMPT[:3]}
+    plain, _m, _l = _run(llama_server_path, rpc_server, setup.model, tmp_path, "plain3", [], sampling=prompt)
+    out, m, log = _run(llama_server_path, rpc_server, setup.model, tmp_path, "cpu3",
+                       ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"],
+                       sampling=prompt)
+    assert m.get("moe_cache_active") == 1, log[-3000:]
+    assert out["tokens"] == plain["tokens"] and _probs(out) == _probs(plain)
+    # the prompt's lookups too: its distinct experts per tensor, beyond one token's
+    assert m["moe_cache_lookups_total"] > N_PREDICT * setup.n_used * setup.n_tensors
+    assert m["moe_cache_cpu_misses_total"] > 0
