@@ -2,7 +2,7 @@
 """The expert cache's two miss modes, by their own counters, without a GPU.
 
 A llama-server whose "GPU" is a ggml-rpc-server on 127.0.0.1 (the CPU backend behind ggml's RPC device; see
-tests/backend/test_expert_cache_rpc.py) runs a generated Qwen3-30B-A3B-shaped model (scale 0.125, q8_0, every
+tests/backend/expert_cache_support.py) runs a generated Qwen3-30B-A3B-shaped model (scale 0.125, q8_0, every
 routed expert in host memory) with a cache of 15% and 30% of the experts, at routing locality 0, default and
 high, once uploading every miss and once with --moe-cache-cpu-misses. Each run samples 384 tokens (temperature 1,
 seed 7: a stream that does not loop) and prints, per expert lookup, the hits, the misses computed on the CPU and
@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("--server", help="llama-server built with the patch series and ggml-rpc-server beside it")
     a = ap.parse_args()
 
-    import test_expert_cache_rpc as harness
+    from expert_cache_support import one_completion
 
     from orchestrator.backend.detect import find_llama_server
     from orchestrator.model import synth
@@ -51,9 +51,9 @@ def main() -> int:
                 mib = int(frac * n_expert) * expert_bytes * len(experts) // 2**20
                 cols, slots = [], 0
                 for mode in ([], ["--moe-cache-cpu-misses"]):
-                    _out, m, _log = harness._run(server, rpc, res.path, tmp, "run", ["--moe-cache-mib", str(mib)] + mode,
-                                                 sampling={"n_predict": a.tokens, "temperature": 1.0, "seed": 7,
-                                                           "n_probs": 0})
+                    _out, m, _log = one_completion(
+                        server, rpc, res.path, tmp, "run", ["--moe-cache-mib", str(mib)] + mode,
+                        sampling={"n_predict": a.tokens, "temperature": 1.0, "seed": 7, "n_probs": 0})
                     n = m["moe_cache_lookups_total"]
                     cpu = m.get("moe_cache_cpu_misses_total", 0.0)
                     cols.append(f"{m['moe_cache_hits_total'] / n:.3f} / {cpu / n:.3f} / "

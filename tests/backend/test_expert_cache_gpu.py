@@ -17,7 +17,6 @@ Three servers, all with every routed expert in host memory (`-ngl 999 --cpu-moe`
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.model import synth
+from tests.backend.expert_cache_support import agreement, probs
 
 pytestmark = pytest.mark.gpu
 
@@ -86,16 +86,6 @@ def _run(server: str, model: Path, log: Path, extra: list[str], env: dict[str, s
     return out, metrics, log.read_text()
 
 
-def _probs(out: dict) -> list[list[float]]:
-    """The top probabilities of every generated step (llama-server names them by version and options)."""
-    steps = []
-    for step in out["completion_probabilities"]:
-        top = step.get("top_logprobs") or step.get("top_probs") or step.get("probs") or []
-        steps.append([math.exp(p["logprob"]) if "logprob" in p else p["prob"] for p in top])
-    assert steps and all(steps), f"no probabilities in {list(out)}"
-    return steps
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("w1") / "w1-small.gguf"
@@ -127,7 +117,7 @@ def test_cache_gives_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_p
 
     # exactly the GPU path without the cache
     assert cache["tokens"] == offload["tokens"]
-    assert _probs(cache) == _probs(offload)
+    assert probs(cache) == probs(offload)
 
     # counters: every decode step looks up 8 experts in each of the tensors; the misses upload whole experts
     lookups, hits, misses = m_cache["moe_cache_lookups_total"], m_cache["moe_cache_hits_total"], m_cache["moe_cache_misses_total"]
@@ -139,13 +129,7 @@ def test_cache_gives_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_p
     assert m_cache["moe_cache_uploaded_bytes_total"] == pytest.approx(misses * expert_bytes, rel=1e-5)
 
     # the CPU computes the experts with other kernels: the same distribution within tolerance until greedy diverges
-    same = 0
-    for a, b in zip(cache["tokens"], cpu["tokens"]):
-        if a != b:
-            break
-        same += 1
-    pc, pu = _probs(cache), _probs(cpu)
-    worst = max(abs(x - y) for step in range(max(1, same)) for x, y in zip(pc[step], pu[step]))
+    same, worst = agreement(cache, cpu)
     assert worst < 0.02, (same, worst)
     print(f"cache vs offload: {len(cache['tokens'])} identical tokens; cache vs cpu: {same} identical tokens, "
           f"max |dp| {worst:.2e} before divergence; hit rate {hits / lookups:.3f}")
@@ -171,13 +155,7 @@ def test_misses_computed_on_the_cpu_agree_with_the_gpu_path(model, tmp_path):
                                      m["moe_cache_misses_total"], m["moe_cache_cpu_misses_total"])
     assert lookups == hits + misses and 0 < on_cpu < misses and hits > 0
     assert m["moe_cache_uploaded_bytes_total"] == pytest.approx((misses - on_cpu) * expert_bytes, rel=1e-5)
-    same = 0
-    for a, b in zip(cpu["tokens"], offload["tokens"]):
-        if a != b:
-            break
-        same += 1
-    pc, po = _probs(cpu), _probs(offload)
-    worst = max(abs(x - y) for step in range(max(1, same)) for x, y in zip(pc[step], po[step]))
+    same, worst = agreement(cpu, offload)
     assert worst < 0.02, (same, worst)
     print(f"cpu misses vs offload: {same} identical tokens, max |dp| {worst:.2e} before divergence; "
           f"{on_cpu:.0f} of {misses:.0f} misses on the CPU, hit rate {hits / lookups:.3f}")

@@ -13,110 +13,18 @@ integration, in CI.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
-import signal
-import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from orchestrator.model import synth
+from tests.backend.expert_cache_support import N_PREDICT, PROMPT, one_completion, probs
 
 pytestmark = pytest.mark.integration
 
-N_PREDICT = 48
-PROMPT = [785, 374, 138, 838, 342, 916, 279, 156, 556, 13, 576, 397, 876, 388, 208, 96]
 SLOTS = 24              # of the model's 128 experts per tensor: decoding evicts all the time
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(cond, timeout: float, what: str, log: Path, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert proc.poll() is None, f"{what} exited:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"{what} not ready after {timeout:.0f}s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.1)
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _start(argv: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as lf:
-        return subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
-def _run(server: str, rpc_server: str, model: Path, tmp: Path, name: str, extra: list[str], sampling=None):
-    """One llama-server whose 'GPU' is a fresh ggml-rpc-server: a completion (greedy, or ``sampling``'s request
-    fields) and the /metrics values."""
-    rpc_port, port = _port(), _port()
-    rpc = _start([rpc_server, "-H", "127.0.0.1", "-p", str(rpc_port), "-t", "1"], tmp / f"{name}-rpc.log")
-    proc = None
-    try:
-        _wait(lambda: _listening(rpc_port), 60, "ggml-rpc-server", tmp / f"{name}-rpc.log", rpc)
-        url = f"http://127.0.0.1:{port}"
-        proc = _start([server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
-                       "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "999", "--cpu-moe", "--no-repack", "--metrics", "--no-warmup",
-                       "-t", "1", *extra], tmp / f"{name}.log")
-        _wait(lambda: _healthy(url), 300, "llama-server", tmp / f"{name}.log", proc)
-        body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0, "n_probs": 4, "ignore_eos": True,
-                "cache_prompt": False, "return_tokens": True, **(sampling or {})}
-        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            metrics = {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
-    finally:
-        if proc is not None:
-            _stop(proc)
-        _stop(rpc)
-    return out, metrics, (tmp / f"{name}.log").read_text()
-
-
-def _probs(out: dict) -> list[list[float]]:
-    steps = []
-    for step in out["completion_probabilities"]:
-        top = step.get("top_logprobs") or step.get("top_probs") or step.get("probs") or []
-        steps.append([math.exp(p["logprob"]) if "logprob" in p else p["prob"] for p in top])
-    assert steps and all(steps), f"no probabilities in {list(out)}"
-    return steps
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +62,8 @@ def setup(tmp_path_factory) -> Setup:
 @pytest.fixture(scope="module")
 def plain(setup, llama_server_path, rpc_server, tmp_path_factory):
     """The same server without the cache: the experts are computed on the CPU from host memory."""
-    out, metrics, _ = _run(llama_server_path, rpc_server, setup.model, tmp_path_factory.mktemp("plain"), "plain", [])
+    out, metrics, _ = one_completion(llama_server_path, rpc_server, setup.model, tmp_path_factory.mktemp("plain"),
+                                     "plain", [])
     assert not metrics.get("moe_cache_active")             # (no cache asked: no cache lines)
     return out
 
@@ -162,8 +71,8 @@ def plain(setup, llama_server_path, rpc_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def uploads(setup, llama_server_path, rpc_server, tmp_path_factory):
     """The cache as upstream has it: every miss is uploaded."""
-    return _run(llama_server_path, rpc_server, setup.model, tmp_path_factory.mktemp("cache"), "cache",
-                ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4"])
+    return one_completion(llama_server_path, rpc_server, setup.model, tmp_path_factory.mktemp("cache"), "cache",
+                          ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4"])
 
 
 def test_cache_on_an_rpc_device_gives_the_tokens_and_probabilities_of_no_cache(setup, plain, uploads):
@@ -173,7 +82,7 @@ def test_cache_on_an_rpc_device_gives_the_tokens_and_probabilities_of_no_cache(s
 
     assert len(cache["tokens"]) == N_PREDICT
     assert cache["tokens"] == plain["tokens"]
-    assert _probs(cache) == _probs(plain)
+    assert probs(cache) == probs(plain)
 
     # every decode step looks up the token's experts in each tensor (the 16-token prompt is above the cache's
     # batches and takes the usual path); each miss uploads one whole expert
@@ -190,12 +99,12 @@ def test_misses_computed_on_the_cpu_give_the_same_tokens_and_upload_less(setup, 
     """--moe-cache-cpu-misses: an expert missing from the slots that was not used recently enough to stay in an
     LRU of the slots' size is computed on the CPU (its row written over the device's), not uploaded. The CPU's
     rows come from llama.cpp's own CPU kernel: the tokens and probabilities stay exactly those without a cache."""
-    out, m, log = _run(llama_server_path, rpc_server, setup.model, tmp_path, "cpu-misses",
-                       ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"])
+    flags = ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"]
+    out, m, log = one_completion(llama_server_path, rpc_server, setup.model, tmp_path, "cpu-misses", flags)
     assert m.get("moe_cache_active") == 1, log[-3000:]
 
     assert out["tokens"] == plain["tokens"]
-    assert _probs(out) == _probs(plain)
+    assert probs(out) == probs(plain)
 
     lookups, hits, misses, cpu = (m["moe_cache_lookups_total"], m["moe_cache_hits_total"],
                                   m["moe_cache_misses_total"], m["moe_cache_cpu_misses_total"])
@@ -230,17 +139,17 @@ def test_the_cache_hits_as_the_routing_profile_predicts(llama_server_path, rpc_s
     mib = int(0.25 * n_expert) * expert_bytes * len(experts) // 2**20        # about a quarter of the experts
     slots = mib * 2**20 // (expert_bytes * len(experts))
     predicted = R.hit_rate(curve, slots / n_expert)
-    out, m, log = _run(llama_server_path, rpc_server, res.path, tmp_path, "sampled",
-                       ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4"],
-                       sampling={"n_predict": 384, "temperature": 1.0, "seed": 7, "n_probs": 0})
+    out, m, log = one_completion(llama_server_path, rpc_server, res.path, tmp_path, "sampled",
+                                 ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4"],
+                                 sampling={"n_predict": 384, "temperature": 1.0, "seed": 7, "n_probs": 0})
     assert m.get("moe_cache_active") == 1 and m["moe_cache_slots"] == slots, log[-3000:]
     assert len(set(out["tokens"])) > 300                                     # a stream that does not loop
     measured = m["moe_cache_hits_total"] / m["moe_cache_lookups_total"]
     assert measured == pytest.approx(predicted, abs=0.05), (slots, measured, predicted)
     # with CPU-computed misses: the hits and the re-used misses uploaded, as the patch's rule replayed on the trace
-    _o, c, log = _run(llama_server_path, rpc_server, res.path, tmp_path, "sampled-cpu",
-                      ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"],
-                      sampling={"n_predict": 384, "temperature": 1.0, "seed": 7, "n_probs": 0})
+    _o, c, log = one_completion(llama_server_path, rpc_server, res.path, tmp_path, "sampled-cpu",
+                                ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"],
+                                sampling={"n_predict": 384, "temperature": 1.0, "seed": 7, "n_probs": 0})
     n = c["moe_cache_lookups_total"]
     cpu_hit, cpu_up = c["moe_cache_hits_total"] / n, (c["moe_cache_misses_total"] - c["moe_cache_cpu_misses_total"]) / n
     want_hit, want_up = curve.cpu_misses.at(slots / n_expert)
@@ -255,12 +164,11 @@ def test_cpu_misses_in_a_batch_of_several_tokens(setup, llama_server_path, rpc_s
     every expert it picks is a first use, computed on the CPU, row by row of each token. Then decode. The same
     tokens and probabilities as without the cache."""
     prompt = {"prompt": PROMPT[:3]}
-    plain, _m, _l = _run(llama_server_path, rpc_server, setup.model, tmp_path, "plain3", [], sampling=prompt)
-    out, m, log = _run(llama_server_path, rpc_server, setup.model, tmp_path, "cpu3",
-                       ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"],
-                       sampling=prompt)
+    plain, _m, _l = one_completion(llama_server_path, rpc_server, setup.model, tmp_path, "plain3", [], sampling=prompt)
+    flags = ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"]
+    out, m, log = one_completion(llama_server_path, rpc_server, setup.model, tmp_path, "cpu3", flags, sampling=prompt)
     assert m.get("moe_cache_active") == 1, log[-3000:]
-    assert out["tokens"] == plain["tokens"] and _probs(out) == _probs(plain)
+    assert out["tokens"] == plain["tokens"] and probs(out) == probs(plain)
     # the prompt's lookups too: its distinct experts per tensor, beyond one token's
     assert m["moe_cache_lookups_total"] > N_PREDICT * setup.n_used * setup.n_tensors
     assert m["moe_cache_cpu_misses_total"] > 0
