@@ -14,6 +14,7 @@ otherwise; when no token exists one is generated at Ray's default place (``~/.ra
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -45,7 +46,30 @@ class HeadInfo:
     auth_mode: str
 
 
+RAY_WORKER_PORTS_END = 19999   # Ray's workers take ports from 10002 to this (ray start's defaults)
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux: ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing uses now, for a server Ray starts in a moment. Taken between Ray's worker ports and the
+    kernel's ephemeral range when there is room: a port the kernel picks from that range can be handed to an
+    outgoing connection between this check and the server's bind (seen: Ray's GCS refused with 'Address already
+    in use')."""
+    low = _ephemeral_low()
+    if low > RAY_WORKER_PORTS_END + 2000:
+        rng = random.Random()
+        for _ in range(64):
+            port = rng.randrange(RAY_WORKER_PORTS_END + 1, low)
+            if port_problem(host, port) is None and not _connects(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

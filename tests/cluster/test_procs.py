@@ -182,3 +182,19 @@ def test_older_records_with_a_wall_clock_start_still_match():
     finally:
         child.kill()
         child.wait()
+
+
+def test_ports_for_ray_come_from_below_the_ephemeral_range():
+    """A port the kernel would hand to an outgoing connection can be taken before Ray binds it; the ports the
+    embedded head is given are free now, below that range and above Ray's own worker ports."""
+    import socket
+
+    from orchestrator.cluster.head import RAY_WORKER_PORTS_END, _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1
+    for port in ports:
+        assert RAY_WORKER_PORTS_END < port < low         # and not among Ray's worker ports
+        with socket.socket() as s:                      # and nothing holds it
+            s.bind(("127.0.0.1", port))
