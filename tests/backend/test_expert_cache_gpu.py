@@ -16,26 +16,19 @@ Three servers, all with every routed expert in host memory (`-ngl 999 --cpu-moe`
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
 import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from orchestrator.model import synth
-from tests.backend.expert_cache_support import agreement, probs
+from tests.backend.expert_cache_support import agreement, probs, serve_one_completion
 
 pytestmark = pytest.mark.gpu
 
 N_PREDICT = 256
-PROMPT = [785, 374, 138, 838, 342, 916, 279, 156, 556, 13, 576, 397, 876, 388, 208, 96]
 
 
 def _server_path() -> str:
@@ -47,43 +40,13 @@ def _server_path() -> str:
     return path
 
 
-def _port() -> int:
+def _run(server: str, model: Path, log: Path, extra: list[str], env: dict[str, str]) -> tuple[dict, dict, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(server: str, model: Path, log: Path, extra: list[str], env: dict[str, str]) -> tuple[dict, dict, str]:
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
+        port = s.getsockname()[1]
     argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
             "-ngl", "999", "--cpu-moe", "-fa", "on", "--metrics", "--no-warmup", "-t", "8", *extra]
-    with open(log, "w") as lf:
-        proc = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "llama-server did not become healthy"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
-        body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0, "n_probs": 4, "ignore_eos": True,
-                "cache_prompt": False, "return_tokens": True}
-        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            metrics = {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    return out, metrics, log.read_text()
+    return serve_one_completion(argv, log, f"http://127.0.0.1:{port}", {"n_predict": N_PREDICT}, env)
 
 
 @pytest.fixture(scope="module")
