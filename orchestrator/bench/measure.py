@@ -10,9 +10,12 @@
 - Expert cache: llama-server's ``/metrics`` counters (``llamacpp:moe_cache_hits_total``, ``..._lookups_total``)
   read before and after the generation requests; their difference is the generation's hit rate.
 
-Every request samples (temperature 1, ``top_k`` 0: the whole distribution, a seed of its own from the seeded
-generator): greedy decoding of a random-weight model falls into loops, which would repeat the same experts and
-fake locality for an expert cache, and would differ from how chat clients decode.
+Every request samples (temperature 1, a seed of its own from the seeded generator; llama-server's other sampler
+settings as it defaults them: top_k 40, top_p 0.95, min_p 0.05): greedy decoding of a random-weight model falls
+into loops, which would repeat the same experts and fake locality for an expert cache, and would differ from how
+chat clients decode. ``top_k`` stays at its default on purpose: with ``top_k 0``, ``top_p`` sorts the whole
+vocabulary for every token, which costs 10-20 ms per token at Qwen3's 151936 tokens (lab/bench/sampler_cost.py)
+and would swamp the decode time being measured.
 
 Random ids per request (from a seeded generator) and ``cache_prompt: false`` mean no request reuses another's
 KV cache, whichever slot it lands in. A request that does not fit the slot's context is shortened by at most
@@ -107,7 +110,7 @@ class Client:
 
     def _body(self, n_prompt: int, n_predict: int, **extra) -> dict:
         return {"prompt": self.tokens(max(1, n_prompt)), "n_predict": n_predict, "cache_prompt": False,
-                "ignore_eos": True, "temperature": 1.0, "top_k": 0, "seed": self.rng.randrange(1, 1 << 31),
+                "ignore_eos": True, "temperature": 1.0, "seed": self.rng.randrange(1, 1 << 31),
                 "return_tokens": False, **extra}
 
     async def moe_cache_counters(self) -> tuple[float, float] | None:

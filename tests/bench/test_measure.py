@@ -123,7 +123,8 @@ def test_a_dropped_request_is_retried_once_and_a_persistent_failure_recorded():
 
 def test_requests_sample_with_a_seed_each():
     """Greedy decoding of a random-weight model loops (and fakes an expert cache's locality): every request
-    samples the whole distribution, each with its own seed from the seeded generator."""
+    samples, each with its own seed from the seeded generator, with llama-server's own top_k/top_p (top_k 0
+    would make top_p sort the whole vocabulary for every token, a cost that is not the model's)."""
     import random
 
     from orchestrator.bench.measure import Client, ServerInfo
@@ -134,7 +135,8 @@ def test_requests_sample_with_a_seed_each():
         return [c._body(8, 16) for _ in range(3)]
 
     a, b = bodies(1), bodies(1)
-    assert all(x["temperature"] == 1.0 and x["top_k"] == 0 for x in a)
+    assert all(x["temperature"] == 1.0 for x in a)
+    assert not any({"top_k", "top_p", "min_p"} & x.keys() for x in a)
     assert [x["seed"] for x in a] == [x["seed"] for x in b] and len({x["seed"] for x in a}) == 3
 
 
