@@ -202,7 +202,7 @@ def compile_argv(tree: DevTree, out: Path, cxx: str = "c++", extra: tuple[str, .
 
 # libraries a llama.cpp build may need beyond the fixed list, added when the linker asks for them
 # (GGML_CUDA_NCCL is on by default and links NCCL when the build machine has it)
-_ON_DEMAND = (("undefined reference to `nccl", "-lnccl"),)
+_ON_DEMAND = (("undefined reference to `nccl", "-lnccl"), ("undefined reference to `ibv_", "-libverbs"))
 
 
 def _tool_key(tree: DevTree, cxx: str) -> str:

@@ -4,6 +4,7 @@ tests/integration/test_routing.py)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,39 @@ def test_a_damaged_profile_says_what_to_do(tmp_path):
         routing.load_profile(model, tmp_path)
     with pytest.raises(ModelError, match="not found"):
         routing.measure_profile(tmp_path / "missing.gguf", cache=tmp_path)
+
+
+def test_libraries_the_linker_asks_for_are_added_and_the_link_retried(tmp_path, monkeypatch):
+    """A CUDA build may link NCCL, and ggml's RPC backend may link ibverbs (its RDMA transport): only the
+    linker knows, so build_tool adds each library an undefined reference names and links again."""
+    _fake_build(tmp_path, "mainline-cuda-abc",
+                ["libggml-base.a", "libggml-cpu.a", "libggml-cuda.a", "libggml.a", "libllama.a"])
+    tree = routing.dev_tree_from_cache(tmp_path)
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "fake-cxx"
+    # the compiler seam: a link that fails until both libraries are named, then writes the -o file
+    cxx.write_text(f"""#!/bin/sh
+echo "$@" >> {calls}
+case " $* " in *" -lnccl "*) ;; *) echo "x.o: undefined reference to \\`ncclCommInitRank'" >&2; exit 1;; esac
+case " $* " in *" -libverbs "*) ;; *) echo "transport.cpp: undefined reference to \\`ibv_close_device'" >&2; exit 1;; esac
+while [ $# -gt 0 ]; do [ "$1" = -o ] && {{ printf '#!/bin/sh\\n' > "$2"; chmod +x "$2"; }}; shift; done
+""")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    exe = routing.build_tool(tree, cache=tmp_path / "c")
+    assert os.access(exe, os.X_OK)
+    links = calls.read_text().splitlines()
+    assert len(links) == 3
+    assert "-lnccl" not in links[0] and "-libverbs" in links[2] and "-lnccl" in links[2]
+
+
+def test_a_link_that_fails_for_another_reason_is_one_clear_error(tmp_path, monkeypatch):
+    _fake_build(tmp_path, "mainline-cpu-abc", ["libggml-base.a", "libggml.a", "libllama.a"])
+    tree = routing.dev_tree_from_cache(tmp_path)
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text("#!/bin/sh\necho \"x.o: undefined reference to \\`somewhere_else'\" >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    with pytest.raises(BackendError, match="(?s)building expert_usage .* failed .*somewhere_else"):
+        routing.build_tool(tree, cache=tmp_path / "c")
+    assert not list((tmp_path / "c" / "native").glob("expert_usage-*"))
