@@ -377,9 +377,11 @@ def profile_curve(model: os.PathLike | str, policy: str = "lru-layer", cache: Pa
 
 def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
                     sample: float | None = None, seed: int = 1, threads: int | None = None, cache: Path | None = None,
-                    refresh: bool = False, tool: Path | None = None):
+                    refresh: bool = False, tool: Path | None = None, gpu_layers: int = 0):
     """Measure ``model``'s routing profile (a decode-order trace through llama.cpp) and cache it by the file's
-    identity; a cached profile measured with the same settings is returned as it is.
+    identity; a cached profile measured with the same settings is returned as it is. ``gpu_layers`` only makes the
+    trace faster (where the layers run changes the routing no more than rounding does), so it is not a setting
+    the cache compares.
 
     Returns ``(profile, path, cached)``."""
     from orchestrator.model.routing_profile import profile
@@ -401,7 +403,8 @@ def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os
         # a profile cached before the CPU-miss shares were replayed is measured again
         if old is not None and old[1] == settings and old[0].cpu_misses is not None:
             return old[0], path, True
-    tr = trace(model, tokens=tokens, prompts=prompts, sample=sample, seed=seed, threads=threads, tool=tool)
+    tr = trace(model, tokens=tokens, prompts=prompts, sample=sample, seed=seed, threads=threads, tool=tool,
+               ngl=gpu_layers)
     start = f"text of {prompts.name}" if prompts is not None else "random token ids"
     source = (f"measured: {model.name}, {tr.n_tokens} tokens in decode order, "
               + (f"{start} then sampled at temperature {sample:g}" if sample else start) + f" (seed {seed})")

@@ -144,6 +144,10 @@ def test_trace_of_a_text_file_and_bad_arguments(tmp_path, tool):
     assert 8 < tr.n_tokens < 4096          # the text's own tokens, fed in order
     with pytest.raises(ModelError, match="at least 2 tokens"):
         routing.trace(res.path, tokens=1, tool=tool)
+    # -ngl reaches llama.cpp; without a GPU it keeps every layer on the CPU, so the picks are the same
+    a = routing.trace(res.path, tokens=48, threads=THREADS, tool=tool)
+    b = routing.trace(res.path, tokens=48, threads=THREADS, tool=tool, ngl=99)
+    assert a.n_tokens == b.n_tokens == 48 and (a.ids == b.ids).all()
     with pytest.raises(ModelError, match="missing.txt"):
         routing.trace(res.path, prompts=tmp_path / "missing.txt", tool=tool)
 
@@ -164,6 +168,9 @@ def test_model_routing_command_measures_once_and_caches(tmp_path, tool):
         assert len(r["curves"]["lru-layer"]["hits"]) == 129 and len(r["layers"]) == res.shape.n_layer
         again = subprocess.run(argv, capture_output=True, text=True, env=env)
         assert json.loads(again.stdout)["routing"]["cached"] is True
+        # where the layers ran is not a property of the profile: asked with --gpu-layers, the cached one answers
+        gpu = subprocess.run(argv + ["--gpu-layers", "99"], capture_output=True, text=True, env=env)
+        assert gpu.returncode == 0 and json.loads(gpu.stdout)["routing"]["cached"] is True, gpu.stderr
         prof, settings = routing.load_profile(res.path)
         assert settings["tokens"] == 256
         assert prof.curve().hits == pytest.approx(r["curves"]["lru-layer"]["hits"], abs=1e-4)
