@@ -10,8 +10,9 @@
 # `orchestrator synth-model` when a step first needs them. topologies/h200.yaml describes both GPU machines.
 #
 # One H200 (nvidia-h200):
-#   build             the CUDA build through `orchestrator build` (16 jobs) beside W1's synthesis, and the
-#                     bytecode of the bundle compiled as pip would; ends the command if the build fails
+#   build             the CUDA build through `orchestrator build` (16 jobs) beside the synthesis of BUILD_MODELS
+#                     (default q30: W1; loc-L: W1 at routing locality L), and the bytecode of the bundle compiled
+#                     as pip would; ends the command if the build fails
 #   machine           nvidia-smi, numactl -H, lscpu; `orchestrator inspect --save`, `probe --refresh`, doctor,
 #                     and W1's plans at 8, 12 and 16 GiB (on the x2 too: the recorded h200x2 machine)
 #   llama-bench       llama-bench with W1 whole on the GPU (-ngl 99 -fa 1 -p 512 -n 128 -r 3)
@@ -30,11 +31,16 @@
 #   w1-cpu-flags      W1 at 12 GiB: plan / --fit / the plan with --no-host, --cpu-strict 1, --prio 2, --poll 100
 #   w1-load-modes     W1 at 8 GiB: plan / --fit / the plan memory-mapped / the plan with --no-host
 #   w2                W2 under 24 GiB: plan / --fit
+#   gpu-tests         the GPU tests of the expert cache (pytest -m gpu tests/backend/test_expert_cache_gpu.py), with
+#                     what they print (tokens alike, largest probability difference, counters)
+#   routing[=L]       W1 written at routing locality L (0 | default | high; default: default) and its routing profile
+#                     measured (`orchestrator model --routing --gpu-layers 99`), as w1-cache begins
 #   w1-cache[=L]      W1 written at routing locality L (0 | default | high; default: default), its routing profile
 #                     measured (`orchestrator model --routing`), then the plan's own choice of expert layers and
 #                     cache at 12, 8 and 16 GiB (as far as RUN_SECONDS allows): plan / fit-pinned / cache-grid
 #                     (whose +0 point is the plan's placement without its cache) / the plan with
-#                     --moe-cache-cpu-misses / the plan again (A/A, 12 GiB)
+#                     --moe-cache-cpu-misses / the plan again (A/A, 12 GiB); W1_CACHE_BUDGETS (GiB, default
+#                     "12 8 16") and W1_CACHE_CONFIGS (default: all of them) narrow it
 #
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
@@ -48,6 +54,8 @@
 #   mkdir -p .devcpu && xz -c ~/.cache/orchestrator/llama.cpp/mainline-cpu-*/bin/llama-server > .devcpu/llama-server.xz):
 #   cpu-up            `up` proof twice with the demo model, then gateway overhead with 1 and 4 gateway processes
 #   cpu-early         `up` to ready with and without workers.early_start, W1's shape at 12 layers, --no-mmap
+#   sampler-cost[=T]  what llama-server's sampler settings add per token at Qwen3's vocabulary, on this machine's
+#                     CPU with T threads (default 16): lab/bench/sampler_cost.py
 #   gateway-cpu[=OLD]  gateway overhead against the small generated llama: ray mode twice; stand-in upstream
 #                     twice, interleaved with another gateway.py given as OLD (a path in the working tree)
 #
@@ -60,9 +68,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-STEPS=(build machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
+STEPS=(build gpu-tests routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
        w1-cpu-flags w1-load-modes w2 w1-cache w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
-       gateway-cpu)
+       gateway-cpu sampler-cost)
 known() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 [ $# -gt 0 ] || { usage >&2; exit 2; }
@@ -90,9 +98,11 @@ H200=topologies/h200.yaml
 BENCH=(python3 -m orchestrator bench "$H200" --progress plain)   # `timeout` needs a program, not a function
 SERVER=
 
-synth() {   # synth q30 | q235: write the model unless it is there
+synth() {   # synth q30 | q235 | loc-L (W1 at routing locality L): write the model unless it is there
   case "$1" in
     q30) [ -f "$Q30" ] || ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1 ;;
+    loc-*) [ -f "$M/w1-$1.gguf" ] || ( time orch synth-model "$M/w1-$1.gguf" --like qwen3-30b-a3b --quant q4_0 \
+             --locality "${1#loc-}" ) >> "$O/synth.log" 2>&1 ;;
     q235) [ -f "$Q235" ] || ( time orch synth-model "$Q235" --like qwen3-235b-a22b --layers 24 --quant q4_0 ) \
             >> "$O/synth.log" 2>&1 ;;
   esac
@@ -106,6 +116,14 @@ cpu_server() {   # the CPU llama-server of .devcpu/ as LLAMA_SERVER, and the bun
   xz -dc .devcpu/llama-server.xz > /root/bin/llama-server && chmod +x /root/bin/llama-server
   export LLAMA_SERVER=/root/bin/llama-server
   ( time python3 -m compileall -q -j 16 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1; log "bytecode"
+}
+routing_profile() {   # routing_profile L: W1 at routing locality L, written unless there, and its profile measured
+  local mdl=$M/w1-loc-$1.gguf
+  synth "loc-$1"
+  # W1 fits the GPU: traced there in seconds; on the CPU (a minute) if that fails
+  ( time timeout 120 python3 -m orchestrator model "$mdl" --routing --gpu-layers 99 ) > "$O/routing-$1.txt" 2>&1 || \
+    ( time timeout $(( $(left) - 30 )) python3 -m orchestrator model "$mdl" --routing ) >> "$O/routing-$1.txt" 2>&1
+  log "routing profile ($1) rc=$?"; tail -6 "$O/routing-$1.txt"
 }
 gateway_on_gpu() {   # gateway_on_gpu PROCESSES ROUNDS
   need_server; synth q30
@@ -124,7 +142,7 @@ step() {   # step NAME [ARG]
     ( time orch build "${build_args[@]}" ) > "$O/build.log" 2>&1 &
     local b=$!
     ( time python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1 &
-    synth q30
+    local m; for m in ${BUILD_MODELS:-q30}; do synth "$m"; done
     wait $b; local rc=$?; log "build rc=$rc"; tail -3 "$O/build.log"
     [ $rc -eq 0 ] || exit 1
     wait
@@ -226,22 +244,29 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
       --rounds 3 --pp 512 --pp-reps 1 --tg-depths 0 --tg-reps 3 --concurrency none --max-minutes 6 \
       --out "$O/w1-8g-mem" > "$O/w1-8g-mem.log" 2>&1
     ;;
+  gpu-tests)
+    need_server
+    LLAMA_SERVER=$SERVER timeout $(( $(left) - 5 )) python3 -m pytest --noconftest -p no:cacheprovider -m gpu -v -s \
+      --basetemp "$W/pytest" tests/backend/test_expert_cache_gpu.py > "$O/pytest.log" 2>&1
+    log "gpu tests rc=$?"; tail -6 "$O/pytest.log"
+    ;;
+  routing)
+    need_server; routing_profile "${arg:-default}"
+    ;;
   w1-cache)
     need_server
     local loc=${arg:-default}
     local mdl=$M/w1-loc-$loc.gguf
-    [ -f "$mdl" ] || ( time orch synth-model "$mdl" --like qwen3-30b-a3b --quant q4_0 --locality "$loc" ) \
-      >> "$O/synth.log" 2>&1
-    ( time timeout $(( $(left) - 60 )) python3 -m orchestrator model "$mdl" --routing ) > "$O/routing.txt" 2>&1
-    log "routing profile rc=$?"; tail -6 "$O/routing.txt"
+    routing_profile "$loc"
     local b cfg
-    for b in 12 8 16; do
+    for b in ${W1_CACHE_BUDGETS:-12 8 16}; do
       [ "$(left)" -gt 150 ] || { log "no time left for ${b} GiB"; break; }
       orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" > "$O/plan-${b}g.txt" 2>&1
       orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" --json > "$O/plan-${b}g.json" 2>&1
       cfg=plan,fit-pinned,cache-grid; [ "$b" = 12 ] && cfg=$cfg,control
+      cfg=${W1_CACHE_CONFIGS:-$cfg}
       local V=()     # the plan's placement and cache with rarely used experts on the CPU
-      grep -q -- '--moe-cache-mib' "$O/plan-${b}g.json" && \
+      [[ ,$cfg, == *,plan,* ]] && grep -q -- '--moe-cache-mib' "$O/plan-${b}g.json" && \
         V=(--config "$(python3 lab/device/plan-config.py plan-cpu-misses "$O/plan-${b}g.json" --add=--moe-cache-cpu-misses)")
       timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs "$cfg" "${V[@]}" \
         --rounds 1 --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 6 \
@@ -333,6 +358,12 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     timeout $(( $(left) - 5 )) bash lab/bench/up_ready.sh topologies/demo.yaml models/q30-12l.gguf 3 \
       --set workers.replicas=1 --set workers.load_mode=pinned --set nodes.0.gpus=none 2>&1 | tee "$O/up_ready.log"
     log "left: llama-server $(pgrep -xc llama-server) keeper $(pgrep -fc '[o]rchestrator.cluster.keeper')"
+    ;;
+  sampler-cost)
+    cpu_server
+    timeout $(( $(left) - 5 )) python3 lab/bench/sampler_cost.py --server "$LLAMA_SERVER" --threads "${arg:-16}" \
+      --rounds 3 --json > "$O/sampler-cost.txt" 2>&1
+    log "sampler cost rc=$?"; head -6 "$O/sampler-cost.txt"
     ;;
   gateway-cpu)
     cpu_server
