@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from orchestrator.cluster.procs import same_start, started_since_boot
 from orchestrator.errors import ClusterError
@@ -58,21 +58,26 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing uses now, for a server Ray starts in a moment. Taken between Ray's worker ports and the
-    kernel's ephemeral range when there is room: a port the kernel picks from that range can be handed to an
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = (), rng: random.Random | None = None) -> int:
+    """A port nothing uses now and not in ``avoid`` (the ports already given to the same head: none is bound yet,
+    so only this list tells them apart), for a server Ray starts in a moment. Taken between Ray's worker ports and
+    the kernel's ephemeral range when there is room: a port the kernel picks from that range can be handed to an
     outgoing connection between this check and the server's bind (seen: Ray's GCS refused with 'Address already
     in use')."""
     low = _ephemeral_low()
     if low > RAY_WORKER_PORTS_END + 2000:
-        rng = random.Random()
+        rng = rng or random.Random()
         for _ in range(64):
             port = rng.randrange(RAY_WORKER_PORTS_END + 1, low)
-            if port_problem(host, port) is None and not _connects(host, port):
+            if port not in avoid and port_problem(host, port) is None and not _connects(host, port):
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise ClusterError(f"no free port on {host} for the Ray head")
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -140,8 +145,15 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
     import psutil
 
     host = "127.0.0.1"
-    gcs_port = gcs_port or free_port()
-    metrics_port = metrics_port or free_port()
+    taken = {dashboard_port, *(p for p in (gcs_port, metrics_port) if p)}
+
+    def pick() -> int:                  # Ray refuses one port given to two of its components
+        port = free_port(host, taken)
+        taken.add(port)
+        return port
+
+    gcs_port = gcs_port or pick()
+    metrics_port = metrics_port or pick()
     check_port(host, gcs_port, "ray.port")
     check_port(dashboard_host, dashboard_port, "ray.dashboard_port")
     check_port(host, metrics_port, "ray.metrics_export_port")
@@ -157,9 +169,9 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
             "--temp-dir", temp_dir, "--disable-usage-stats",
             "--include-dashboard", "true", "--dashboard-host", dashboard_host, "--dashboard-port", str(dashboard_port),
             "--metrics-export-port", str(metrics_port),
-            "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-            "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
-            "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port())]
+            "--ray-client-server-port", str(pick()), "--dashboard-agent-listen-port", str(pick()),
+            "--dashboard-agent-grpc-port", str(pick()), "--runtime-env-agent-port", str(pick()),
+            "--node-manager-port", str(pick()), "--object-manager-port", str(pick())]
     # Ray workers (our actors) must import this very orchestrator, installed or not
     from orchestrator.paths import pythonpath_with_package
 

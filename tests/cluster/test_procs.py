@@ -198,3 +198,24 @@ def test_ports_for_ray_come_from_below_the_ephemeral_range():
         assert RAY_WORKER_PORTS_END < port < low         # and not among Ray's worker ports
         with socket.socket() as s:                      # and nothing holds it
             s.bind(("127.0.0.1", port))
+
+
+def test_ports_given_to_one_head_are_distinct_even_when_the_draw_repeats():
+    """Nothing binds the head's ports until Ray starts, so a second draw of the same number looks free: Ray then
+    refuses the whole start ('port 29023 that is used by other components', seen in CI). Ports already given are
+    skipped, whatever the draw; the kernel's pick is the last resort and is checked the same way."""
+    import random
+
+    from orchestrator.cluster.head import RAY_WORKER_PORTS_END, _ephemeral_low, free_port
+
+    class SameNumber(random.Random):          # the draw's seam: always the same port
+        def randrange(self, *a, **k):
+            return 25001
+
+    rng = SameNumber()
+    first = free_port(avoid=(), rng=rng)
+    second = free_port(avoid={first}, rng=rng)
+    third = free_port(avoid={first, second}, rng=rng)
+    assert len({first, second, third}) == 3
+    if _ephemeral_low() > 25001:                # the draw is used where the range leaves room for it
+        assert first == 25001

@@ -94,6 +94,11 @@ class Up:
         # Ray makes its temp dir world-writable; it lies in a folder of ours that only we can enter
         assert os.stat(os.path.dirname(self.temp_dir)).st_mode & 0o777 == 0o700
         assert S.ray_processes_of(self.temp_dir), "no Ray processes of the head seen while serving"
+        # every component of the head got a port of its own (Ray refuses to start when two share one)
+        start = [q.cmdline() for q in S.ray_processes_of(self.temp_dir) if "--block" in q.cmdline()]
+        assert len(start) == 1
+        ports = [start[0][i + 1] for i, a in enumerate(start[0][:-1]) if a.endswith("-port")]
+        assert len(ports) >= 9 and len(set(ports)) == len(ports), ports
         assert len(self.servers()) == 2, self.out
 
     def servers(self) -> list[psutil.Process]:
