@@ -53,7 +53,15 @@ def _fill_when(part: Path, fs: Path, stop: threading.Event) -> None:
             pass
         time.sleep(0.001)
     with open(fs / "filler", "wb") as f:
-        chunk = b"\0" * (16 * MiB)
+        # reserve nearly all of it at once (writing a GiB took longer than the download on a loaded CI machine),
+        # then write until nothing is left
+        st = os.statvfs(fs)
+        try:
+            os.posix_fallocate(f.fileno(), 0, max(0, st.f_bavail * st.f_frsize - 8 * MiB))
+        except OSError:
+            pass
+        f.seek(0, os.SEEK_END)
+        chunk = b"\0" * MiB
         try:
             while not stop.is_set():
                 f.write(chunk)
