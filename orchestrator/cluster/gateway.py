@@ -208,6 +208,7 @@ class _ClientConn(asyncio.Protocol):
         self.closed = False
         self.http10 = False
         self.reading_paused = False
+        self.unparsed = b""                        # read but not yet parsed: the client pipelines faster than served
         self.in_head = True                        # between requests or inside a request's head
         self.head_bytes = 0
         self.deadline: float | None = None         # enforced by Gateway._housekeeping
@@ -253,6 +254,11 @@ class _ClientConn(asyncio.Protocol):
             return
         try:
             while data:
+                if self.reading_paused:
+                    # too many requests wait already: one read can hold thousands of small pipelined ones, so
+                    # the rest of it is kept as bytes and parsed once the queue has room again
+                    self.unparsed = data
+                    return
                 if self.in_head:
                     # feed at most what is left of the head's allowance: the parser never holds more than that
                     room = MAX_HEAD - self.head_bytes
@@ -260,10 +266,9 @@ class _ClientConn(asyncio.Protocol):
                         return self._refuse_now(431, f"request line and headers over {MAX_HEAD >> 10} KiB")
                     piece, data = data[:room], data[room:]
                     self.head_bytes += len(piece)
-                    self.parser.feed_data(piece)
                 else:
-                    piece, data = data, b""
-                    self.parser.feed_data(piece)
+                    piece, data = data[:MAX_HEAD], data[MAX_HEAD:]
+                self.parser.feed_data(piece)
                 if self.closed or self.discard:
                     return
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
@@ -405,7 +410,11 @@ class _ClientConn(asyncio.Protocol):
                     break
                 if self.reading_paused and len(self.queue) <= MAX_PIPELINED:
                     self.reading_paused = False
-                    self.transport.resume_reading()
+                    unparsed, self.unparsed = self.unparsed, b""
+                    if unparsed:
+                        self.data_received(unparsed)       # may fill the queue and pause again
+                    if not self.reading_paused and not self.closed:
+                        self.transport.resume_reading()
         except asyncio.CancelledError:
             pass
         finally:
