@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,12 +34,6 @@ SETTINGS = (
 )
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", help="llama-server (default: the build cache's)")
@@ -52,33 +43,26 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="also print the samples as one JSON line")
     a = ap.parse_args()
 
+    from lab.serverrun import _post, free_port
     from orchestrator.backend.detect import find_llama_server
+    from orchestrator.launch.process import start
+    from orchestrator.launch.spec import LaunchSpec
     from orchestrator.model import synth
 
     server = a.server or find_llama_server(None)[0]
     with tempfile.TemporaryDirectory(prefix="sampler-cost-") as d:
         model = synth.write_model(Path(d) / "vocab-151936.gguf", "qwen3-30b-a3b", layers=1, quant="q4_0",
                                   seed=3).path
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
-                "-ngl", "0", "--no-warmup"]
-        if a.threads:
-            argv += ["-t", str(a.threads)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                "-ngl", "0", "--no-warmup", *(["-t", str(a.threads)] if a.threads else [])]
+        proc = start(LaunchSpec(name="sampler-cost", argv=tuple(argv), host="127.0.0.1", port=port),
+                     Path(d) / "llama-server.log")
         try:
-            base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 120
-            while True:
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
+            while proc.health(timeout=2.0) != 200:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    print(f"{server}: llama-server did not come up", file=sys.stderr)
+                    print(f"{server}: llama-server did not come up (log: {d}/llama-server.log)", file=sys.stderr)
                     return 1
                 time.sleep(0.2)
             samples: dict[str, list[float]] = {name: [] for name, _ in SETTINGS}
@@ -88,10 +72,10 @@ def main() -> int:
                     seed += 1
                     body = {"prompt": [11, 12, 13], "n_predict": a.tokens, "cache_prompt": False,
                             "ignore_eos": True, "temperature": 1.0, "seed": seed, **extra}
-                    samples[name].append(_post(base + "/completion", body)["timings"]["predicted_per_token_ms"])
+                    reply = _post(f"http://127.0.0.1:{port}/completion", body, timeout=300)
+                    samples[name].append(reply["timings"]["predicted_per_token_ms"])
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            proc.stop(grace=15.0)
     greedy = statistics.median(samples["greedy"])
     print(f"{a.tokens} tokens per request, {a.rounds} rounds interleaved; ms per token, median [min-max]")
     for name, _ in SETTINGS:
