@@ -257,7 +257,7 @@ class _ClientConn(asyncio.Protocol):
                 if self.reading_paused:
                     # too many requests wait already: one read can hold thousands of small pipelined ones, so
                     # the rest of it is kept as bytes and parsed once the queue has room again
-                    self.unparsed = data
+                    self.unparsed += data
                     return
                 if self.in_head:
                     # feed at most what is left of the head's allowance: the parser never holds more than that
