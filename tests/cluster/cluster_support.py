@@ -23,10 +23,20 @@ __all__ = ["write_tiny_llama", "free_port", "llama_spec", "http_json", "post_jso
            "llama_servers", "ray_processes_of", "wait_for"]
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, never one this process was given before: a test often asks for several before anything binds
+    them (a Ray node's components, a gateway beside a dashboard), and the kernel can hand out a free one twice,
+    which Ray refuses ('the same port is used by multiple components')."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def free_port_base(n: int, attempts: int = 50) -> int:
