@@ -13,6 +13,11 @@ Lines read (mainline llama.cpp, late 2026; ik_llama.cpp prints the same first fo
     sched_reserve:        CPU compute buffer size =    92.01 MiB
     load_tensors: offloaded 49/49 layers to GPU
 
+and, from a build with the expert cache (``--moe-cache-mib``), its size as the server made it::
+
+    ggml_backend_sched_moe_cache_init: expert cache: 78 host-resident expert tensors x 34 slots (of 128 experts),
+        2237.6 MiB of device memory, batches up to 4 tokens
+
 Buffer names map to devices: ``CUDA<n>`` (and ``CUDA<n>_Split``) is GPU n, everything else (``CPU``,
 ``CPU_Mapped``, ``CPU_REPACK``, ``CUDA_Host``, ...) is host memory.
 """
@@ -37,6 +42,8 @@ _FA_RE = re.compile(r"Flash Attention (enabled|disabled)")
 _CELLS_RE = re.compile(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers")
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _FIT = re.compile(r"(common_params_fit_impl|common_fit_params|llama_params_fit\w*): (.*)")
+_MOE_CACHE = re.compile(r"expert cache: (\d+) host-resident expert tensors x (\d+) slots \(of (\d+) experts\), "
+                        r"([\d.]+) MiB of device memory, batches up to (\d+) tokens(;.*)?$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _GPU_NAME = re.compile(r"^CUDA(\d+)")
 
@@ -62,6 +69,7 @@ class LoadReport:
     kv_cells: list[tuple[int, int]] = field(default_factory=list)   # (cells, layers) per KV cache
     offloaded_layers: tuple[int, int] | None = None                 # (on the GPU, of)
     fit: list[str] = field(default_factory=list)                    # what --fit said, whitespace folded
+    moe_cache: dict | None = None                                   # the expert cache the server made
 
     def by_device(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -131,6 +139,12 @@ def parse_load_log(text: str, max_fit_lines: int = 40) -> LoadReport:
         if m:
             r.offloaded_layers = (int(m.group(1)), int(m.group(2)))
             continue
+        m = _MOE_CACHE.search(line)
+        if m:
+            r.moe_cache = {"tensors": int(m.group(1)), "slots": int(m.group(2)), "n_expert": int(m.group(3)),
+                           "bytes": _mib(m.group(4)), "max_batch": int(m.group(5)),
+                           "cpu_misses": m.group(6) is not None}
+            continue
         m = _FIT.search(line)
         if m and len(r.fit) < max_fit_lines:
             r.fit.append(" ".join(m.group(2).split()))
@@ -139,7 +153,8 @@ def parse_load_log(text: str, max_fit_lines: int = 40) -> LoadReport:
 
 def parse_server_log(path: str | Path, max_fit_lines: int = 40) -> dict:
     """What the bench stores per run: ``{"buffers": {"model": {"CUDA0": bytes, "CPU_Mapped": bytes}, "kv": {...},
-    "compute": {...}}, "offloaded_layers": [n, of], "fit": [lines]}`` with only what the log contains."""
+    "compute": {...}}, "offloaded_layers": [n, of], "fit": [lines], "moe_cache": {"slots": n, "bytes": n, ...}}``
+    with only what the log contains."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
@@ -153,6 +168,8 @@ def parse_server_log(path: str | Path, max_fit_lines: int = 40) -> dict:
         out["buffers"] = buffers
     if r.fit:
         out["fit"] = r.fit
+    if r.moe_cache:
+        out["moe_cache"] = r.moe_cache
     return out
 
 

@@ -113,9 +113,9 @@ class Client:
                 "ignore_eos": True, "temperature": 1.0, "seed": self.rng.randrange(1, 1 << 31),
                 "return_tokens": False, **extra}
 
-    async def moe_cache_counters(self) -> tuple[float, float] | None:
-        """(hits, lookups) of the expert cache from ``/metrics``; None when the server has no such counters
-        (no --metrics, or no expert cache in the binary)."""
+    async def moe_cache_counters(self) -> dict[str, float] | None:
+        """The expert cache's counters from ``/metrics`` (see :func:`parse_moe_cache_counters`); None when the
+        server has no such counters (no --metrics, or no expert cache in the binary)."""
         import aiohttp
 
         try:
@@ -192,15 +192,16 @@ class Workload:
     warmup: bool = True
 
 
-_COUNTER = re.compile(r"^llamacpp:moe_cache_(hits|lookups)_total\s+(\S+)\s*$", re.M)
+_COUNTER = re.compile(r"^llamacpp:moe_cache_(\w+?)_total\s+(\S+)\s*$", re.M)
 
 
-def parse_moe_cache_counters(text: str) -> tuple[float, float] | None:
-    """(hits, lookups) from a Prometheus text page; None when either counter is missing."""
+def parse_moe_cache_counters(text: str) -> dict[str, float] | None:
+    """Every ``llamacpp:moe_cache_<name>_total`` of a Prometheus text page as ``{name: value}`` (hits, lookups,
+    misses, uploaded_bytes, cpu_misses: what the binary exports); None without hits and lookups."""
     found = {k: float(v) for k, v in _COUNTER.findall(text)}
     if "hits" not in found or "lookups" not in found:
         return None
-    return found["hits"], found["lookups"]
+    return found
 
 
 def pp_reps(reps: int, length: int) -> int:
@@ -286,7 +287,8 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
 
     cache_after = await client.moe_cache_counters() if cache_before is not None else None
     if cache_before is not None and cache_after is not None:
-        out["moe_cache"] = {"hits": cache_after[0] - cache_before[0], "lookups": cache_after[1] - cache_before[1]}
+        # what generation did: how misses were served (uploaded or on the CPU) is what a miss mode changes
+        out["moe_cache"] = {k: cache_after[k] - cache_before[k] for k in cache_after if k in cache_before}
 
     n = fit_length(w.ttft_prompt, w.ttft_tokens, info.slot_ctx)
     for c in w.concurrency:

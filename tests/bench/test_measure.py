@@ -145,6 +145,8 @@ def test_expert_cache_counters_are_read_from_the_metrics_page():
 
     page = ("# HELP llamacpp:moe_cache_hits_total hits\n# TYPE llamacpp:moe_cache_hits_total counter\n"
             "llamacpp:moe_cache_hits_total 750\nllamacpp:moe_cache_lookups_total 1000\n"
-            "llamacpp:moe_cache_misses_total 250\n")
-    assert parse_moe_cache_counters(page) == (750.0, 1000.0)
+            "llamacpp:moe_cache_misses_total 250\nllamacpp:moe_cache_cpu_misses_total 40\n"
+            "llamacpp:moe_cache_uploaded_bytes_total 1.5e+09\nllamacpp:prompt_tokens_total 5\n")
+    assert parse_moe_cache_counters(page) == {"hits": 750.0, "lookups": 1000.0, "misses": 250.0, "cpu_misses": 40.0,
+                                              "uploaded_bytes": 1.5e9}
     assert parse_moe_cache_counters("llamacpp:prompt_tokens_total 5\n") is None
