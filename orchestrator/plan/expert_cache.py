@@ -13,8 +13,9 @@ experts' time per generated token is predicted from the routing profile's hit-ra
         or CPU misses / host bw                   (miss mode "cpu": computed on the CPU where they lie)
            + re-used misses / PCIe bw + re-used misses / GPU bw     (uploaded: used again within the horizon)
       + host layers x cache_layer_overhead_s + cache_fixed_s        (the cache path's costs beyond the bytes)
-      + host layers x P(a token has a CPU miss in the layer) x host_layer_overhead_s   (miss mode "cpu": the
-                                                  hop GPU -> CPU -> GPU of the no-cache path, where it is needed)
+      + host layers x P(a token has a CPU miss in the layer) x cpu_miss_hop_s + cpu_miss_fixed_s
+                                                  (miss mode "cpu": the hop GPU -> CPU -> GPU where it is needed,
+                                                  and the CPU path's cost per token)
 
 In miss mode "cpu" the hit, upload and CPU shares come from the curve's ``cpu_misses`` (the patch's rule
 replayed on the measured trace); a curve without them (the default curve) leaves the mode to a user who asks
@@ -67,6 +68,8 @@ class CacheInputs:
     host_layer_overhead_s: float = 0.0   # per host-resident layer whose experts the CPU computes
     cache_layer_overhead_s: float = 0.0  # per host-resident layer the cache serves (expert ids read back)
     cache_fixed_s: float = 0.0           # per token on the cache path, beyond the bytes
+    cpu_miss_hop_s: float = 0.0          # miss mode "cpu": per host-resident layer whose token has a CPU miss
+    cpu_miss_fixed_s: float = 0.0        # miss mode "cpu": per token, beyond the bytes and the hops
     min_gpu_layers: int = 0              # fewer whole layers on the GPU would not fit host memory
 
 
@@ -217,7 +220,7 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
         # a layer needs the CPU (and its hop) only for a token with a CPU miss among its picks
         p_cpu = 1.0 - (1.0 - on_cpu / host_picks) ** inp.n_expert_used if host_picks else 0.0
         t = ((gpu_resident + hits + uploads) / inp.gpu_bw + uploads / inp.pcie_bw + on_cpu / inp.host_bw + fixed
-             + h * p_cpu * inp.host_layer_overhead_s)
+             + h * p_cpu * inp.cpu_miss_hop_s + inp.cpu_miss_fixed_s)
         host_read, pcie = on_cpu, uploads
     return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
                           host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)))

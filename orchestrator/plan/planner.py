@@ -469,6 +469,7 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
                         upload_misses=req.expert_cache_misses != "cpu",
                         host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
                         cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S,
+                        cpu_miss_hop_s=R.CACHE_CPU_MISS_HOP_S, cpu_miss_fixed_s=R.CACHE_CPU_MISS_FIXED_S,
                         min_gpu_layers=min_gpu_layers)
     splits, per_gpu_host = None, {}
     if len(gpus) > 1:

@@ -82,12 +82,21 @@ CROSS_DEVICE_LAYER_OVERHEAD_S = 96e-6
 # Op offload of host-resident experts during prompt processing reached 66% of the probe's pinned bandwidth
 # (36.6 of 55.4 GB/s: per-layer synchronisation, expert-id reads); from mmap'd pages it ran at PAGEABLE_FRACTION.
 PINNED_COPY_EFFICIENCY = 0.66
-# Expert cache (--moe-cache-mib), fitted on the H200 (W1 = Qwen3-30B-A3B q4_0, 8/12/16 GiB, locality 0/default/high,
-# 14 cache configurations, hit rates from llama-server's counters): a token's misses are uploaded at
-# CACHE_UPLOAD_EFFICIENCY of the probe's pinned bandwidth (one expert's three tensors per copy, in-stream), every
-# host-resident layer costs CACHE_LAYER_OVERHEAD_S (the router's expert ids read back to the host, then slot
-# bookkeeping) and the cache path CACHE_FIXED_S per token beyond the bytes (graph splits at every cached layer).
-# Three unknowns, least squares; every configuration within 8% of its measured generation speed.
-CACHE_UPLOAD_EFFICIENCY = 0.8
-CACHE_LAYER_OVERHEAD_S = 57e-6
-CACHE_FIXED_S = 1.85e-3
+# Expert cache (--moe-cache-mib), fitted on the H200 (docs/benchmarks/h200-2026-12-01-w1-cache: W1 = Qwen3-30B-A3B
+# q4_0 at 8/12/16 GiB, routing locality 0/default/high, 24 cache configurations, hit rates from llama-server's
+# counters, generation sampled with llama-server's own top_k; lab/bench/fit_cache_costs.py): a token's misses are
+# uploaded at CACHE_UPLOAD_EFFICIENCY of the probe's pinned bandwidth (one expert's three tensors per copy,
+# in-stream), every host-resident layer costs CACHE_LAYER_OVERHEAD_S (the router's expert ids read back to the host,
+# then slot bookkeeping) and the cache path CACHE_FIXED_S per token beyond the bytes (graph splits at every cached
+# layer). Three unknowns, least squares on the relative error; every configuration within 7.5% of its measured
+# generation.
+CACHE_UPLOAD_EFFICIENCY = 0.755
+CACHE_LAYER_OVERHEAD_S = 71e-6
+CACHE_FIXED_S = 0.37e-3
+# Misses computed on the CPU (--moe-cache-cpu-misses), fitted on the same runs (the plan's cache with CPU misses at
+# 8/12/16 GiB, default and high locality; shares from the profiles' replay): beyond the bytes, CACHE_CPU_MISS_HOP_S
+# for each host-resident layer whose token has a CPU miss (the hop GPU -> CPU -> GPU) and CACHE_CPU_MISS_FIXED_S per
+# token (least squares; every run within 7%). On the H200 (PCIe Gen5) the mode ran at 0.49-0.56x of uploading the
+# same misses.
+CACHE_CPU_MISS_FIXED_S = 4.5e-3
+CACHE_CPU_MISS_HOP_S = 107e-6

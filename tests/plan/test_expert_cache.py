@@ -89,6 +89,23 @@ def test_cpu_misses_are_weighed_with_their_replayed_shares():
     assert X.plan_expert_cache(_inputs(curve=curve, host_bw=50e9, pcie_bw=50e9)).chosen.miss_mode == "upload"
 
 
+def test_the_cpu_paths_own_costs_count_per_token_and_per_hop():
+    """CPU misses cost, beyond their bytes, a hop for each host layer whose token has one and a cost per token
+    (fitted on the H200); high enough, they hand the choice back to uploading."""
+    curve = _measured_curve()
+    cheap = _inputs(curve=curve, host_bw=100e9, pcie_bw=10e9, upload_misses=False)
+    a = X.plan_expert_cache(cheap).chosen
+    hop = X._candidate(dataclasses.replace(cheap, cpu_miss_hop_s=1e-4), a.gpu_layers, a.cache_bytes, "cpu")
+    fixed = X._candidate(dataclasses.replace(cheap, cpu_miss_fixed_s=4e-3), a.gpu_layers, a.cache_bytes, "cpu")
+    picks = a.cache_hit_bytes + a.host_read_bytes + a.pcie_bytes
+    p_cpu = 1 - (1 - a.host_read_bytes / picks) ** 8
+    assert hop.expert_seconds - a.expert_seconds == pytest.approx(a.host_layers * p_cpu * 1e-4)
+    assert fixed.expert_seconds - a.expert_seconds == pytest.approx(4e-3)
+    assert X.plan_expert_cache(dataclasses.replace(cheap, upload_misses=True)).chosen.miss_mode == "cpu"
+    costly = dataclasses.replace(cheap, upload_misses=True, cpu_miss_fixed_s=4.5e-3, cpu_miss_hop_s=107e-6)
+    assert X.plan_expert_cache(costly).chosen.miss_mode in ("upload", "none")
+
+
 def test_without_replayed_shares_the_cpu_mode_is_only_taken_when_asked_for():
     assert DEFAULT_CURVE.cpu_misses is None
     auto = X.plan_expert_cache(_inputs(host_bw=100e9, pcie_bw=10e9)).chosen
