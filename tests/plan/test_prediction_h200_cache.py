@@ -1,14 +1,17 @@
-"""The expert-cache prediction against what the H200 measured (docs/benchmarks/expert-cache-2026-12-01).
+"""The expert-cache prediction against what the H200 measured (docs/benchmarks/h200-2026-12-01-w1-cache).
 
-W1 = the Qwen3-30B-A3B shape (q4_0) generated with `synth-model --locality` (0, default, high), run by a VRAM
-budget of 8, 12 or 16 GiB: the plan's placement (`ncmoeN`), the same with 4/8/12 more layers of experts in host
-memory and their VRAM as cache (`ncmoeN+cacheM`). Each record holds the exact llama-server argv, generation
-speed, the cache's own counters (hit rate, slots) and the VRAM peak. The hit-rate curves are the recorded
-decode-order traces of the same generator (tests/fixtures/routing).
+W1 = the Qwen3-30B-A3B shape (q4_0) written by `synth-model --locality` (0, default, high), its routing profile
+measured, then planned under a VRAM budget of 8, 12 or 16 GiB and run by `lab/device/run.sh w1-cache`: the plan, its
+placement without the cache (`ncmoeN`), the same with 4/8/12 more layers of experts in host memory and their VRAM
+as cache (`ncmoeN+cacheM`), the plan with `--moe-cache-cpu-misses`, the plan again. Each bench record holds the exact
+llama-server argv, generation speed (sampled with llama-server's own top_k), the cache's counters and the VRAM peak;
+beside it the plan that ran, and the cache each server made (its log line). The hit-rate curves are the routing
+profiles of the same three models (tests/fixtures/routing/w1-loc-*.profile.json.xz).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import lzma
 import re
@@ -18,15 +21,17 @@ from pathlib import Path
 import pytest
 from planfixtures import backend, with_gpu_free
 
+from orchestrator.bench.logparse import parse_load_log
 from orchestrator.hardware.dump import load_machine
-from orchestrator.model.routing_profile import hit_rate, parse_trace, profile
+from orchestrator.hardware.topology import Bandwidth
+from orchestrator.model.routing_profile import RoutingProfile, hit_rate
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures"
-BENCH = ROOT / "docs" / "benchmarks" / "expert-cache-2026-12-01"
+BENCH = ROOT / "docs" / "benchmarks" / "h200-2026-12-01-w1-cache"
 GiB, MiB = 1 << 30, 1 << 20
-LOCALITY = {"loc0": "off", "default": "default", "high": "high"}
+LOCALITIES = ("loc0", "default", "high")
 
 
 def _cached_backend():
@@ -34,19 +39,52 @@ def _cached_backend():
     return b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
 
 
+def _profile(locality: str) -> RoutingProfile:
+    name = {"loc0": "0"}.get(locality, locality)
+    doc = json.loads(lzma.decompress((FIX / "routing" / f"w1-loc-{name}.profile.json.xz").read_bytes()))
+    return RoutingProfile.from_json(doc["profile"])
+
+
 def _curve(locality: str):
-    trace = parse_trace((FIX / "routing" / f"demo-locality-{LOCALITY[locality]}.trace").read_bytes())
-    return profile(trace, f"synth-model --locality {LOCALITY[locality]}").curve("lru-layer")
+    return _profile(locality).curve("lru-layer")
+
+
+def _xz_json(path: Path):
+    return json.loads(lzma.decompress(path.read_bytes()))
+
+
+def _runs():
+    """{run name: (bench, plan)}: default-12g-r1, ..., loc0-12g, high-12g."""
+    return {f.name.removesuffix(".json.xz"): (_xz_json(f), _xz_json(f.with_name("plan-" + f.name)))
+            for f in sorted(BENCH.glob("*.json.xz")) if not f.name.startswith("plan-")}
+
+
+def _cache_lines():
+    """{(run, config): what the server said about its cache}."""
+    out = {}
+    for line in lzma.decompress((BENCH / "cache-init.txt.xz").read_bytes()).decode().splitlines():
+        run, rest = line.split(" ", 1)
+        config, text = rest.split(": ", 1)
+        out[(run, config)] = parse_load_log(text).moe_cache
+    return out
 
 
 def _records():
-    """{(file stem, config): [records]} of every recorded round that ran."""
-    out: dict = {}
-    for f in sorted(BENCH.glob("w1-*.jsonl.xz")):
-        for line in lzma.decompress(f.read_bytes()).decode().splitlines():
-            r = json.loads(line)
-            if "args" in r and r.get("tg"):
-                out.setdefault((f.name.removesuffix(".jsonl.xz"), r["config"]), []).append(r)
+    """One record per (run, configuration) that ran with the plan's placement or a grid point."""
+    out = []
+    for run, (bench, _plan) in _runs().items():
+        for cfg in bench["configs"]:
+            if "-ot" not in cfg["args"]:       # fit-pinned: llama.cpp places the experts itself
+                continue
+            runs = [r for r in bench["runs"] if r["config"] == cfg["name"] and r["status"] == "ok"]
+            cache = [r["samples"]["moe_cache"] for r in runs if r["samples"].get("moe_cache")]
+            out.append({"run": run, "config": cfg["name"], "args": cfg["args"], "budget": bench["vram_budget"],
+                        "locality": run.split("-")[0], "bandwidth": bench["plan_context"]["bandwidth"],
+                        "tg": statistics.median(s["tps"] for r in runs for s in r["samples"]["tg"]),
+                        "hit_rate": (sum(c["hits"] for c in cache) / sum(c["lookups"] for c in cache)
+                                     if cache else None),
+                        "vram_peak": statistics.median(r["resources"]["gpus"]["0"]["peak_process"] for r in runs),
+                        "cpu_misses": "--moe-cache-cpu-misses" in cfg["args"]})
     return out
 
 
@@ -63,87 +101,94 @@ def h200():
     return load_machine(FIX / "machines" / "h200.inspect.json")
 
 
-def _worker(models, h200, rec, curve):
+def _machine(h200, rec):
+    """The recorded H200 as the run saw it: its budget as free VRAM, the bandwidth its probe measured that day."""
+    return dataclasses.replace(with_gpu_free(h200, rec["budget"]), bandwidth=Bandwidth.from_json(rec["bandwidth"]))
+
+
+def _worker(models, h200, rec, **kw):
     layers, mib = _layers_and_cache(rec["args"])
-    budget = int(rec["budget_gib"] * GiB)
     a = rec["args"]
-    req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=budget, vram_reserve=256 * MiB),),
+    req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=rec["budget"], vram_reserve=256 * MiB),),
                       expert_layers_on_cpu=layers, expert_cache=mib * MiB if mib else 0,
-                      ubatch=int(a[a.index("-ub") + 1]))
-    return make_plan(machines={"h200": with_gpu_free(h200, budget)}, model=models("qwen3-30b-a3b"), request=req,
-                     backend=_cached_backend(), routing=curve).workers[0]
+                      ubatch=int(a[a.index("-ub") + 1]), **kw)
+    b = _cached_backend()
+    if rec["cpu_misses"]:
+        b = b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache_cpu_misses"}})
+        req = dataclasses.replace(req, expert_cache_misses="cpu")
+    return make_plan(machines={"h200": _machine(h200, rec)}, model=models("qwen3-30b-a3b"), request=req,
+                     backend=b, routing=_curve(rec["locality"])).workers[0]
 
 
-def test_the_records_are_the_grid(h200):
+def test_the_records_are_the_runs():
     recs = _records()
-    cache_rows = [k for k in recs if "+cache" in k[1]]
-    assert len(cache_rows) == 14 and len({k[0] for k in recs}) == 5
+    assert {r["run"] for r in recs} == {"default-12g-r1", "default-12g-r2", "default-8g", "default-16g",
+                                        "loc0-12g", "high-12g"}
+    assert sum("+cache" in r["config"] for r in recs) == 16
+    assert all(r["hit_rate"] is not None for r in recs if "--moe-cache-mib" in r["args"])
 
 
 def test_predicted_generation_within_15_percent_of_measured(models, h200):
-    """Cache and no-cache placements alike, with the hit rate the locality's recorded trace predicts."""
+    """Every configuration, with the hit rate (and with CPU misses, the shares) its locality's profile predicts:
+    the plan, its placement without the cache, the grid around it, the plan with --moe-cache-cpu-misses."""
     checked = 0
-    for (stem, config), recs in _records().items():
-        if not config.startswith("ncmoe"):
-            continue
-        curve = _curve(stem.split("-", 2)[2])
-        w = _worker(models, h200, recs[0], curve)
-        measured = statistics.median(r["tg"] for r in recs)
-        ratio = w.predicted.tg / measured
-        if config.endswith("ncmoe7"):
-            # 16 GiB, 7 host layers, no cache: this run measured 111 t/s, the same placement 152 t/s on
-            # 2026-11-29 (docs/benchmarks/h200-2026-11-29-bench, greedy decoding), on which the roofline is
-            # calibrated (test_prediction_h200.py). The two records disagree by 37% and nothing in the model
-            # separates them; every other row here agrees with both.
-            assert 0.85 <= w.predicted.tg / 151.8 <= 1.15
-            continue
-        assert 0.85 <= ratio <= 1.15, (stem, config, round(w.predicted.tg, 1), round(measured, 1))
-        if "+cache" in config:
-            assert w.settings.moe_cache_mib == _layers_and_cache(recs[0]["args"])[1]
+    for rec in _records():
+        w = _worker(models, h200, rec)
+        ratio = w.predicted.tg / rec["tg"]
+        assert 0.85 <= ratio <= 1.15, (rec["run"], rec["config"], round(w.predicted.tg, 1), round(rec["tg"], 1))
+        if "--moe-cache-mib" in rec["args"]:
+            assert w.settings.moe_cache_mib == _layers_and_cache(rec["args"])[1]
             assert w.expert_cache is not None and w.expert_cache.use_cache
+            assert w.expert_cache.chosen.miss_mode == ("cpu" if rec["cpu_misses"] else "upload")
         checked += 1
-    assert checked >= 18
+    assert checked == 36
 
 
-def test_predicted_slots_and_hit_rate_match_the_counters(models, h200):
-    """Slots exactly as the patch counts them; hit rate within 5 points at the default locality."""
-    curve = _curve("default")
+def test_predicted_slots_and_hit_rate_match_the_server_and_its_counters(models, h200):
+    """Slots and the banks' device memory exactly as the server made them; hit rate within 5 points of the
+    counters at every locality."""
+    lines = _cache_lines()
     checked = 0
-    for (stem, config), recs in _records().items():
-        if "+cache" not in config or "default" not in stem:
+    for rec in _records():
+        if "--moe-cache-mib" not in rec["args"] or rec["cpu_misses"]:
             continue
-        w = _worker(models, h200, recs[0], curve)
+        w = _worker(models, h200, rec)
         c = w.expert_cache.chosen
-        slots = {r["cache_slots"] for r in recs}
-        assert slots == {c.slots_per_layer}, (config, slots, c.slots_per_layer)
-        # the banks' device memory as the server reported it (printed to 6 significant digits)
+        made = lines[(rec["run"], rec["config"])]
+        assert made["slots"] == c.slots_per_layer and made["tensors"] == 3 * c.host_layers, (rec, made)
         cuda0 = next(m for m in w.memory if m.device == "CUDA0")
-        assert cuda0.cache == pytest.approx(recs[0]["cache_bytes"], rel=1e-5)
-        measured = statistics.median(r["hit_rate"] for r in recs)
-        assert abs(hit_rate(curve, c.fraction) - measured) <= 0.05, (stem, config, c.fraction, measured)
+        assert cuda0.cache == pytest.approx(made["bytes"], abs=0.06 * MiB)   # printed to 0.1 MiB
+        predicted = hit_rate(_curve(rec["locality"]), c.fraction)
+        assert abs(predicted - rec["hit_rate"]) <= 0.05, (rec["run"], rec["config"], predicted, rec["hit_rate"])
         checked += 1
-    assert checked == 8
+    assert checked == 24
 
 
-def test_predicted_vram_within_3_percent_of_the_peak(models, h200):
+def test_predicted_vram_within_3_percent_or_256_mib_of_the_peak(models, h200):
     checked = 0
-    for (stem, config), recs in _records().items():
-        if not config.startswith("ncmoe"):
-            continue
-        w = _worker(models, h200, recs[0], _curve("default"))
+    for rec in _records():
+        w = _worker(models, h200, rec)
         cuda0 = next(m for m in w.memory if m.device == "CUDA0")
-        peak = statistics.median(r["vram_peak_mib"] for r in recs) * MiB
-        if "+cache" in config:
+        if "--moe-cache-mib" in rec["args"]:
             assert cuda0.cache > 0 and cuda0.total == cuda0.weights + cuda0.kv + cuda0.compute + cuda0.overhead \
                 + cuda0.cache
-        if stem == "w1-12g-loc0":
-            # that table's peaks sit ~600 MiB below the same argv at the other localities for every configuration,
-            # with or without a cache (fit-pinned 10820 vs 11432, plan-again 11476 vs 12080), and one is the whole
-            # GPU (142947): its sampling missed the peak, so it checks nothing about the model
-            continue
-        assert abs(cuda0.total - peak) <= 0.03 * peak, (stem, config, cuda0.total / MiB, peak / MiB)
+        assert abs(cuda0.total - rec["vram_peak"]) <= max(0.03 * rec["vram_peak"], 256 * MiB), \
+            (rec["run"], rec["config"], cuda0.total / MiB, rec["vram_peak"] / MiB)
         checked += 1
-    assert checked >= 17
+    assert checked == 36
+
+
+def test_the_planner_still_makes_the_plans_that_ran(models, h200):
+    """Planned again here with the run's bandwidth and its model's profile, each budget and locality gives the
+    split between whole expert layers and cache that the H200 ran (the rows of docs/benchmarks.md describe it)."""
+    for run, (bench, plan) in _runs().items():
+        ran = plan["workers"][0]
+        rec = {"budget": bench["vram_budget"], "bandwidth": bench["plan_context"]["bandwidth"]}
+        req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=rec["budget"], vram_reserve=256 * MiB),))
+        w = make_plan(machines={"h200": _machine(h200, rec)}, model=models("qwen3-30b-a3b"), request=req,
+                      backend=_cached_backend(), routing=_curve(run.split("-")[0])).workers[0]
+        assert list(w.cpu_expert_layers) == ran["cpu_expert_layers"], run
+        assert w.settings.moe_cache_mib == pytest.approx(ran["settings"]["moe_cache_mib"] or 0, rel=0.05), run
 
 
 def _plan(models, h200, budget_gib, curve, **kw):
@@ -163,9 +208,8 @@ def test_the_plan_chooses_a_cache_with_locality_and_none_without(models, h200, b
     assert "--moe-cache-mib" not in flat.args
     same_ub = _plan(models, h200, budget, _curve("default"), expert_cache=0, ubatch=local.n_ubatch)
     assert local.expert_cache.no_cache.tokens_per_s == pytest.approx(same_ub.predicted.tg, rel=1e-9)
-    # the measured gains: 1.6x (12 GiB), 1.8x (8 GiB), 1.4x (16 GiB, where the roofline of the placement
-    # without a cache runs high: see the ncmoe7 note above)
-    assert local.predicted.tg > (1.3 if budget < 16 else 1.05) * flat.predicted.tg
+    # measured at 12 GiB: 1.92x (143.5 t/s with the cache against 74.7 for the locality-0 plan without one)
+    assert local.predicted.tg > 1.3 * flat.predicted.tg
     assert any(d.what == "expert cache" and d.value == "off" for d in flat.decisions)
     # the cache and the whole layers fit the same budget as the plan without a cache
     mem = next(m for m in local.memory if m.device == "CUDA0")
@@ -228,11 +272,11 @@ def test_plan_reads_the_cached_routing_profile_and_prints_the_arithmetic(models,
         "cache_mib"]
 
     def cache_profile(locality):
-        trace = parse_trace((FIX / "routing" / f"demo-locality-{LOCALITY[locality]}.trace").read_bytes())
+        doc = _profile(locality).to_json()
         p = profile_path(model.paths[0])
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps({"model": model.paths[0], "settings": {},
-                                 "profile": profile(trace, f"measured {locality}").to_json()}))
+                                 "profile": {**doc, "source": f"measured {locality}"}}))
 
     cache_profile("loc0")
     flat = plan_document(_resolve(model))["workers"][0]
@@ -257,23 +301,28 @@ def test_misses_on_the_cpu_when_asked_for_and_when_predicted_faster(models, h200
     cached = _cached_backend()
     both = cached.__class__(**{**cached.__dict__, "features": cached.features | {"moe_cache_cpu_misses"}})
     curve = _curve("default")
-    upload = _plan_with(models, h200, 12, curve, both)                       # the default: upload
+    upload = _plan_with(models, h200, 8, curve, both)                        # the default: upload
     assert upload.expert_cache.chosen.miss_mode == "upload" and "--moe-cache-cpu-misses" not in upload.args
-    cpu = _plan_with(models, h200, 12, curve, both, expert_cache_misses="cpu")
+    # at 8 GiB a cache with CPU misses still beats none (measured 56.2 against 40.1 t/s), so asked for, it is taken
+    cpu = _plan_with(models, h200, 8, curve, both, expert_cache_misses="cpu")
     assert cpu.expert_cache.use_cache and cpu.expert_cache.chosen.miss_mode == "cpu"
     assert cpu.settings.moe_cache_cpu_misses and "--moe-cache-cpu-misses" in cpu.args
     chosen = cpu.expert_cache.chosen                         # the shares replayed on the recorded trace
     hit, up = curve.cpu_misses.at(chosen.fraction)
     assert chosen.hit_rate == pytest.approx(hit) and chosen.host_read_bytes > 0
     assert chosen.pcie_bytes == pytest.approx(up / hit * chosen.cache_hit_bytes)     # the re-used misses
+    assert cpu.predicted.tg < 0.7 * upload.predicted.tg                  # measured 0.56x
     # a binary without the option: uploads, and the plan says why
-    older = _plan_with(models, h200, 12, curve, cached, expert_cache_misses="cpu")
+    older = _plan_with(models, h200, 8, curve, cached, expert_cache_misses="cpu")
     assert older.expert_cache.chosen.miss_mode == "upload" and "--moe-cache-cpu-misses" not in older.args
     assert any("no --moe-cache-cpu-misses" in d.why for d in older.decisions if d.what == "expert cache")
-    # auto: whichever mode predicts the faster generation (within the objective's 3%)
-    for loc in ("loc0", "default", "high"):
-        c = _curve(loc)
-        auto = _plan_with(models, h200, 12, c, both, expert_cache_misses="auto")
-        best = max(_plan_with(models, h200, 12, c, both, expert_cache_misses=m).predicted.tg for m in ("upload", "cpu"))
-        assert auto.predicted.tg >= 0.97 * best
-        assert ("--moe-cache-cpu-misses" in auto.args) == (auto.expert_cache.chosen.miss_mode == "cpu")
+    # auto: whichever mode predicts the faster generation (within the objective's 3%); on the H200's PCIe Gen5
+    # link that is uploading, at every budget and locality measured (CPU misses ran at 0.49-0.56x)
+    for budget in (8, 12, 16):
+        for loc in LOCALITIES:
+            c = _curve(loc)
+            auto = _plan_with(models, h200, budget, c, both, expert_cache_misses="auto")
+            best = max(_plan_with(models, h200, budget, c, both, expert_cache_misses=m).predicted.tg
+                       for m in ("upload", "cpu"))
+            assert auto.predicted.tg >= 0.97 * best
+            assert "--moe-cache-cpu-misses" not in auto.args and auto.expert_cache.chosen.miss_mode != "cpu"
