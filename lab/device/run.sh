@@ -41,6 +41,8 @@
 #                     (whose +0 point is the plan's placement without its cache) / the plan with
 #                     --moe-cache-cpu-misses / the plan again (A/A, 12 GiB); W1_CACHE_BUDGETS (GiB, default
 #                     "12 8 16") and W1_CACHE_CONFIGS (default: all of them) narrow it
+#   w2-cache[=L]      the same for W2 written at routing locality L, at W2_CACHE_BUDGETS (default 24 GiB; A/A at
+#                     the first), W2_CACHE_CONFIGS
 #
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
@@ -69,7 +71,7 @@ cd "$(dirname "$0")/../.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 STEPS=(build gpu-tests routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
-       w1-cpu-flags w1-load-modes w2 w1-cache w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
+       w1-cpu-flags w1-load-modes w2 w1-cache w2-cache w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
        gateway-cpu sampler-cost)
 known() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -103,6 +105,8 @@ synth() {   # synth q30 | q235 | loc-L (W1 at routing locality L): write the mod
     q30) [ -f "$Q30" ] || ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1 ;;
     loc-*) [ -f "$M/w1-$1.gguf" ] || ( time orch synth-model "$M/w1-$1.gguf" --like qwen3-30b-a3b --quant q4_0 \
              --locality "${1#loc-}" ) >> "$O/synth.log" 2>&1 ;;
+    w2-loc-*) [ -f "$M/$1.gguf" ] || ( time orch synth-model "$M/$1.gguf" --like qwen3-235b-a22b --layers 24 \
+             --quant q4_0 --locality "${1#w2-loc-}" ) >> "$O/synth.log" 2>&1 ;;
     q235) [ -f "$Q235" ] || ( time orch synth-model "$Q235" --like qwen3-235b-a22b --layers 24 --quant q4_0 ) \
             >> "$O/synth.log" 2>&1 ;;
   esac
@@ -117,11 +121,12 @@ cpu_server() {   # the CPU llama-server of .devcpu/ as LLAMA_SERVER, and the bun
   export LLAMA_SERVER=/root/bin/llama-server
   ( time python3 -m compileall -q -j 16 /tmp/site "$PWD/orchestrator" ) > "$O/compileall.log" 2>&1; log "bytecode"
 }
-routing_profile() {   # routing_profile L: W1 at routing locality L, written unless there, and its profile measured
-  local mdl=$M/w1-loc-$1.gguf
-  synth "loc-$1"
-  # W1 fits the GPU: traced there in seconds; on the CPU (a minute) if that fails
-  ( time timeout 120 python3 -m orchestrator model "$mdl" --routing --gpu-layers 99 ) > "$O/routing-$1.txt" 2>&1 || \
+routing_profile() {   # routing_profile L [w1|w2]: the model at routing locality L, written unless there, and its
+                      # profile measured
+  local mdl=$M/${2:-w1}-loc-$1.gguf
+  synth "$( [ "${2:-w1}" = w2 ] && echo "w2-loc-$1" || echo "loc-$1" )"
+  # W1 and W2 fit the GPU: traced there in seconds; on the CPU (minutes) if that fails
+  ( time timeout 180 python3 -m orchestrator model "$mdl" --routing --gpu-layers 99 ) > "$O/routing-$1.txt" 2>&1 || \
     ( time timeout $(( $(left) - 30 )) python3 -m orchestrator model "$mdl" --routing ) >> "$O/routing-$1.txt" 2>&1
   log "routing profile ($1) rc=$?"; tail -6 "$O/routing-$1.txt"
 }
@@ -130,6 +135,29 @@ gateway_on_gpu() {   # gateway_on_gpu PROCESSES ROUNDS
   log "gateway overhead, $1 gateway process(es), $2 rounds ($(left) s left)"
   timeout $(( $(left) - 8 )) python3 lab/bench/gateway_overhead.py --mode ray --rounds "$2" --model "$Q30" \
     --binary "$SERVER" --ngl 99 --threads 8 --gateway-processes "$1" --json > "$O/gateway-$1.txt" 2>&1
+}
+
+cache_runs() {   # cache_runs w1|w2 LOCALITY "BUDGETS" CONFIGS: the plan's choice of whole expert layers and cache at
+                 # each budget (GiB), beside fit-pinned, the cache grid, CPU misses and (at the first budget) A/A
+  need_server
+  local model=$1 loc=$2 budgets=$3 configs=$4 first=${3%% *}
+  local mdl=$M/$model-loc-$loc.gguf
+  routing_profile "$loc" "$model"
+  local b cfg
+  for b in $budgets; do
+    [ "$(left)" -gt 150 ] || { log "no time left for ${b} GiB"; break; }
+    orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" > "$O/plan-${b}g.txt" 2>&1
+    orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" --json > "$O/plan-${b}g.json" 2>&1
+    cfg=plan,fit-pinned,cache-grid; [ "$b" = "$first" ] && cfg=$cfg,control
+    cfg=${configs:-$cfg}
+    local V=()     # the plan's placement and cache with rarely used experts on the CPU
+    [[ ,$cfg, == *,plan,* ]] && grep -q -- '--moe-cache-mib' "$O/plan-${b}g.json" && \
+      V=(--config "$(python3 lab/device/plan-config.py plan-cpu-misses "$O/plan-${b}g.json" --add=--moe-cache-cpu-misses)")
+    timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs "$cfg" "${V[@]}" \
+      --rounds 1 --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 6 \
+      --max-minutes "$(mins 10)" --out "$O/$model-${b}g" > "$O/$model-${b}g.log" 2>&1
+    log "${b} GiB rc=$?"; tail -25 "$O/$model-${b}g.log"
+  done
 }
 
 step() {   # step NAME [ARG]
@@ -254,25 +282,10 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     need_server; routing_profile "${arg:-default}"
     ;;
   w1-cache)
-    need_server
-    local loc=${arg:-default}
-    local mdl=$M/w1-loc-$loc.gguf
-    routing_profile "$loc"
-    local b cfg
-    for b in ${W1_CACHE_BUDGETS:-12 8 16}; do
-      [ "$(left)" -gt 150 ] || { log "no time left for ${b} GiB"; break; }
-      orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" > "$O/plan-${b}g.txt" 2>&1
-      orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" --json > "$O/plan-${b}g.json" 2>&1
-      cfg=plan,fit-pinned,cache-grid; [ "$b" = 12 ] && cfg=$cfg,control
-      cfg=${W1_CACHE_CONFIGS:-$cfg}
-      local V=()     # the plan's placement and cache with rarely used experts on the CPU
-      [[ ,$cfg, == *,plan,* ]] && grep -q -- '--moe-cache-mib' "$O/plan-${b}g.json" && \
-        V=(--config "$(python3 lab/device/plan-config.py plan-cpu-misses "$O/plan-${b}g.json" --add=--moe-cache-cpu-misses)")
-      timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs "$cfg" "${V[@]}" \
-        --rounds 1 --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 6 \
-        --max-minutes "$(mins 10)" --out "$O/w1-${b}g" > "$O/w1-${b}g.log" 2>&1
-      log "${b} GiB rc=$?"; tail -25 "$O/w1-${b}g.log"
-    done
+    cache_runs w1 "${arg:-default}" "${W1_CACHE_BUDGETS:-12 8 16}" "${W1_CACHE_CONFIGS:-}"
+    ;;
+  w2-cache)
+    cache_runs w2 "${arg:-default}" "${W2_CACHE_BUDGETS:-24}" "${W2_CACHE_CONFIGS:-}"
     ;;
   w2)
     need_server; synth q235
