@@ -2,7 +2,11 @@
 """Benchmark: how long `make_plan` takes for DeepSeek-V3 (full size, q4_0, 671B) on a two-socket, eight-GPU
 server (the described machine of topologies/2socket-8gpu.yaml). Target: < 200 ms.
 
-    python lab/bench/plan_speed.py [--repeat 20]
+    python lab/bench/plan_speed.py [--repeat 20] [--vram-limit GIB]
+
+With --vram-limit each GPU is held to that budget, so experts stay in host memory and the plan also weighs the
+expert cache: every split of each GPU's room between whole expert layers and slots (under -sm layer), from the
+default hit-rate curve.
 
 The model is synth-model's real DeepSeek-V3 header with a sparse data region (read exactly like the real file).
 """
@@ -28,6 +32,7 @@ from orchestrator.resolve import nominal_backend  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--vram-limit", type=float, metavar="GIB", help="hold every GPU to this budget")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         shape, specs = synth.plan("deepseek-v3", quant="q4_0")
@@ -40,7 +45,8 @@ def main() -> int:
         model = read_model(path)
         t_read = time.perf_counter() - t0
         machine = load_machine(REPO / "tests" / "fixtures" / "machines" / "described" / "2socket-8gpu.json")
-        req = PlanRequest(context=65536, parallel=4, nodes=(NodeRequest(name="server"),))
+        limit = int(args.vram_limit * 2**30) if args.vram_limit else None
+        req = PlanRequest(context=65536, parallel=4, nodes=(NodeRequest(name="server", vram_limit=limit),))
         be = nominal_backend("mainline", cuda=True)
         times = []
         for _ in range(args.repeat):
@@ -53,7 +59,8 @@ def main() -> int:
           f"{statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms "
           f"(target < 200 ms)")
     print(f"  -> {len(w.cpu_expert_layers)} expert layers in host memory, -sm {w.args[w.args.index('-sm') + 1]}, "
-          f"ub {w.n_ubatch}, predicted tg {w.predicted.tg:.1f} t/s")
+          f"ub {w.n_ubatch}, predicted tg {w.predicted.tg:.1f} t/s, expert cache "
+          f"{w.settings.moe_cache_mib or 0} MiB")
     return 0
 
 
