@@ -97,6 +97,8 @@ CACHE_FIXED_S = 0.37e-3
 # 8/12/16 GiB, default and high locality; shares from the profiles' replay): beyond the bytes, CACHE_CPU_MISS_HOP_S
 # for each host-resident layer whose token has a CPU miss (the hop GPU -> CPU -> GPU) and CACHE_CPU_MISS_FIXED_S per
 # token (least squares; every run within 7%). On the H200 (PCIe Gen5) the mode ran at 0.49-0.56x of uploading the
-# same misses.
+# same misses. Measured with the patch before a split that may leave rows to the CPU always ran in two parts: until
+# then such a split switched shape from token to token and lost its CUDA graphs, the likely source of the cost per
+# token, so these two constants may overstate the current patch's cost (the plan then errs towards uploading).
 CACHE_CPU_MISS_FIXED_S = 4.5e-3
 CACHE_CPU_MISS_HOP_S = 107e-6
