@@ -11,8 +11,8 @@
 #
 # One H200 (nvidia-h200):
 #   build             the CUDA build through `orchestrator build` (16 jobs) beside the synthesis of BUILD_MODELS
-#                     (default q30: W1; loc-L: W1 at routing locality L), and the bytecode of the bundle compiled
-#                     as pip would; ends the command if the build fails
+#                     (default q30: W1; loc-L, w2-loc-L: W1, W2 at routing locality L), and the bytecode of the
+#                     bundle compiled as pip would; ends the command if the build fails
 #   machine           nvidia-smi, numactl -H, lscpu; `orchestrator inspect --save`, `probe --refresh`, doctor,
 #                     and W1's plans at 8, 12 and 16 GiB (on the x2 too: the recorded h200x2 machine)
 #   llama-bench       llama-bench with W1 whole on the GPU (-ngl 99 -fa 1 -p 512 -n 128 -r 3)
@@ -100,7 +100,7 @@ H200=topologies/h200.yaml
 BENCH=(python3 -m orchestrator bench "$H200" --progress plain)   # `timeout` needs a program, not a function
 SERVER=
 
-synth() {   # synth q30 | q235 | loc-L (W1 at routing locality L): write the model unless it is there
+synth() {   # synth q30 | q235 | loc-L | w2-loc-L (W1 or W2 at routing locality L): write the model unless there
   case "$1" in
     q30) [ -f "$Q30" ] || ( time orch synth-model "$Q30" --like qwen3-30b-a3b --quant q4_0 ) >> "$O/synth.log" 2>&1 ;;
     loc-*) [ -f "$M/w1-$1.gguf" ] || ( time orch synth-model "$M/w1-$1.gguf" --like qwen3-30b-a3b --quant q4_0 \
