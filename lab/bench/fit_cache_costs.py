@@ -184,12 +184,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--profile", action="append", default=[], metavar="MODEL=PATH",
-                    help="a routing profile (JSON) of the model named MODEL (file stem), for the CPU-miss rows")
+                    help="the routing profile of the model named MODEL (file stem), for the CPU-miss rows: JSON or "
+                         "JSON.xz, as `orchestrator model --routing` caches it (tests/fixtures/routing/*.profile.json.xz)")
     a = ap.parse_args()
     profiles = {}
     for spec in a.profile:
         name, _, path = spec.partition("=")
-        profiles[name] = RoutingProfile.from_json(json.loads(Path(path).read_text()))
+        doc = _load(Path(path))
+        # a profile, or the file `orchestrator model --routing` caches (the profile under "profile")
+        profiles[name] = RoutingProfile.from_json(doc.get("profile", doc))
     pts = [pt for run in a.runs for pt in points(run)]
     up = [pt for pt in pts if pt.slots_per_layer and not pt.cpu_misses]
     if len(up) < 3:

@@ -43,3 +43,32 @@ def test_cache_miss_modes_counts_both_modes_on_the_rpc_device():
         upload, cpu = (tuple(float(x) for x in col.split(" / ")) for col in ln.split("|")[1:])
         assert upload[1] == 0 and sum(upload) == pytest.approx(1, abs=2e-3)       # no CPU misses asked for
         assert sum(cpu) == pytest.approx(1, abs=2e-3) and cpu[2] <= upload[2]     # fewer uploads
+
+
+def test_fit_cache_costs_gives_the_constants_the_plan_uses():
+    """Fitted again on the committed H200 runs and the W1 profiles, the expert cache's costs are the ones in
+    orchestrator/plan/rates.py (to their rounding): the constants stay tied to the data that produced them."""
+    import re
+
+    from orchestrator.plan import rates as R
+
+    raw = REPO / "docs" / "benchmarks" / "h200-2026-12-01-w1-cache"
+    runs = [str(p) for p in sorted(raw.glob("*.json.xz")) if not p.name.startswith("plan-")]
+    fix = REPO / "tests" / "fixtures" / "routing"
+    res = subprocess.run([sys.executable, str(REPO / "lab" / "bench" / "fit_cache_costs.py"), *runs,
+                          "--profile", f"w1-loc-default={fix / 'w1-loc-default.profile.json.xz'}",
+                          "--profile", f"w1-loc-high={fix / 'w1-loc-high.profile.json.xz'}"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert res.returncode == 0, res.stderr
+    m = re.search(r"fitted on 24 configurations: CACHE_UPLOAD_EFFICIENCY ([\d.]+), CACHE_LAYER_OVERHEAD_S ([\d.]+) us, "
+                  r"CACHE_FIXED_S ([\d.]+) ms", res.stdout)
+    assert m, res.stdout
+    assert float(m.group(1)) == pytest.approx(R.CACHE_UPLOAD_EFFICIENCY, abs=0.005)
+    assert float(m.group(2)) * 1e-6 == pytest.approx(R.CACHE_LAYER_OVERHEAD_S, abs=1e-6)
+    assert float(m.group(3)) * 1e-3 == pytest.approx(R.CACHE_FIXED_S, abs=0.01e-3)
+    worst = float(re.search(r"every cache configuration within ([\d.]+)%", res.stdout).group(1))
+    assert worst < 8.0
+    m = re.search(r"fitted on 5: CACHE_CPU_MISS_FIXED_S ([\d.]+) ms, CACHE_CPU_MISS_HOP_S ([\d.]+) us", res.stdout)
+    assert m, res.stdout
+    assert float(m.group(1)) * 1e-3 == pytest.approx(R.CACHE_CPU_MISS_FIXED_S, abs=0.1e-3)
+    assert float(m.group(2)) * 1e-6 == pytest.approx(R.CACHE_CPU_MISS_HOP_S, abs=2e-6)
