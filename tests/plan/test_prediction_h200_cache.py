@@ -12,6 +12,7 @@ profiles of the same three models (tests/fixtures/routing/w1-loc-*.profile.json.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import lzma
 import re
@@ -39,6 +40,7 @@ def _cached_backend():
     return b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
 
 
+@functools.lru_cache(maxsize=None)
 def _profile(locality: str) -> RoutingProfile:
     name = {"loc0": "0"}.get(locality, locality)
     doc = json.loads(lzma.decompress((FIX / "routing" / f"w1-loc-{name}.profile.json.xz").read_bytes()))
@@ -53,8 +55,9 @@ def _xz_json(path: Path):
     return json.loads(lzma.decompress(path.read_bytes()))
 
 
+@functools.lru_cache(maxsize=1)
 def _runs():
-    """{run name: (bench, plan)}: default-12g-r1, ..., loc0-12g, high-12g."""
+    """{run name: (bench, plan)} (read once; not to be modified): default-12g-r1, ..., loc0-12g, high-12g."""
     return {f.name.removesuffix(".json.xz"): (_xz_json(f), _xz_json(f.with_name("plan-" + f.name)))
             for f in sorted(BENCH.glob("*.json.xz")) if not f.name.startswith("plan-")}
 
