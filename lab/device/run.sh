@@ -42,7 +42,7 @@
 #                     --moe-cache-cpu-misses / the plan again (A/A, 12 GiB); W1_CACHE_BUDGETS (GiB, default
 #                     "12 8 16") and W1_CACHE_CONFIGS (default: all of them) narrow it
 #   w2-cache[=L]      the same for W2 written at routing locality L, at W2_CACHE_BUDGETS (default 24 GiB; A/A at
-#                     the first), W2_CACHE_CONFIGS
+#                     the first), W2_CACHE_CONFIGS; both take CACHE_ROUNDS (default 1) interleaved rounds
 #
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
@@ -154,8 +154,8 @@ cache_runs() {   # cache_runs w1|w2 LOCALITY "BUDGETS" CONFIGS: the plan's choic
     [[ ,$cfg, == *,plan,* ]] && grep -q -- '--moe-cache-mib' "$O/plan-${b}g.json" && \
       V=(--config "$(python3 lab/device/plan-config.py plan-cpu-misses "$O/plan-${b}g.json" --add=--moe-cache-cpu-misses)")
     timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs "$cfg" "${V[@]}" \
-      --rounds 1 --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 6 \
-      --max-minutes "$(mins 10)" --out "$O/$model-${b}g" > "$O/$model-${b}g.log" 2>&1
+      --rounds "${CACHE_ROUNDS:-1}" --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 \
+      --ttft-requests 6 --max-minutes "$(mins 10)" --out "$O/$model-${b}g" > "$O/$model-${b}g.log" 2>&1
     log "${b} GiB rc=$?"; tail -25 "$O/$model-${b}g.log"
   done
 }
