@@ -365,6 +365,9 @@ int main(int argc, char ** argv) {
 
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = ngl;
+    // Routing is what is measured, not speed: without the repacked copy of the CPU weights, they are read from
+    // the mapped file, so a model larger than host memory can still be traced.
+    mp.use_extra_bufts = false;
     llama_model * model = llama_model_load_from_file(path.c_str(), mp);
     if (!model) {
         std::fprintf(stderr, "expert_usage: %s: failed to load the model\n", path.c_str());
