@@ -14,7 +14,10 @@ shown beside, with what the model predicts for them from the routing profile's r
 is given for their model (``--profile MODEL_NAME=PATH``): the CPU path's own costs, CACHE_CPU_MISS_FIXED_S per
 token and CACHE_CPU_MISS_HOP_S per layer that has a CPU miss (the hop GPU -> CPU -> GPU), are fitted on them.
 
-usage: lab/bench/fit_cache_costs.py RUN [RUN ...] [--profile w1-loc-default=PROFILE.json ...]
+usage: lab/bench/fit_cache_costs.py RUN [RUN ...] [--profile w1-loc-default=PROFILE.json ...] [--upload current]
+
+With ``--upload current`` the upload path's three constants are not fitted but taken from rates.py, as the planner
+uses them: the runs then check them out of sample, and the CPU path's costs are fitted on top of them.
 
 A RUN is a bench output directory whose parent holds the plan it ran (plan-<B>g.json, as run.sh writes), a bench
 JSON (NAME.json or NAME.json.xz) beside its plan (plan-NAME.json[.xz], as docs/benchmarks keeps them), or
@@ -186,6 +189,8 @@ def main() -> int:
     ap.add_argument("--profile", action="append", default=[], metavar="MODEL=PATH",
                     help="the routing profile of the model named MODEL (file stem), for the CPU-miss rows: JSON or "
                          "JSON.xz, as `orchestrator model --routing` caches it (tests/fixtures/routing/*.profile.json.xz)")
+    ap.add_argument("--upload", choices=("fit", "current"), default="fit",
+                    help="fit the upload path's constants on these runs (default), or take rates.py's and check them")
     a = ap.parse_args()
     profiles = {}
     for spec in a.profile:
@@ -195,13 +200,17 @@ def main() -> int:
         profiles[name] = RoutingProfile.from_json(doc.get("profile", doc))
     pts = [pt for run in a.runs for pt in points(run)]
     up = [pt for pt in pts if pt.slots_per_layer and not pt.cpu_misses]
-    if len(up) < 3:
+    cur = (R.CACHE_UPLOAD_EFFICIENCY, R.CACHE_LAYER_OVERHEAD_S, R.CACHE_FIXED_S)
+    if a.upload == "current":
+        eff, layer_s, fixed_s = cur
+        print(f"not fitted: rates.py's constants, checked on {len(up)} configurations")
+    elif len(up) < 3:
         print("fewer than three cache configurations that upload their misses: nothing to fit", file=sys.stderr)
         return 1
-    eff, layer_s, fixed_s = fit(up)
-    cur = (R.CACHE_UPLOAD_EFFICIENCY, R.CACHE_LAYER_OVERHEAD_S, R.CACHE_FIXED_S)
-    print(f"fitted on {len(up)} configurations: CACHE_UPLOAD_EFFICIENCY {eff:.3f}, "
-          f"CACHE_LAYER_OVERHEAD_S {layer_s * 1e6:.1f} us, CACHE_FIXED_S {fixed_s * 1e3:.3f} ms")
+    else:
+        eff, layer_s, fixed_s = fit(up)
+        print(f"fitted on {len(up)} configurations: CACHE_UPLOAD_EFFICIENCY {eff:.3f}, "
+              f"CACHE_LAYER_OVERHEAD_S {layer_s * 1e6:.1f} us, CACHE_FIXED_S {fixed_s * 1e3:.3f} ms")
     print(f"current:                          CACHE_UPLOAD_EFFICIENCY {cur[0]:.3f}, "
           f"CACHE_LAYER_OVERHEAD_S {cur[1] * 1e6:.1f} us, CACHE_FIXED_S {cur[2] * 1e3:.3f} ms\n")
     print(f"{'run':44} {'config':20} {'host':>4} {'slots':>5} {'hits':>6} {'tg':>7} {'fitted':>7} {'ratio':>6} "
@@ -218,7 +227,8 @@ def main() -> int:
             f = c = predict_no_cache(pt)
         print(f"{run:44} {pt.config:20} {pt.host_layers:4d} {pt.slots_per_layer:5d} {pt.hit_rate:6.3f} "
               f"{pt.tg:7.1f} {f:7.1f} {f / pt.tg:6.3f} {c:7.1f} {c / pt.tg:6.3f}")
-    print(f"\nfitted: every cache configuration within {worst:.1%} of its measured generation")
+    print(f"\n{'fitted' if a.upload == 'fit' else 'current'}: every cache configuration within {worst:.1%} of its "
+          "measured generation")
     cpu = [pt for pt in pts if pt.cpu_misses]
     if not cpu:
         return 0

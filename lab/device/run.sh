@@ -129,6 +129,10 @@ routing_profile() {   # routing_profile L [w1|w2]: the model at routing locality
   ( time timeout 180 python3 -m orchestrator model "$mdl" --routing --gpu-layers 99 ) > "$O/routing-$1.txt" 2>&1 || \
     ( time timeout $(( $(left) - 30 )) python3 -m orchestrator model "$mdl" --routing ) >> "$O/routing-$1.txt" 2>&1
   log "routing profile ($1) rc=$?"; tail -6 "$O/routing-$1.txt"
+  # the profile itself beside its summary: the tests replan the runs with the curve the plan ran with
+  local saved; saved=$(grep -oE '^(saved|cached): .*\.json$' "$O/routing-$1.txt" | tail -1 | cut -d' ' -f2-)
+  [ -n "$saved" ] && xz -c "$saved" > "$O/routing-$1.profile.json.xz"
+  return 0
 }
 gateway_on_gpu() {   # gateway_on_gpu PROCESSES ROUNDS
   need_server; synth q30
