@@ -273,7 +273,7 @@ class WorkersConfig(Section):
     used recently enough to stay in a cache of this size is computed on the CPU from host memory while the GPU
     computes the cached ones; one used again soon enough is uploaded), or auto (whichever the plan predicts
     faster from the host-memory and PCIe bandwidths and the shares the model's routing profile replays; without
-    a profile, upload). upload by default: on the H200 (PCIe Gen5) the CPU path ran at 0.49-0.56x of uploading,
+    a profile, upload). upload by default: on the H200 (PCIe Gen5) the CPU path ran at 0.67-0.80x of uploading,
     and auto, which carries its measured costs, never chose it there."""
 
     warmup: Bool = False

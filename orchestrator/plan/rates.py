@@ -93,12 +93,11 @@ PINNED_COPY_EFFICIENCY = 0.66
 CACHE_UPLOAD_EFFICIENCY = 0.755
 CACHE_LAYER_OVERHEAD_S = 71e-6
 CACHE_FIXED_S = 0.37e-3
-# Misses computed on the CPU (--moe-cache-cpu-misses), fitted on the same runs (the plan's cache with CPU misses at
-# 8/12/16 GiB, default and high locality; shares from the profiles' replay): beyond the bytes, CACHE_CPU_MISS_HOP_S
-# for each host-resident layer whose token has a CPU miss (the hop GPU -> CPU -> GPU) and CACHE_CPU_MISS_FIXED_S per
-# token (least squares; every run within 7%). On the H200 (PCIe Gen5) the mode ran at 0.49-0.56x of uploading the
-# same misses. Measured with the patch before a split that may leave rows to the CPU always ran in two parts: until
-# then such a split switched shape from token to token and lost its CUDA graphs, the likely source of the cost per
-# token, so these two constants may overstate the current patch's cost (the plan then errs towards uploading).
-CACHE_CPU_MISS_FIXED_S = 4.5e-3
-CACHE_CPU_MISS_HOP_S = 107e-6
+# Misses computed on the CPU (--moe-cache-cpu-misses), fitted on the plan's cache with CPU misses at 8/12/16 GiB
+# (W1, default locality; shares from the profile's replay) on top of the three upload constants above: beyond the
+# bytes, CACHE_CPU_MISS_HOP_S for each host-resident layer whose token has a CPU miss (the hop GPU -> CPU -> GPU)
+# and CACHE_CPU_MISS_FIXED_S per token (least squares, three runs; each within 6%). On the H200 (PCIe Gen5) the
+# mode ran at 0.67-0.80x of uploading the same misses. Before the patch ran such a split always in two parts it
+# switched shape from token to token and lost its CUDA graphs: 4.5 ms per token then, 0.26 ms now.
+CACHE_CPU_MISS_FIXED_S = 0.26e-3
+CACHE_CPU_MISS_HOP_S = 105e-6

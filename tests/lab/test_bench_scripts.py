@@ -68,7 +68,18 @@ def test_fit_cache_costs_gives_the_constants_the_plan_uses():
     assert float(m.group(3)) * 1e-3 == pytest.approx(R.CACHE_FIXED_S, abs=0.01e-3)
     worst = float(re.search(r"every cache configuration within ([\d.]+)%", res.stdout).group(1))
     assert worst < 8.0
-    m = re.search(r"fitted on 5: CACHE_CPU_MISS_FIXED_S ([\d.]+) ms, CACHE_CPU_MISS_HOP_S ([\d.]+) us", res.stdout)
+    # the CPU-miss path as the patch runs it now: measured again (the runs above predate its split handling),
+    # fitted on top of rates.py's upload constants, which these runs check out of sample
+    revised = REPO / "docs" / "benchmarks" / "h200-2026-12-01-cache-rev"
+    res = subprocess.run([sys.executable, str(REPO / "lab" / "bench" / "fit_cache_costs.py"),
+                          *(str(revised / f"default-{b}g.json.xz") for b in (8, 12, 16)), "--upload", "current",
+                          "--profile", f"w1-loc-default={fix / 'w1-loc-default.profile.json.xz'}"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "not fitted: rates.py's constants, checked on 13 configurations" in res.stdout
+    worst = float(re.search(r"current: every cache configuration within ([\d.]+)%", res.stdout).group(1))
+    assert worst < 6.0
+    m = re.search(r"fitted on 3: CACHE_CPU_MISS_FIXED_S ([\d.]+) ms, CACHE_CPU_MISS_HOP_S ([\d.]+) us", res.stdout)
     assert m, res.stdout
-    assert float(m.group(1)) * 1e-3 == pytest.approx(R.CACHE_CPU_MISS_FIXED_S, abs=0.1e-3)
-    assert float(m.group(2)) * 1e-6 == pytest.approx(R.CACHE_CPU_MISS_HOP_S, abs=2e-6)
+    assert float(m.group(1)) * 1e-3 == pytest.approx(R.CACHE_CPU_MISS_FIXED_S, abs=0.01e-3)
+    assert float(m.group(2)) * 1e-6 == pytest.approx(R.CACHE_CPU_MISS_HOP_S, abs=1e-6)
