@@ -64,6 +64,7 @@ def cluster(tmp_path_factory, llama_server_path):
             yield {"address": f"127.0.0.1:{gcs}", "a": head, "b": nodes[1], "tmp": tmp,
                    "model": S.write_tiny_llama(tmp / "tiny.gguf"), "binary": llama_server_path}
     finally:
+        _leave_cluster()
         for p in nodes:
             p.terminate()
         for p in nodes:
@@ -75,6 +76,19 @@ def cluster(tmp_path_factory, llama_server_path):
         import shutil
 
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _leave_cluster() -> None:
+    """This process stays the driver of the cluster that `up` and `down` connected it to. Leave it before the
+    cluster stops and its temp dir (which holds this driver's log) goes: a driver left behind writes to a closed
+    log at exit, and Ray's core worker has aborted there ("corrupted size vs. prev_size")."""
+    import ray
+
+    from orchestrator.cluster.ray_api import keep_signal_handlers
+
+    if ray.is_initialized():
+        with keep_signal_handlers():
+            ray.shutdown()
 
 
 def _connects(port: int) -> bool:
