@@ -166,8 +166,13 @@ class FileServer:
                                 self.connection.shutdown(2)
                                 return
                         data = blob.read(pos, n)
-                        self.wfile.write(data)
+                        # counted before the write: the client can hold the last byte before this thread runs on
                         server.stats.add(len(data))
+                        try:
+                            self.wfile.write(data)
+                        except OSError:
+                            server.stats.add(-len(data))
+                            raise
                         pos += n
                         if server.pace_s:
                             time.sleep(server.pace_s)
