@@ -82,13 +82,9 @@ def _leave_cluster() -> None:
     """This process stays the driver of the cluster that `up` and `down` connected it to. Leave it before the
     cluster stops and its temp dir (which holds this driver's log) goes: a driver left behind writes to a closed
     log at exit, and Ray's core worker has aborted there ("corrupted size vs. prev_size")."""
-    import ray
+    from orchestrator.cluster.ray_api import RayApi
 
-    from orchestrator.cluster.ray_api import keep_signal_handlers
-
-    if ray.is_initialized():
-        with keep_signal_handlers():
-            ray.shutdown()
+    RayApi().disconnect()
 
 
 def _connects(port: int) -> bool:
