@@ -13,6 +13,7 @@ from orchestrator.model.info import ModelInfo
 from orchestrator.plan import memory as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts, model_costs
+from orchestrator.plan.layout import worker_layout
 from orchestrator.plan.cpu import CpuChoice, choose_cpu, node_available
 from orchestrator.model.memory import MOE_CACHE_MAX_BATCH, moe_cache_bank_bytes, moe_cache_size
 from orchestrator.model.routing_profile import DEFAULT_CURVE, HitCurve
@@ -720,76 +721,6 @@ def _selected_gpus(machine: Machine, node_req: NodeRequest) -> tuple[int, ...]:
     return tuple(node_req.gpus)
 
 
-def _layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: tuple[int, ...], kv_total: int,
-            node_req: NodeRequest) -> tuple[list[tuple[tuple[int, ...], int | None, tuple[int, int] | None]], Decision]:
-    """[(gpu indexes, package or None, CPU share (k, n) or None)] per worker on one machine, and why."""
-    packages = sorted(machine.packages, key=lambda p: p.id)
-    layout = req.layout
-    if layout == "auto":
-        if gpus:
-            layout = "machine"
-            why = "GPUs present: one worker pools every selected GPU's memory (fewest CPU-resident experts)"
-        elif len(packages) > 1:
-            per_socket_free = []
-            for p in packages:
-                per_socket_free.append(sum(node_available(machine, n) for n in machine.numa_nodes
-                                           if p.id in n.packages))
-            need = costs.total_bytes + kv_total + node_req.ram_reserve // len(packages)
-            if all(f >= need for f in per_socket_free):
-                layout = "socket"
-                why = (f"CPU only, {len(packages)} sockets each with room for the model ({fmt_bytes(need)}): one "
-                       f"replica per socket, all memory local")
-            else:
-                layout = "machine"
-                why = (f"CPU only; the model ({fmt_bytes(need)}) does not fit one socket's memory: one worker over "
-                       f"all sockets")
-        else:
-            layout = "machine"
-            why = "one socket: one worker"
-    else:
-        why = "set by the topology"
-    if layout == "machine":
-        n = req.replicas or 1
-        if n > 1 and gpus:
-            raise PlanError(f"workers.replicas: {n} replicas of a GPU worker would share GPUs {list(gpus)}: use "
-                            f"layout gpu-group (one worker per group of GPUs) or one replica per machine")
-        return [(gpus, None, (k, n) if n > 1 else None) for k in range(n)], Decision("layout", f"machine x{n}", why)
-    if layout == "socket":
-        out = []
-        for p in packages:
-            node_ids = set(p.nodes)
-            pg = tuple(g.index for g in machine.gpus if g.index in gpus and machine.nearest_cpu_node(g) in node_ids)
-            out.append((pg, p.id, None))
-        return out, Decision("layout", f"socket x{len(out)}", why)
-    if layout == "gpu-group" and req.gpu_group_size:
-        size = req.gpu_group_size
-        if not gpus:
-            raise PlanError("workers.layout: 'gpu-group' needs GPUs, and none are selected")
-        if len(gpus) % size:
-            raise PlanError(f"workers.gpu_group_size: {size} does not divide the {len(gpus)} selected GPUs "
-                            f"{list(gpus)}: choose a divisor, or leave it out for one group per socket")
-        out = []
-        for k in range(0, len(gpus), size):
-            grp = tuple(gpus[k:k + size])
-            node = machine.nearest_cpu_node(next(g for g in machine.gpus if g.index == grp[0]))
-            pkg = next((p.id for p in packages if node in p.nodes), None)
-            out.append((grp, pkg, None))
-        return out, Decision("layout", f"gpu-group x{len(out)}", why + f" ({size} GPUs per worker)")
-    if layout == "gpu-group":
-        groups: dict[int | None, list[int]] = {}
-        for g in machine.gpus:
-            if g.index not in gpus:
-                continue
-            node = machine.nearest_cpu_node(g)
-            pkg = next((p.id for p in packages if node in p.nodes), None)
-            groups.setdefault(pkg, []).append(g.index)
-        if not groups:
-            raise PlanError("workers.layout: 'gpu-group' needs GPUs, and none are selected")
-        out = [(tuple(v), k, None) for k, v in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
-        return out, Decision("layout", f"gpu-group x{len(out)}", why + " (one worker per socket's GPUs)")
-    raise PlanError(f"workers.layout: unknown layout {layout!r} (expected auto, machine, socket or gpu-group)")
-
-
 def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: PlanRequest,
               backend: BackendInfo, routing: HitCurve | None = None) -> Plan:
     """The whole deployment: workers on every node of the topology. When the topology left the KV cache type
@@ -831,7 +762,7 @@ def _make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pl
         machine = machines[node_req.name]
         node_req = node_req.for_machine(machine.memory_total_bytes)
         gpus = _selected_gpus(machine, node_req)
-        groups, why = _layout(machine, costs, request, gpus, kv_total, node_req)
+        groups, why = worker_layout(machine, costs, request, gpus, kv_total, node_req)
         decisions.append(Decision(f"layout {node_req.name}", why.value, why.why))
         for k, (gidx, pkg, share) in enumerate(groups):
             name = f"{node_req.name}-{k}" if len(groups) > 1 or len(request.nodes) > 1 else node_req.name
