@@ -56,12 +56,15 @@ def cpu_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums
     return max(mem, comp) + 0.5 * min(mem, comp)
 
 
-def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None) -> float:
-    """Time to copy the used experts of ``layers`` to the GPU and run them there."""
+def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None,
+                        cached_fraction: float = 0.0) -> float:
+    """Time to copy the used experts of ``layers`` to the GPU and run them there. ``cached_fraction``: the share of
+    each layer's experts the expert cache holds, which such a batch reads from the slots on the GPU instead of
+    copying (``--moe-cache-prefill``; the router's picks taken as independent of what is cached)."""
     if not layers:
         return 0.0
     bpe, ppe = sums or _expert_sums(costs, layers)
-    used = experts_used(costs.n_expert, costs.n_expert_used, batch)
+    used = experts_used(costs.n_expert, costs.n_expert_used, batch) * (1.0 - min(1.0, max(0.0, cached_fraction)))
     gpu_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 1e12
     return bpe * used / sp.h2d + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
 
@@ -155,8 +158,9 @@ def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read
 
 
 def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatch: int, threshold: int | None,
-               lengths=PP_LENGTHS) -> dict[int, float]:
-    """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``."""
+               lengths=PP_LENGTHS, cached_fraction: float = 0.0) -> dict[int, float]:
+    """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``; ``cached_fraction``
+    as in :func:`offload_expert_time`."""
     cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
     gpu_flops_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 0.0
     gpu_params = 0.0
@@ -187,7 +191,7 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
                 t += max(2.0 * cpu_params * b / sp.cpu_flops, 0.0)
             if cpu_layers:
                 if threshold is not None and b >= threshold and sp.gpu_mem_bw:
-                    t += offload_expert_time(costs, cpu_layers, b, sp, sums)
+                    t += offload_expert_time(costs, cpu_layers, b, sp, sums, cached_fraction)
                 else:
                     t += cpu_expert_time(costs, cpu_layers, b, sp, sums)
         out[length] = length / t if t > 0 else 0.0
