@@ -23,14 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plan_document(res) -> dict:
-    doc = res.plan.to_dict()
-    for w, spec in zip(doc["workers"], res.specs):
-        w["argv"] = list(spec.argv)
-        w["env"] = dict(spec.env)
-        w["command"] = spec.shell_line()
-    doc["backend"] = res.backend.to_dict()
-    doc["notes"] = list(res.notes)
-    return doc
+    """The plan document of a resolved topology as JSON (orchestrator.plan.document)."""
+    from orchestrator.plan.document import PlanDocument
+
+    return PlanDocument.from_resolved(res).to_dict()
 
 
 def _gib(n: int | None) -> str:
