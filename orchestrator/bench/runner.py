@@ -14,14 +14,11 @@ Design (see docs/bench.md):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import platform
 import re
-import signal
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +36,7 @@ from orchestrator.bench.summary import ratios, summarize
 from orchestrator.errors import BackendError, ConfigError, HardwareError, LaunchError
 from orchestrator.launch.llama_args import LOG_VERBOSITY, log_verbosity_args
 from orchestrator.launch.spec import LaunchSpec
+from orchestrator.sigutil import interrupts_held
 from orchestrator.units import MiB
 
 SCHEMA = "orchestrator-bench/1"
@@ -176,32 +174,6 @@ def _gpu_inventory(nvml: Any, gpus: Sequence[int]) -> list[dict]:
     return out
 
 
-@contextlib.contextmanager
-def _interrupts_held():
-    """Hold Ctrl-C/SIGTERM while a server is being started: an interrupt between fork and exec would leave a
-    llama-server that no one owns. Once the start returned (the process object exists, so it will be stopped),
-    a held signal goes to its own handler. Only the Python handlers change, not the signal mask, so the server
-    does not inherit blocked signals. Outside the main thread this holds nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    old = {}
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            old[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        if got:
-            handler = old.get(got[0])
-            if callable(handler):
-                handler(got[0], None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), got[0])
-
-
 def _stop_server(proc: Any, grace: float) -> None:
     """Stop a server even when Ctrl-C/SIGTERM lands in the middle of stopping it: finish, then re-raise."""
     try:
@@ -275,7 +247,7 @@ class _Bench:
         proc = None
         try:
             try:
-                with _interrupts_held():
+                with interrupts_held():
                     proc = self.launcher(spec, log)
             except LaunchError as e:
                 if not _PORT_TAKEN.search(str(e)):
@@ -284,7 +256,7 @@ class _Bench:
                 spec = LaunchSpec(name=spec.name, argv=self.argv(cfg, port), env=spec.env,
                                   host=o.host, port=port)
                 run["argv"] = list(spec.argv)
-                with _interrupts_held():
+                with interrupts_held():
                     proc = self.launcher(spec, log)
             sampler.attach(proc.pid)
             sampler.phase("load")

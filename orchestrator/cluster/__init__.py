@@ -2,10 +2,11 @@
 
 Entry points (Ray is imported only when they run)::
 
-    from orchestrator.cluster import Deployment, RestartPolicy, up, status, down
-    up(Deployment(specs=plan_specs, ...), foreground=True)
+    from orchestrator.cluster import Deployment, RestartPolicy, up, status, down, start_up
+    start_up(topology, detach=False)                       # `orchestrator up`, every phase (startup.py)
+    up(Deployment(specs=plan_specs, ...), foreground=True)   # a Deployment built by hand (runner.py)
 
-See ``docs/cluster.md`` for the picture and ``runner.py`` for the steps.
+See ``docs/cluster.md`` for the picture, ``startup.py`` for `up`'s phases and ``runner.py`` for Ray's part.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from orchestrator.cluster.deployment import LOCAL, Deployment, RestartPolicy
 
-__all__ = ["Deployment", "RestartPolicy", "LOCAL", "up", "down", "status"]
+__all__ = ["Deployment", "RestartPolicy", "LOCAL", "up", "down", "status", "start_up"]
 
 
 def up(deployment: Deployment, foreground: bool = True, **kw: Any):
@@ -33,3 +34,9 @@ def status(namespace: str = "orchestrator") -> dict:
     from orchestrator.cluster.runner import status as _status
 
     return _status(namespace)
+
+
+def start_up(topology: Any, **kw: Any) -> int:
+    from orchestrator.cluster.startup import start_up as _start_up
+
+    return _start_up(topology, **kw)

@@ -28,7 +28,6 @@ from orchestrator.launch.spec import LaunchSpec
 TICK_S = 0.5
 STARTING_TICK_S = 0.1    # until the deployment is ready: each tick only polls, and readiness shows sooner
 STALE_S = 5.0            # a replica whose last status is older than this is not routed to
-SCHEDULE_TIMEOUT_S = 60  # a worker actor not running after this long cannot be placed
 PUSH_EVERY_S = 5.0       # the routing table is re-sent this often even when unchanged (a restarted gateway)
 
 # deployment phases
@@ -194,10 +193,11 @@ class Controller:
                 self._actor_lost(slot, now, f"worker actor failed to start on node {slot.node_name}: {e}")
                 return
             if not done:
-                if now - slot.created_at > SCHEDULE_TIMEOUT_S:
+                if now - slot.created_at > self.dep.limits.actor_s:
                     res = dict(slot.spec.resources) or "none"
                     self._actor_lost(slot, now, f"worker actor not running on node {slot.node_name} after "
-                                                f"{SCHEDULE_TIMEOUT_S}s (does the node have the resources {res}?)")
+                                                f"{self.dep.limits.actor_s:g}s (does the node have the resources {res}? "
+                                                "ray.start_timeout sets how long it may take)")
                 return
             slot.start_ref = None
             self._took_status(slot, val, now)
@@ -312,8 +312,9 @@ class Controller:
                                         f"{e}")
                 return
             if not done:
-                if now - g.created_at > SCHEDULE_TIMEOUT_S:
-                    self._gateway_lost(g, now, f"gateway actor not running after {SCHEDULE_TIMEOUT_S}s")
+                if now - g.created_at > self.dep.limits.actor_s:
+                    self._gateway_lost(g, now, f"gateway actor not running after {self.dep.limits.actor_s:g}s "
+                                            "(ray.start_timeout)")
                 return
             g.start_ref, g.url, g.ever_up, g.phase, g.error = None, url, True, "serving", ""
             g.failures, g.acked = 0, g.pushed

@@ -76,6 +76,40 @@ class RestartPolicy:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+HEAD_START_S = 120.0       # an idle machine starts a local Ray head in 3-10 s
+MAX_LOAD_SCALE = 10.0
+
+
+@dataclass(frozen=True)
+class StartLimits:
+    """How long the parts Ray starts may take: the local head (``head_s``), an actor to be placed and running
+    (``actor_s``), and Ray's own waits for its agents' ports and for the raylet to register (``ray_wait_s``,
+    given to the head as RAY_agent_register_timeout_ms and RAY_raylet_start_wait_time_s)."""
+
+    head_s: float = HEAD_START_S
+    actor_s: float = HEAD_START_S / 2
+    ray_wait_s: float = HEAD_START_S / 4
+
+    @classmethod
+    def from_start_timeout(cls, value: float | str, load_per_cpu: float = 0.0) -> "StartLimits":
+        """``ray.start_timeout``: seconds, or auto = :data:`HEAD_START_S` scaled by the machine's load (the
+        1-minute load average per CPU, 1x to :data:`MAX_LOAD_SCALE`); the other limits keep their proportions."""
+        head = float(value) if value != "auto" else HEAD_START_S * min(MAX_LOAD_SCALE, max(1.0, load_per_cpu))
+        return cls(head_s=head, actor_s=head / 2, ray_wait_s=head / 4)
+
+    def ray_env(self) -> dict[str, str]:
+        """Ray's own start-up waits, in the variables its raylet reads."""
+        return {"RAY_agent_register_timeout_ms": str(int(self.ray_wait_s * 1000)),
+                "RAY_raylet_start_wait_time_s": str(max(1, round(self.ray_wait_s)))}
+
+    def to_dict(self) -> dict:
+        return {"head_s": self.head_s, "actor_s": self.actor_s, "ray_wait_s": self.ray_wait_s}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StartLimits":
+        return cls(**{k: float(d[k]) for k in cls.__dataclass_fields__ if k in d})
+
+
 @dataclass(frozen=True)
 class Deployment:
     """Everything ``up`` runs.
@@ -101,6 +135,7 @@ class Deployment:
     log_dir: str | None = None                  # llama-server logs on each node (None: <state_dir>/logs/<ns>)
     gateway_processes: int = 1                  # gateway actors sharing the port (SO_REUSEPORT)
     early: Mapping[str, Mapping[str, str]] = field(default_factory=dict)   # worker -> `up`'s early llama-server
+    limits: StartLimits = field(default_factory=StartLimits)
 
     def __post_init__(self) -> None:
         if not self.specs:
@@ -153,6 +188,7 @@ class Deployment:
             "namespace": self.namespace, "restart": self.restart.to_dict(), "plan_json": dict(self.plan_json),
             "ray_port": self.ray_port, "metrics_export_port": self.metrics_export_port, "log_dir": self.log_dir,
             "gateway_processes": self.gateway_processes, "early": {k: dict(v) for k, v in self.early.items()},
+            "limits": self.limits.to_dict(),
         }
 
     @classmethod
@@ -160,4 +196,5 @@ class Deployment:
         kw = dict(d)
         kw["specs"] = tuple(LaunchSpec.from_dict(s) for s in d["specs"])
         kw["restart"] = RestartPolicy.from_dict(d.get("restart", {}))
+        kw["limits"] = StartLimits.from_dict(d.get("limits", {}))
         return cls(**{k: v for k, v in kw.items() if k in cls.__dataclass_fields__})

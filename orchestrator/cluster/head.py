@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Collection
+from typing import Callable, Collection, Mapping
 
 from orchestrator.cluster.procs import same_start, started_since_boot
 from orchestrator.errors import ClusterError
@@ -93,9 +93,13 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def check_port(host: str, port: int, label: str) -> None:
+    """ClusterError naming ``label`` and, when it listens here, the process that holds ``host:port``."""
+    from orchestrator.cluster.procs import listener_on
+
     why = port_problem(host, port)
     if why:
-        raise ClusterError(f"{label}: cannot listen on {host}:{port}: {why}")
+        who = listener_on(host, port)
+        raise ClusterError(f"{label}: cannot listen on {host}:{port}: {why}" + (f" (held by {who})" if who else ""))
 
 
 def ensure_auth() -> str:
@@ -138,11 +142,12 @@ def _log_cause(path: Path) -> str:
 
 def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, dashboard_port: int,
                metrics_port: int | None, log_dir: Path, timeout: float = 120.0,
-               on_spawn: Callable[[HeadInfo], None] | None = None) -> HeadInfo:
+               on_spawn: Callable[[HeadInfo], None] | None = None,
+               ray_env: Mapping[str, str] | None = None) -> HeadInfo:
     """Start the head and wait until its GCS answers; ClusterError with Ray's own reason when it does not.
     ``on_spawn`` is called with the head's identity as soon as its process exists (to record it, so that a
-    ``down`` finds it even if the caller dies while the head is still starting)."""
-    import psutil
+    ``down`` finds it even if the caller dies while the head is still starting). ``ray_env``: Ray's own start-up
+    waits (StartLimits.ray_env); a variable the user set already is left as it is."""
 
     host = "127.0.0.1"
     taken = {dashboard_port, *(p for p in (gcs_port, metrics_port) if p)}
@@ -177,6 +182,8 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
 
     env = dict(os.environ, PYTHONPATH=pythonpath_with_package(), RAY_AUTH_MODE=mode, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
                RAY_metrics_report_interval_ms=os.environ.get("RAY_metrics_report_interval_ms", "5000"))
+    for k, v in (ray_env or {}).items():
+        env.setdefault(k, v)
     with open(log_path, "wb") as log:  # one head per namespace: this run's log only
         p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, close_fds=True)
@@ -200,7 +207,8 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
             if _started(log_path) and _connects(host, gcs_port):
                 return info
             if time.monotonic() > deadline:
-                raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path})")
+                raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path}); "
+                                   "a slow machine may need a longer ray.start_timeout")
             time.sleep(0.25)
     except BaseException:       # failed, or Ctrl-C while it starts: nothing of it stays
         stop_head(info.pid, info.started, temp_dir)

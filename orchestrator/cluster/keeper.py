@@ -35,6 +35,7 @@ from pathlib import Path
 from orchestrator.cluster.procs import server_env
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.paths import pythonpath_with_package
+from orchestrator.sigutil import start_thread_unsignalled
 
 POLL_S = 0.25         # owner and server checks: about 0.3% of a core
 
@@ -157,14 +158,9 @@ class EarlyServer:
                 close_fds=True, env={**os.environ, **server_env(self.server_key),
                                      "PYTHONPATH": pythonpath_with_package()})
         # reap the keeper as soon as it exits (this process is its parent while `up` runs in the foreground)
-        reaper = threading.Thread(target=self.popen.wait, name=f"reap-{self.spec.name}", daemon=True)
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) \
-            if threading.current_thread() is threading.main_thread() else None
-        try:
-            reaper.start()              # with up's stop signals blocked: they go to up's main thread only
-        finally:
-            if mask is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        # with up's stop signals blocked: they go to up's main thread only
+        start_thread_unsignalled(threading.Thread(target=self.popen.wait, name=f"reap-{self.spec.name}",
+                                                  daemon=True))
         return self
 
     def handover(self) -> dict:

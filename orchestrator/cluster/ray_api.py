@@ -12,17 +12,15 @@ mode; a cluster without authentication accepts such a driver too.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from orchestrator.errors import ClusterError
+from orchestrator.sigutil import keep_signal_handlers
 
 
 class ActorGone(Exception):
@@ -96,51 +94,6 @@ def _same_endpoint(a: str, b: str) -> bool:
         host, _, port = x.rpartition(":")
         return ("127.0.0.1" if host in ("localhost", "") else host, port)
     return norm(a) == norm(b)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def stop_signals_blocked():
-    """SIGINT, SIGTERM and SIGHUP blocked in this thread for the block; a thread started inside keeps them
-    blocked for good (a new thread inherits its creator's mask), so such signals always reach the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-@contextlib.contextmanager
-def keep_signal_handlers():
-    """Ray's own signal handling kept out of this process. ``ray.init`` installs a SIGTERM handler that calls
-    ``sys.exit`` at once (which would skip ``up``'s clean stop and leave everything running): it is not allowed
-    to. ``ray.shutdown`` resets SIGTERM to the default below Python (Python still reports its handler, the kernel
-    kills). So the stop signals are blocked in this thread while Ray runs the block (Ray's threads, started
-    inside, keep them blocked; ``up``'s own threads are started blocked too), so one that comes meanwhile waits,
-    pending; every handler is installed again afterwards, whatever ``signal.getsignal`` says, and only then are
-    they unblocked: the signal reaches our handler, never Ray's or the default."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    utils = sys.modules.get("ray._private.utils")
-    ray_setter = getattr(utils, "set_sigterm_handler", None)
-    with stop_signals_blocked():
-        if ray_setter is not None:
-            utils.set_sigterm_handler = lambda handler: None
-        try:
-            yield
-        finally:
-            if ray_setter is not None:
-                utils.set_sigterm_handler = ray_setter
-            for sig, handler in saved.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
 
 
 class RayApi:

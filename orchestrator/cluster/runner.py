@@ -10,7 +10,7 @@
    down and raises with llama-server's own reason;
 5. in the foreground, waits for Ctrl-C, SIGTERM, SIGHUP, its output pipe closing (or a ``down`` from
    elsewhere) and then runs ``down``: every way of stopping it runs the same clean stop, and a second signal
-   while it stops never cuts that short (:class:`StopSignals`).
+   while it stops never cuts that short (:class:`orchestrator.sigutil.StopSignals`).
 
 Exit status of a foreground ``up`` (:attr:`UpResult.exit_code`): 0 when the stop was asked for (Ctrl-C,
 SIGTERM, ``orchestrator down``); 129 (128 + SIGHUP) when the terminal hung up; 141 (128 + SIGPIPE) when the
@@ -23,7 +23,6 @@ head and KILLs anything of its process tree that is left, and removes the state 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import shutil
@@ -38,8 +37,9 @@ from typing import Any, Callable
 
 from orchestrator.cluster import head as headmod
 from orchestrator.cluster import state as statemod
-from orchestrator.cluster.deployment import Deployment
+from orchestrator.cluster.deployment import Deployment, StartLimits
 from orchestrator.errors import ClusterError, ConfigError, LaunchError
+from orchestrator.sigutil import StopSignals
 
 CONTROLLER = "controller"
 CONTROLLER_RESTARTS = 3     # Ray restarts a crashed controller; it starts the deployment again
@@ -108,6 +108,19 @@ def _head_alive(st: statemod.ClusterState) -> bool:
     return bool(st.head_pid and headmod.head_tree(st.head_pid, st.head_started))
 
 
+def check_not_running(namespace: str, own_early_head: bool = False) -> None:
+    """ClusterError when a deployment of ``namespace`` runs already; a stale record (its head gone) is removed.
+    ``own_early_head``: the record may be this process's own early head."""
+    old = statemod.read(namespace)
+    if old is None or (own_early_head and old.up_pid == os.getpid()):
+        return
+    if old.embedded and not _head_alive(old):
+        statemod.remove(namespace)          # a stale record: its head is gone
+        return
+    raise ClusterError(f"deployment {namespace!r} is already running (gateway {old.gateway_url}); "
+                       f"run `orchestrator down` first (state: {statemod.state_path(namespace)})")
+
+
 def _embedded_node_name(dep: Deployment) -> str:
     nodes = {s.node for s in dep.specs if s.node is not None}
     if len(nodes) > 1:
@@ -116,7 +129,8 @@ def _embedded_node_name(dep: Deployment) -> str:
     return nodes.pop() if nodes else "local"
 
 
-def _log_dir(log_dir: str | None, namespace: str) -> Path:
+def deployment_log_dir(log_dir: str | None, namespace: str) -> Path:
+    """Where the deployment's logs go: ``log_dir``, else <state_dir>/logs/<namespace>."""
     from orchestrator.paths import state_dir
 
     return Path(log_dir) if log_dir else state_dir() / "logs" / statemod.check_namespace(namespace)
@@ -130,7 +144,8 @@ class EarlyHead:
     so ``down`` finds it whatever happens next."""
 
     def __init__(self, namespace: str, node_name: str, *, dashboard_host: str, dashboard_port: int,
-                 metrics_port: int | None, log_dir: Path, gateway_url: str) -> None:
+                 metrics_port: int | None, log_dir: Path, gateway_url: str,
+                 limits: StartLimits = StartLimits()) -> None:
         self.namespace = namespace
         self.t0 = time.monotonic()
         self.info: headmod.HeadInfo | None = None
@@ -141,7 +156,7 @@ class EarlyHead:
         # looking finished (CPython 3.11), and a head still starting would then never be stopped
         self._done = threading.Event()
         kw = dict(node_name=node_name, gcs_port=None, dashboard_host=dashboard_host, dashboard_port=dashboard_port,
-                  metrics_port=metrics_port, log_dir=log_dir)
+                  metrics_port=metrics_port, log_dir=log_dir, timeout=limits.head_s, ray_env=limits.ray_env())
         self._thread = threading.Thread(target=self._run, args=(kw, gateway_url), name="ray-head", daemon=True)
         # started with the stop signals open: it starts the head, and a child inherits a blocked mask (a head
         # that cannot be TERMed); it ends once the head runs, before up ever lets go of Ray
@@ -192,7 +207,7 @@ class EarlyHead:
 
 def start_early_head(namespace: str, *, nodes: list[tuple[str, str | None]], gateway_host: str, gateway_port: int,
                      dashboard_host: str, dashboard_port: int, metrics_port: int | None,
-                     log_dir: str | None) -> EarlyHead | None:
+                     log_dir: str | None, limits: StartLimits = StartLimits()) -> EarlyHead | None:
     """Start the embedded head in the background when ``up`` will need exactly this one: a single node on this
     machine, no deployment of that name running, the gateway port free. Otherwise None (``up`` then starts
     the head itself, or says why it cannot)."""
@@ -204,8 +219,8 @@ def start_early_head(namespace: str, *, nodes: list[tuple[str, str | None]], gat
     if headmod.port_problem(gateway_host, gateway_port):
         return None
     return EarlyHead(namespace, "local", dashboard_host=dashboard_host, dashboard_port=dashboard_port,
-                     metrics_port=metrics_port, log_dir=_log_dir(log_dir, namespace),
-                     gateway_url=f"http://{gateway_host}:{gateway_port}")
+                     metrics_port=metrics_port, log_dir=deployment_log_dir(log_dir, namespace),
+                     gateway_url=f"http://{gateway_host}:{gateway_port}", limits=limits)
 
 
 def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], None] = _say_default,
@@ -218,7 +233,7 @@ def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], 
     import secrets
 
     server_key = server_key or secrets.token_urlsafe(32)
-    with _stop_signals() as sigs:
+    with StopSignals.active() as sigs:
         try:
             with statemod.NamespaceLock.acquire(deployment.namespace):
                 return _up(deployment, foreground, say, ready_timeout, early, sigs, server_key)
@@ -239,13 +254,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
         early.abandon()      # not the head this deployment needs
         early = None
     api_key = _api_key(dep)
-    old = statemod.read(ns)
-    if old is not None and not (early is not None and old.up_pid == os.getpid()):
-        if old.embedded and not _head_alive(old):
-            statemod.remove(ns)          # a stale record: its head is gone
-        else:
-            raise ClusterError(f"deployment {ns!r} is already running (gateway {old.gateway_url}); "
-                               f"run `orchestrator down` first (state: {statemod.state_path(ns)})")
+    check_not_running(ns, early is not None)
     headmod.check_port(dep.gateway_host, dep.gateway_port, "gateway.port")
     t0 = early.t0 if early is not None else time.monotonic()
     st = statemod.ClusterState(namespace=ns, ray_address=dep.ray_address, embedded=dep.embedded, up_pid=os.getpid(),
@@ -275,7 +284,8 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
             # recorded as soon as its process exists: `down` finds it even if this process dies while it starts
             head = headmod.start_head(node_name=node_name, gcs_port=dep.ray_port, dashboard_host=dep.dashboard_host,
                                       dashboard_port=dep.dashboard_port, metrics_port=dep.metrics_export_port,
-                                      log_dir=_log_dir(dep.log_dir, dep.namespace), on_spawn=record)
+                                      log_dir=deployment_log_dir(dep.log_dir, dep.namespace), on_spawn=record,
+                                      timeout=dep.limits.head_s, ray_env=dep.limits.ray_env())
         if dep.embedded:
             os.environ.setdefault("RAY_AUTH_MODE", head.auth_mode)
             record(head)
@@ -418,7 +428,15 @@ def _foreground_wait(ns: str, say: Callable[[str], None], sigs: StopSignals,
             if st is None or st.up_pid != os.getpid():
                 say("stopped by `orchestrator down`")
                 return 0
+            if _down_running(st) and _stopped_elsewhere(ns, st, say):
+                return 0
             if st.embedded and not _head_alive(st):
+                try:
+                    again = statemod.read(ns)
+                except statemod.StateError:
+                    again = st
+                if again is None or _down_running(again):     # a `down` began between the two looks
+                    continue
                 sigs.absorb()
                 say("the Ray head is gone: cleaning up")
                 code = 1
@@ -456,90 +474,6 @@ def _stop_from_foreground(ns: str, say: Callable[[str], None], sigs: StopSignals
     say(f"stopped ({len(res.workers)} worker(s)" + (", Ray head" if res.head_stopped else "") + ")"
         + (f"; {sigs.count - 1} further signal(s) waited for it" if sigs.count > 1 else ""))
     return code
-
-
-class StopRequested(KeyboardInterrupt):
-    """A signal (Ctrl-C, SIGTERM, SIGHUP) asked ``up`` to stop. A KeyboardInterrupt, so every clean-up path that
-    handles Ctrl-C handles it; ``exit_code`` is 128 + the signal's number."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.exit_code = 128 + signum
-
-
-class StopSignals:
-    """SIGINT, SIGTERM and SIGHUP for the whole life of ``up``: the first one raises :class:`StopRequested` (or,
-    while :meth:`held`, is kept until the hold ends); every later one is only counted, so nothing cuts the stop
-    it started short. Installed in the main thread only; ``RayApi`` puts these handlers back after ``ray.init``
-    and ``ray.shutdown`` (Ray installs its own SIGTERM handler, which exits at once)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.first: int | None = None        # the signal that asked for the stop
-        self.count = 0
-        self._raised = False
-        self._holds = 0
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopSignals":
-        global _ACTIVE
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                if signal.getsignal(sig) is not signal.SIG_IGN:     # `nohup up`: a hang-up stays ignored
-                    self._old[sig] = signal.signal(sig, self._on_signal)
-        self._outer, _ACTIVE = _ACTIVE, self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _ACTIVE
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old = {}
-        _ACTIVE = self._outer
-
-    def _on_signal(self, signum: int, _frame) -> None:
-        self.count += 1
-        if self.first is None:
-            self.first = signum
-        if self._holds or self._raised:
-            return
-        self._raised = True
-        raise StopRequested(signum)
-
-    @contextlib.contextmanager
-    def held(self):
-        """Signals inside the block are kept; the first one is raised when the outermost hold ends (unless the
-        block raised itself)."""
-        self._holds += 1
-        try:
-            yield
-        finally:
-            self._holds -= 1
-        self.raise_pending()
-
-    def raise_pending(self) -> None:
-        if self._holds == 0 and self.first is not None and not self._raised:
-            self._raised = True
-            raise StopRequested(self.first)
-
-    def absorb(self) -> None:
-        """From now on every signal is only counted (the stop has begun some other way)."""
-        self._raised = True
-
-
-_ACTIVE: StopSignals | None = None
-
-
-@contextlib.contextmanager
-def _stop_signals():
-    """The active StopSignals, or a new one installed for the block."""
-    if _ACTIVE is not None:
-        yield _ACTIVE
-    else:
-        with StopSignals() as s:
-            yield s
 
 
 def output_closed() -> bool:
@@ -584,6 +518,8 @@ def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_d
             return _force_down(namespace, say)
         raise ClusterError(f"no deployment {namespace!r} is running (no state file at "
                            f"{statemod.state_path(namespace)})")
+    if st.up_pid != os.getpid():
+        _mark_stopping(st)
     api = None
     problems = []
     reachable = not st.embedded or _head_alive(st)
@@ -603,6 +539,39 @@ def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_d
     if res.killed:
         say(f"killed leftover processes: {', '.join(res.killed)}")
     return res
+
+
+def _mark_stopping(st: statemod.ClusterState) -> None:
+    """Tell a foreground ``up`` serving this deployment that this ``down`` stops it: it then sees its head go
+    as the stop it is, not as a crash."""
+    st.phase, st.stopping_pid = "stopping", os.getpid()
+    try:
+        statemod.write(st)
+    except OSError:
+        pass                # the stop goes on; that `up` then says its head is gone
+
+
+def _down_running(st: statemod.ClusterState) -> bool:
+    """Another process's ``down`` is stopping the deployment ``st`` records, and still runs."""
+    import psutil
+
+    return st.phase == "stopping" and bool(st.stopping_pid) and st.stopping_pid != os.getpid() and \
+        psutil.pid_exists(st.stopping_pid)
+
+
+def _stopped_elsewhere(ns: str, st: statemod.ClusterState, say: Callable[[str], None]) -> bool:
+    """A ``down`` from elsewhere is stopping this deployment: wait while it runs; True once the record is gone
+    (that ``down`` finished), False when it died before finishing."""
+    while st is not None and _down_running(st):
+        time.sleep(POLL_S)
+        try:
+            st = statemod.read(ns)
+        except statemod.StateError:
+            continue
+    if st is None or st.up_pid != os.getpid():
+        say("stopped by `orchestrator down`")
+        return True
+    return False
 
 
 def _force_down(namespace: str, say: Callable[[str], None]) -> DownResult:

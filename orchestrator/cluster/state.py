@@ -44,7 +44,8 @@ class ClusterState:
     embedded: bool                      # True: up started the Ray head below and down stops it
     up_pid: int
     started_at: float
-    phase: str = "starting"             # starting | running
+    phase: str = "starting"             # starting | running | stopping (a `down` is stopping it)
+    stopping_pid: int | None = None     # the `down` that is stopping it
     head_pid: int | None = None
     head_started: float | None = None     # seconds since boot (older records: a wall-clock time)
     head_temp_dir: str | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 
@@ -255,15 +254,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = args.out or time.strftime("bench-%Y%m%d-%H%M%S")
 
-    def terminated(signum, frame):               # SIGTERM (a timeout, `kill`): stop the server, keep the results
-        raise KeyboardInterrupt
+    from orchestrator.sigutil import terminate_as_interrupt
 
-    previous = signal.signal(signal.SIGTERM, terminated)
-    try:
+    with terminate_as_interrupt():     # SIGTERM, a hang-up: stop the server, keep the results so far
         data = run_bench(configs, server, out, options, progress=make_progress(args.progress),
                          charts=not args.no_charts, plan_context=getattr(args, "plan_context", None))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if args.json:
         json.dump({"out": str(out), "files": data.get("files"), "summary": data["summary"],
                    "ratios": data["ratios"], "stopped_early": data.get("stopped_early")}, sys.stdout, indent=1)

@@ -13,9 +13,9 @@ from pydantic_core import PydanticCustomError
 
 from orchestrator.config.keys import display_key, split_key
 from orchestrator.config.types import (
-    AUTO, Alias, ArgList, AutoBool, AutoInt, AutoSize, AutoSizeList, Bool, Choice, Duration, EnvVarName,
-    FilePath, GpuSelection, Host, Int, ModelPath, Name, Namespace, Port, RayAddress, Text, TiB, fail, is_auto,
-    is_remote_model,
+    AUTO, Alias, ArgList, AutoBool, AutoDuration, AutoInt, AutoSize, AutoSizeList, Bool, Choice, Duration,
+    EnvVarName, FilePath, GpuSelection, Host, Int, ModelPath, Name, Namespace, Port, RayAddress, Text, TiB, fail,
+    is_auto, is_remote_model,
 )
 from orchestrator.launch.llama_args import API_KEY_FLAGS, DEVICE_FLAGS, flags_of
 from orchestrator.units import MiB
@@ -365,6 +365,13 @@ class RayConfig(Section):
 
     namespace: Namespace = "orchestrator"
     """Ray namespace of the controller and its actors; two deployments on one cluster need two namespaces."""
+
+    start_timeout: AutoDuration(10, 86400) = AUTO
+    """How long a local Ray head may take to start. The same scale sets how long an actor may wait to be placed
+    (half of it) and Ray's own waits for its agents and raylet (a quarter each, through
+    RAY_agent_register_timeout_ms and RAY_raylet_start_wait_time_s unless they are set). auto: 120s on an idle
+    machine, longer in proportion to its load (the 1-minute load average per CPU, up to 10x): loaded hosts,
+    emulated guests and slow disks start Ray slowly."""
 
     @model_validator(mode="after")
     def _check(self) -> "RayConfig":

@@ -278,23 +278,40 @@ def fmt_seconds(s: float) -> str:
     return f"{s:g}s"
 
 
+def _duration_check(v: Any, lo: float, hi: float, accepts: str) -> float:
+    if isinstance(v, str) and v.strip().startswith("-") or _is_int(v) and v < 0:
+        fail(f"{v} is negative (expected {accepts})")
+    try:
+        s = parse_duration(v)
+    except ValueError:
+        fail(f"got {describe(v)} (expected {accepts})")
+        raise AssertionError  # unreachable
+    if s < lo or s > hi:
+        fail(f"{v} is out of range (expected {accepts})")
+    return s
+
+
 def Duration(lo: float, hi: float) -> Any:
     """A duration in seconds (``30``, ``"30s"``, ``"500ms"``, ``"5m"``, ``"1h"``), stored as float seconds."""
     accepts = f"a duration like 30s, 500ms or 5m, {fmt_seconds(lo)}..{fmt_seconds(hi)}"
 
     def check(v: Any) -> float:
-        if isinstance(v, str) and v.strip().startswith("-") or _is_int(v) and v < 0:
-            fail(f"{v} is negative (expected {accepts})")
-        try:
-            s = parse_duration(v)
-        except ValueError:
-            fail(f"got {describe(v)} (expected {accepts})")
-            raise AssertionError  # unreachable
-        if s < lo or s > hi:
-            fail(f"{v} is out of range (expected {accepts})")
-        return s
+        return _duration_check(v, lo, hi, accepts)
 
     return Annotated[float, PlainValidator(check), Accepts(accepts, "duration")]
+
+
+def AutoDuration(lo: float, hi: float) -> Any:
+    """``auto`` (the plan or the machine decides) or a duration as :func:`Duration` reads it."""
+    accepts = f"auto or a duration like 30s, 500ms or 5m, {fmt_seconds(lo)}..{fmt_seconds(hi)}"
+
+    def check(v: Any) -> Any:
+        if isinstance(v, str) and v.strip() == AUTO:
+            return AUTO
+        return _duration_check(v, lo, hi, accepts)
+
+    return Annotated[Union[Literal[AUTO], float], PlainValidator(check),  # type: ignore[valid-type]
+                     Accepts(accepts, "duration")]
 
 
 # ---------------------------------------------------------------------------------------------------- GPU lists

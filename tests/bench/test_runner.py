@@ -332,7 +332,7 @@ def test_an_interrupt_while_stopping_still_stops_the_server():
 
 
 def test_an_interrupt_during_a_server_start_is_held_until_the_start_returned():
-    from orchestrator.bench.runner import _interrupts_held
+    from orchestrator.sigutil import interrupts_held
 
     def raise_interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -341,13 +341,13 @@ def test_an_interrupt_during_a_server_start_is_held_until_the_start_returned():
     try:
         done = []
         with pytest.raises(KeyboardInterrupt):
-            with _interrupts_held():
+            with interrupts_held():
                 os.kill(os.getpid(), signal.SIGTERM)     # lands "between fork and exec"
                 time.sleep(0.05)
                 done.append("start returned")            # the process object would exist now
         assert done == ["start returned"]
         assert signal.getsignal(signal.SIGTERM) is raise_interrupt
-        with _interrupts_held():                         # nothing held: nothing raised
+        with interrupts_held():                         # nothing held: nothing raised
             pass
     finally:
         signal.signal(signal.SIGTERM, previous)

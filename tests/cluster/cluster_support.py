@@ -5,7 +5,9 @@ Integration modules load this file by path (see ``_support()`` there).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import socket
 import sys
 import time
@@ -19,8 +21,33 @@ if str(HERE.parent) not in sys.path:
 
 from tiny_llama import write_tiny_llama  # noqa: E402
 
-__all__ = ["write_tiny_llama", "free_port", "llama_spec", "http_json", "post_json", "stream_completion",
+__all__ = ["write_tiny_llama", "reset_stop_signals", "stop_signals_at_defaults", "free_port", "llama_spec", "http_json", "post_json", "stream_completion",
            "llama_servers", "ray_processes_of", "wait_for"]
+
+
+# What a program started from an interactive shell gets: these tests rely on it, whatever the test run inherited
+# (`nohup` ignores SIGHUP; a background job of a non-interactive shell ignores SIGINT), and `up` keeps an ignored
+# stop signal ignored, as `nohup orchestrator up` must.
+_STOP_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
+                  signal.SIGHUP: signal.SIG_DFL}
+
+
+def reset_stop_signals() -> None:
+    """For ``preexec_fn``: a child starts with SIGINT, SIGTERM and SIGHUP at their defaults (an ignored signal
+    stays ignored across exec; a handler does not)."""
+    for sig in _STOP_DEFAULTS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def stop_signals_at_defaults():
+    """This process's SIGINT, SIGTERM and SIGHUP at their interactive defaults inside the block, then restored."""
+    old = {sig: signal.signal(sig, h) for sig, h in _STOP_DEFAULTS.items()}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 _GIVEN: set[int] = set()

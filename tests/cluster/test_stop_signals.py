@@ -10,9 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster.runner import StopRequested, StopSignals, output_closed
+from orchestrator.cluster.runner import output_closed
+from orchestrator.sigutil import StopRequested, StopSignals
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cluster_support as S  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interactive_dispositions():
+    """These tests send SIGINT, SIGTERM and SIGHUP: each starts from the dispositions an interactive shell gives,
+    also under `nohup` or as a background job."""
+    with S.stop_signals_at_defaults():
+        yield
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
@@ -45,8 +56,7 @@ def test_ray_init_and_shutdown_keep_our_handlers():
     """ray.init() installs a SIGTERM handler that exits at once; RayApi puts ours back (a real local Ray)."""
     code = r"""
 import os, signal, sys
-from orchestrator.cluster.ray_api import keep_signal_handlers
-from orchestrator.cluster.runner import StopRequested, StopSignals
+from orchestrator.sigutil import StopRequested, StopSignals, keep_signal_handlers
 import ray
 with StopSignals() as sigs:
     mine = signal.getsignal(signal.SIGTERM)
@@ -68,7 +78,8 @@ with StopSignals() as sigs:
     print("signals seen", sigs.count)
 """
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         preexec_fn=S.reset_stop_signals)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-2:] == ["stop requested", "signals seen 2"]
 
@@ -95,8 +106,7 @@ def test_a_sigterm_during_ray_init_waits_for_it_and_reaches_our_handler():
     sys.exit(15) in the middle; it is kept pending until Ray is done and then raised by ours."""
     code = r"""
 import os, signal, threading
-from orchestrator.cluster.ray_api import keep_signal_handlers, stop_signals_blocked
-from orchestrator.cluster.runner import StopRequested, StopSignals
+from orchestrator.sigutil import StopRequested, StopSignals, keep_signal_handlers, stop_signals_blocked
 import ray
 with StopSignals() as sigs:
     with stop_signals_blocked():                  # as up starts its own threads
@@ -113,6 +123,7 @@ with StopSignals() as sigs:
         ray.shutdown()
 """
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         preexec_fn=S.reset_stop_signals)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-2:] == ["init done True", "stop requested after init True"]

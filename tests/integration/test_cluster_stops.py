@@ -57,8 +57,9 @@ class Up:
         argv = [sys.executable, "-m", "orchestrator", "up", str(DEMO)]
         for k, v in sets.items():
             argv += ["--set", f"{k}={v}"]
+        # from the dispositions a terminal gives (not the ones this test run inherited: `nohup` ignores SIGHUP)
         self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=S.reset_stop_signals)
         self.fd = self.p.stdout.fileno()
         os.set_blocking(self.fd, False)
         self.data = b""
