@@ -183,19 +183,25 @@ def test_numa_bind_when_it_fits_the_nearest_node_else_interleave_over_the_socket
     assert set(w.numa.cpus) <= set(m.node(0).cpus)
     w8 = plan1(machine("2socket-8gpu"), models("deepseek-v3")).workers[0]
     assert w8.numa.mode == "interleave" and set(w8.numa.mem_nodes) == {0, 1}   # socket of GPU 0
-    assert arg(w8, "--numa") == "distribute"
+    # llama.cpp's --numa would move threads off the CPUs numactl binds: never passed
+    for worker in (w, w8):
+        assert "--numa" not in worker.args
+        assert next(d for d in worker.decisions if d.what == "llama.cpp --numa").value == "not passed"
 
 
-def test_cpu_only_multi_socket_machine_runs_one_replica_per_socket(models):
-    m = machine("2socket-2gpu")
+def test_cpu_only_two_sockets_of_two_nodes_run_one_replica_per_node(models):
+    m = machine("2socket-2gpu")              # 2 sockets x 2 nodes of 32 CPUs, no bandwidth measured
     p = plan1(m, models("qwen3-30b-a3b"), gpus=())
-    assert [w.port for w in p.workers] == [8081, 8082]
-    for w, pkg in zip(p.workers, m.packages):
-        assert set(w.numa.cpus) <= set(pkg.cpus)
+    assert [w.port for w in p.workers] == [8081, 8082, 8083, 8084]
+    layout = next(d for d in p.decisions if d.what.startswith("layout"))
+    assert layout.value == "node x4"
+    # the reason compares the two ways with numbers: one per node against one per socket over its nodes
+    assert re.search(r"one replica per NUMA node.*: \d+ GB/s .*vs \d+ GB/s for one replica per socket", layout.why)
+    for w, node in zip(p.workers, m.numa_nodes):
         assert arg(w, "-ngl") == "0"
-        # the rule: bind to the socket's first node when the model fits it; threads = its physical cores
-        assert w.numa.mode == "bind" and len(w.numa.mem_nodes) == 1 and w.numa.mem_nodes[0] in pkg.nodes
-        assert int(arg(w, "-t")) == len({c.index for c in m.cores if c.node == w.numa.mem_nodes[0]})
+        assert w.numa.mode == "bind" and w.numa.mem_nodes == (node.id,)
+        assert w.numa.cpus == node.cpus
+        assert int(arg(w, "-t")) == len({c.index for c in m.cores if c.node == node.id})
 
 
 def test_threads_are_physical_cores_batch_threads_all_hardware_threads(models):
