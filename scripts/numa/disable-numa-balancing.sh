@@ -42,7 +42,8 @@
 # script is in the terminal's foreground group it does not forward SIGINT again (llama-server treats a second
 # SIGINT as "terminate immediately"). SIGTERM and SIGHUP are always forwarded.
 #
-# Needs bash >= 4.3, flock (util-linux) and Linux /proc. Part of orchestrator; usable on its own.
+# Needs bash >= 4.3, flock (util-linux), mkfifo (coreutils) and Linux /proc (not /dev/fd). Part of orchestrator;
+# usable on its own.
 
 set -euo pipefail
 
@@ -254,7 +255,7 @@ exec_unchanged() {  # become the command (nothing to restore)
 }
 
 run() {
-    local v rc sync
+    local v rc sync sync_fifo
 
     trap 'forward TERM' TERM
     trap 'forward HUP' HUP
@@ -306,8 +307,14 @@ run() {
 
     # The command's process registers itself before it becomes the command (no moment when it runs
     # unregistered), and only then may it be signalled: a background job of a non-interactive shell starts
-    # with SIGINT ignored, and a SIGINT sent before `trap - INT` would be lost. It says "ready" on a pipe.
-    exec {sync}<> <(:)
+    # with SIGINT ignored, and a SIGINT sent before `trap - INT` would be lost. It says "ready" on a pipe: a
+    # FIFO opened read-write (so opening never blocks) and unlinked at once, not a process substitution,
+    # which needs /dev/fd (absent on a minimal root: an initramfs, a bare container).
+    sync_fifo=$HOLDERS_DIR/.$$.ready
+    rm -f -- "$sync_fifo"
+    mkfifo -m 600 -- "$sync_fifo"
+    exec {sync}<>"$sync_fifo"
+    rm -f -- "$sync_fifo"
     (
         trap - INT QUIT TERM HUP EXIT
         lock

@@ -195,7 +195,12 @@ for c in "${!online[@]}"; do
 done
 
 if ((${#in_socket[@]} == 0)); then
-    mapfile -t ids < <(printf '%s\n' "${!packages[@]}" | sort -n)
+    ids=()
+    for pkg in "${!packages[@]}"; do                     # numeric insertion sort: no sort(1), no /dev/fd
+        i=${#ids[@]}
+        while ((i > 0)) && ((ids[i - 1] > pkg)); do ids[i]=${ids[i - 1]}; i=$((i - 1)); done
+        ids[i]=$pkg
+    done
     [[ ${#ids[@]} -gt 0 ]] || die "no CPU in $CPU_DIR has topology/physical_package_id"
     die "socket $socket not found in $SYS (sockets: ${ids[*]})"
 fi
