@@ -186,6 +186,7 @@ class Workload:
     tg_tokens: int = 128
     tg_reps: int = 1
     concurrency: tuple[int, ...] = (1, 4)
+    tg_streams: tuple[int, ...] = ()     # streams generating at once, for aggregate generation (none: skipped)
     ttft_prompt: int = 128
     ttft_tokens: int = 4
     ttft_requests: int = 8
@@ -289,6 +290,34 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
     if cache_before is not None and cache_after is not None:
         # what generation did: how misses were served (uploaded or on the CPU) is what a miss mode changes
         out["moe_cache"] = {k: cache_after[k] - cache_before[k] for k in cache_after if k in cache_before}
+
+    # several streams generating at once: one batch per decode step, the union of their experts per layer
+    n = fit_length(1, w.tg_tokens, info.slot_ctx)
+    for streams in w.tg_streams:
+        if n is None:
+            out["skipped"].append(f"tg{w.tg_tokens} x{streams}: does not fit the slot context of {info.slot_ctx} tokens")
+            continue
+        on_step(f"tg{w.tg_tokens} x{streams}")
+        before = await client.moe_cache_counters()
+        runs = []
+        for _ in range(w.tg_reps):
+            res = await asyncio.gather(*(guarded(f"tg x{streams}", lambda: client.completion(n, w.tg_tokens))
+                                         for _ in range(streams)))
+            if out["crashed"]:
+                return out
+            done = [t for t in res if t and t.get("predicted_ms", 0) > 0]
+            if len(done) == streams:
+                # the streams decode together: the aggregate is their tokens over the longest decode
+                window = max(t["predicted_ms"] for t in done)
+                runs.append({"streams": streams, "predicted_n": sum(t["predicted_n"] for t in done),
+                             "window_ms": window,
+                             "tps": 1000.0 * sum(t["predicted_n"] for t in done) / window,
+                             "per_stream_tps": [1000.0 * t["predicted_n"] / t["predicted_ms"] for t in done]})
+        after = await client.moe_cache_counters() if before is not None else None
+        entry: dict[str, Any] = {"runs": runs}
+        if before is not None and after is not None:
+            entry["moe_cache"] = {k: after[k] - before[k] for k in after if k in before}
+        out.setdefault("tg_streams", {})[str(streams)] = entry
 
     n = fit_length(w.ttft_prompt, w.ttft_tokens, info.slot_ctx)
     for c in w.concurrency:

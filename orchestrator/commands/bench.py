@@ -100,6 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "between identical starts on the H200)")
     how.add_argument("--concurrency", type=_ints, default=(1, 4), metavar="N,...",
                      help="concurrent streamed requests for time to first token (default 1,4; none = skip)")
+    how.add_argument("--tg-streams", type=_ints, default=(), metavar="N,...",
+                     help="streams generating at once, for aggregate generation (default none; the server needs "
+                          "-np of at least N)")
     how.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of those requests (default 128)")
     how.add_argument("--ttft-requests", type=int, default=8, help="requests per concurrency level (default 8)")
     how.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
@@ -215,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.bench.measure import Workload
     from orchestrator.bench.progress import make_progress
     from orchestrator.bench.report import print_tables
-    from orchestrator.bench.runner import BenchOptions, describe, run_bench
+    from orchestrator.bench.session import BenchOptions, describe, run_bench
     from orchestrator.errors import ConfigError
     from orchestrator.units import parse_size
 
@@ -231,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         if v < 1:
             raise ConfigError(f"{flag} must be at least 1, got {v}")
     workload = Workload(pp=args.pp, pp_reps=args.pp_reps, tg_depths=args.tg_depths, tg_tokens=args.tg_tokens,
-                        tg_reps=args.tg_reps, concurrency=args.concurrency, ttft_prompt=args.ttft_prompt,
+                        tg_reps=args.tg_reps, concurrency=args.concurrency, tg_streams=args.tg_streams,
+                        ttft_prompt=args.ttft_prompt,
                         ttft_requests=args.ttft_requests, warmup=not args.no_warmup)
     if args.server_verbosity == "none":
         verbosity = None

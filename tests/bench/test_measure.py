@@ -51,6 +51,23 @@ def test_workload_on_a_real_server(tiny_server):
     assert steps == ["warm-up", "pp8", "pp64", "pp512", "tg16@0", "tg16@300", "ttft c1", "ttft c3"]
 
 
+def test_streams_generate_together_and_their_aggregate_is_recorded(tiny_server):
+    """Two streams on the server's two slots: each run records both streams' decode, and the aggregate is their
+    tokens over the longer decode (at least the slower stream's speed, at most the sum of both; how much the two
+    decodes overlap is the machine's to say)."""
+    w = Workload(pp=(), tg_depths=(), tg_tokens=24, tg_reps=2, tg_streams=(1, 2), concurrency=(), warmup=False)
+    steps = []
+    out = run_measure(tiny_server, w, timeout=60, seed=3, on_step=steps.append)
+    assert out["errors"] == [] and steps == ["tg24 x1", "tg24 x2"]
+    one, two = out["tg_streams"]["1"]["runs"], out["tg_streams"]["2"]["runs"]
+    assert len(one) == 2 and len(two) == 2
+    for run in two:
+        assert run["streams"] == 2 and run["predicted_n"] == 48 and len(run["per_stream_tps"]) == 2
+        assert min(run["per_stream_tps"]) <= run["tps"] <= sum(run["per_stream_tps"]) * 1.0001
+    assert all(r["tps"] == pytest.approx(r["per_stream_tps"][0]) for r in one)
+    assert "moe_cache" not in out["tg_streams"]["2"]          # no expert cache on this server
+
+
 def test_same_prompt_twice_is_processed_twice(tiny_server):
     """cache_prompt false: even an identical prompt on the same slot is computed again."""
     async def main():
