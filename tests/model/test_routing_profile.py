@@ -87,17 +87,62 @@ def test_independent_routing_hits_in_proportion_to_size():
 
 def test_default_curve_and_interpolation():
     c = R.DEFAULT_CURVE
-    for f, h in ((0.05, 0.37), (0.15, 0.74), (0.30, 0.89), (0.50, 0.96)):
-        assert R.hit_rate(c, f) == pytest.approx(h)
+    # Qwen3-30B-A3B's public points, as shares of a layer's 128 experts (24 / 73 / 146 / 244 slots of one matrix)
+    for experts, h in ((8, 0.366), (73 / 3, 0.741), (146 / 3, 0.894), (244 / 3, 0.962)):
+        assert R.hit_rate(c, experts / 128) == pytest.approx(h)
+    assert R.hit_rate(c, 0.19) == pytest.approx(0.741, abs=1e-3) and R.hit_rate(c, 0.38) == pytest.approx(0.894, abs=1e-3)
+    # a cache smaller than one token's 8 picks hits less than one that holds them
+    assert R.hit_rate(c, 0.05) < 0.366
     grid = np.linspace(0, 1, 401)
     vals = [R.hit_rate(c, f) for f in grid]
     assert all(b >= a - 1e-12 for a, b in zip(vals, vals[1:]))      # monotone
-    assert 0.37 < R.hit_rate(c, 0.1) < 0.74
+    assert 0.366 < R.hit_rate(c, 0.1) < 0.741
     assert R.hit_rate(c, -1) == 0.0 and R.hit_rate(c, 2) == 1.0
     with pytest.raises(ValueError):
         R.HitCurve((0, 0.5, 0.4), (0, 0.5, 0.6), "bad")
     with pytest.raises(ValueError):
         R.HitCurve((0, 0.5), (0.5, 0.4), "bad")
+
+
+def test_the_measured_shape_gets_the_measured_curve():
+    assert R.default_curve(128, 8) is R.DEFAULT_CURVE
+    assert R.default_curve(0, 0) is R.DEFAULT_CURVE            # no experts: nothing to cache, any curve
+    with pytest.raises(ValueError, match="top-k 9 > 8"):
+        R.default_curve(8, 9)
+
+
+@pytest.mark.parametrize("n_expert,k", [(256, 8), (384, 8), (512, 10), (160, 8), (64, 8), (128, 4), (8, 2)])
+def test_other_families_get_a_more_cautious_curve(n_expert, k):
+    c = R.default_curve(n_expert, k)
+    assert c.source.startswith("default for ") and f"{n_expert} experts, top {k}" in c.source
+    grid = np.linspace(0, 1, 201)
+    vals = [R.hit_rate(c, f) for f in grid]
+    assert all(b >= a - 1e-12 for a, b in zip(vals, vals[1:]))
+    # never below independent routing (hit rate = share held); never above the measured family's curve at the same
+    # share, nor at the same number of tokens' picks held
+    for f, v in zip(grid, vals):
+        assert v >= f - 0.02, f
+        assert v <= R.hit_rate(R.DEFAULT_CURVE, f) + 0.005, f
+        tokens_held = f * n_expert / k
+        assert v <= max(f, R.hit_rate(R.DEFAULT_CURVE, min(1.0, tokens_held * 8 / 128))) + 0.005, f
+    # nor above the public points of the other families at their number of tokens' picks held
+    for t, h in R.OTHER_FAMILY_POINTS:
+        f = t * k / n_expert
+        if f < 1:
+            assert R.hit_rate(c, f) <= max(h, f) + 1e-9, t
+
+
+def test_cautious_curve_against_the_public_points_it_rests_on():
+    # Qwen3.8-Flash-Next, 512 experts, top 10: 124 experts per layer -> 78.9% (kekzl/imp PR #2061); at 62 -> 62%
+    # the measured curve at the same share (12%) is lower, and the lower reading is the default
+    c = R.default_curve(512, 10)
+    assert R.hit_rate(c, 124 / 512) == pytest.approx(0.789)
+    assert R.hit_rate(c, 62 / 512) == pytest.approx(R.hit_rate(R.DEFAULT_CURVE, 62 / 512), abs=0.01)
+    assert R.hit_rate(c, 62 / 512) < 0.62
+    # OLMoE, 64 experts, top 8: one token's picks held -> 22.8% (JustVugg/colibri issue #1441)
+    assert R.hit_rate(R.default_curve(64, 8), 8 / 64) == pytest.approx(0.228)
+    # DeepSeek-V3's shape (256 experts, top 8) at 19% of its experts: 6 tokens' picks, well below Qwen3's 74%
+    assert R.hit_rate(R.default_curve(256, 8), 0.19) < R.hit_rate(R.DEFAULT_CURVE, 0.19) - 0.1
 
 
 def test_trace_round_trip_and_bad_files():
