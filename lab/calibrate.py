@@ -33,7 +33,7 @@ from pathlib import Path
 
 from lab.calibmodels import PRESETS, ArchSpec, write_model
 from orchestrator.bench.logparse import parse_load_log
-from orchestrator.model.memory import Placement, ServerSettings, predict_memory
+from orchestrator.model.memory import LayerOffload, ServerSettings, predict_memory
 from orchestrator.model.reader import read_model
 from lab.serverrun import run_server
 
@@ -82,13 +82,13 @@ class Case:
                               n_batch=max(self.ubatch, 2048), flash_attn=self.flash_attn, type_k=self.type_k,
                               type_v=self.type_v, kv_unified=self.kv_unified)
 
-    def placement_for(self, n_layers: int, moe_layers: tuple[int, ...]) -> Placement:
+    def placement_for(self, n_layers: int, moe_layers: tuple[int, ...]) -> LayerOffload:
         if self.placement == "cpu":
-            return Placement()
+            return LayerOffload()
         layers = tuple(range(n_layers))
         if self.placement == "gpu":
-            return Placement(gpu_layers=layers, output_on_gpu=True)
-        return Placement(gpu_layers=layers, cpu_moe_layers=moe_layers, output_on_gpu=True)
+            return LayerOffload(gpu_layers=layers, output_on_gpu=True)
+        return LayerOffload(gpu_layers=layers, cpu_moe_layers=moe_layers, output_on_gpu=True)
 
 
 def _matrix(placements: list[str], presets: dict[str, tuple[int, int]], *, batch: bool) -> list[Case]:

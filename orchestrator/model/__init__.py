@@ -3,15 +3,15 @@ buffers, CUDA overhead). Pure standard library, so it also runs under a bare ``p
 
 from orchestrator.model.classes import TensorClass, classify
 from orchestrator.model.info import MLAParams, ModelInfo, TensorInfo
-from orchestrator.model.memory import (ContextLayout, DeviceMemory, Placement, ServerSettings, compute_buffer_bytes,
-                                       compute_buffer_estimate, context_layout, cuda_overhead_bytes,
+from orchestrator.model.memory import (ContextLayout, DeviceBuffers, LayerOffload, ServerSettings,
+                                       compute_buffer_bytes, compute_buffer_estimate, context_layout, cuda_overhead_bytes,
                                        kv_bytes_per_token, kv_cache_bytes, kv_cache_bytes_by_layer,
                                        offloaded_weight_bytes, output_buffer_bytes, predict_memory)
 from orchestrator.model.reader import read_model
 
 __all__ = [
     "TensorClass", "classify", "MLAParams", "ModelInfo", "TensorInfo", "read_model",
-    "ContextLayout", "DeviceMemory", "Placement", "ServerSettings", "compute_buffer_bytes",
+    "ContextLayout", "DeviceBuffers", "LayerOffload", "ServerSettings", "compute_buffer_bytes",
     "compute_buffer_estimate", "context_layout", "cuda_overhead_bytes", "kv_bytes_per_token", "kv_cache_bytes",
     "kv_cache_bytes_by_layer", "offloaded_weight_bytes", "output_buffer_bytes", "predict_memory",
 ]

@@ -370,7 +370,9 @@ def cuda_overhead_bytes(model: ModelInfo | None = None, *, n_ubatch: int = 512, 
 # ---- whole-model prediction ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class DeviceMemory:
+class DeviceBuffers:
+    """The buffers llama.cpp allocates on one device for a model (what its load log reports), predicted."""
+
     device: str
     weights: int = 0
     kv: int = 0
@@ -393,7 +395,7 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
-class Placement:
+class LayerOffload:
     """Where weights live, in llama.cpp's terms. ``gpu_layers``: the layers on ``gpu`` (``-ngl N`` offloads the
     last N-1 layers and the output layer). ``cpu_moe_layers``: GPU layers whose routed experts stay in host
     memory (``--cpu-moe`` / ``-ot exps=CPU``: all of them; ``--n-cpu-moe N``: layers 0..N-1). The token
@@ -446,8 +448,8 @@ class ServerSettings:
     flavor: Flavor | str = Flavor.MAINLINE
 
 
-def predict_memory(model: ModelInfo, settings: ServerSettings, placement: Placement = Placement()
-                   ) -> dict[str, DeviceMemory]:
+def predict_memory(model: ModelInfo, settings: ServerSettings, placement: LayerOffload = LayerOffload()
+                   ) -> dict[str, DeviceBuffers]:
     """Per-device memory llama.cpp will report after loading ``model`` with ``settings`` and ``placement``."""
     s = settings
     weights: dict[str, int] = {}
@@ -464,7 +466,7 @@ def predict_memory(model: ModelInfo, settings: ServerSettings, placement: Placem
                  n_batch=s.n_batch, flavor=s.flavor)
     gpu_layers = [i for i in placement.gpu_layers if i < model.n_trunk_layers]
     cpu_layers = [i for i in range(model.n_trunk_layers) if not placement.on_gpu(i)]
-    out: dict[str, DeviceMemory] = {}
+    out: dict[str, DeviceBuffers] = {}
     common = dict(n_ubatch=s.n_ubatch, n_ctx=s.n_ctx, flash_attn=s.flash_attn, n_parallel=s.n_parallel,
                   kv_unified=s.kv_unified, n_outputs=s.n_outputs, type_k=s.type_k, type_v=s.type_v,
                   swa_full=s.swa_full, n_batch=s.n_batch, flavor=s.flavor)
@@ -478,12 +480,12 @@ def predict_memory(model: ModelInfo, settings: ServerSettings, placement: Placem
         kv = kv_cache_bytes(model, s.n_ctx, s.n_parallel, s.type_k, s.type_v, gpu_layers, **kv_kw)
         comp = compute_buffer_bytes(model, device=g, has_layers=True, has_output=out_dev == g,
                                     offloaded_weight_bytes=offloaded_weight_bytes(host_weights), **common)
-        out[g] = DeviceMemory(g, weights.get(g, 0), kv, comp, 0,
+        out[g] = DeviceBuffers(g, weights.get(g, 0), kv, comp, 0,
                               cuda_overhead_bytes(model, n_ubatch=s.n_ubatch))
     kv_cpu = kv_cache_bytes(model, s.n_ctx, s.n_parallel, s.type_k, s.type_v, cpu_layers, **kv_kw)
     comp_cpu = compute_buffer_bytes(model, device="cpu", has_layers=bool(cpu_layers), has_output=out_dev == "cpu",
                                     **common)
-    out["cpu"] = DeviceMemory("cpu", weights.get("cpu", 0), kv_cpu, comp_cpu, output_buffer_bytes(model, s.n_parallel))
+    out["cpu"] = DeviceBuffers("cpu", weights.get("cpu", 0), kv_cpu, comp_cpu, output_buffer_bytes(model, s.n_parallel))
     return out
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from orchestrator.model import TensorClass, read_model
-from orchestrator.model.memory import (MiB, Placement, ServerSettings, compute_buffer_estimate, context_layout,
+from orchestrator.model.memory import (MiB, LayerOffload, ServerSettings, compute_buffer_estimate, context_layout,
                                        cuda_tensor_bytes, kv_bytes_per_token, kv_cache_bytes,
                                        kv_cache_bytes_by_layer, offloaded_weight_bytes, predict_memory)
 
@@ -152,7 +152,7 @@ def test_predict_experts_on_host_rest_on_gpu(models):
     m = models["qwen3moe"]
     layers = tuple(range(m.n_layers))
     p = predict_memory(m, ServerSettings(n_ctx=4096, n_ubatch=512),
-                       Placement(gpu_layers=layers, cpu_moe_layers=m.moe_layers))
+                       LayerOffload(gpu_layers=layers, cpu_moe_layers=m.moe_layers))
     gpu, cpu = p["cuda0"], p["cpu"]
     experts = sum(t.bytes for t in m.tensors if t.cls is TensorClass.ROUTED_EXPERT)
     embd = m.tensor("token_embd.weight").bytes
