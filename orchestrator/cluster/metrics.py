@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol
 from urllib.parse import urlsplit
 
+from orchestrator.cluster.latency import RATE_BUCKETS, SECONDS_BUCKETS
 from orchestrator.hardware.nvml import Nvml
 
 # name -> (kind, description). Exported by Ray with the prefix "ray_".
@@ -51,6 +52,23 @@ METRICS: dict[str, tuple[str, str]] = {
     "orchestrator_gateway_requests": ("counter", "requests the gateway answered, by model and HTTP status"),
     "orchestrator_gateway_requests_in_flight": ("gauge", "requests the gateway is proxying, per replica"),
     "orchestrator_gateway_healthy_replicas": ("gauge", "replicas the gateway routes to"),
+    "orchestrator_gateway_time_to_first_token_seconds": ("histogram", "streamed answers: from the end of the "
+                                                         "request to the first byte of its answer's body"),
+    "orchestrator_gateway_request_duration_seconds": ("histogram", "proxied requests: from the end of the request "
+                                                      "to the end of its answer"),
+    "orchestrator_gateway_stream_tokens_per_second": ("histogram", "streamed answers: events (about one per token) "
+                                                      "per second after the first, per stream"),
+    "orchestrator_gateway_recent_time_to_first_token": ("gauge", "streamed answers of the last 5 minutes whose time "
+                                                        "to first token was at most le seconds (per gateway "
+                                                        "process; read by `status`)"),
+    "orchestrator_gateway_recent_stream_tokens_per_second": ("gauge", "streamed answers of the last 5 minutes with "
+                                                             "at most le tokens per second"),
+}
+# bucket bounds of the histograms (Ray adds +Inf)
+BUCKETS: dict[str, tuple[float, ...]] = {
+    "orchestrator_gateway_time_to_first_token_seconds": SECONDS_BUCKETS,
+    "orchestrator_gateway_request_duration_seconds": SECONDS_BUCKETS,
+    "orchestrator_gateway_stream_tokens_per_second": RATE_BUCKETS,
 }
 TAG_KEYS: dict[str, tuple[str, ...]] = {
     **{n: ("worker", "node") for n in METRICS if n.startswith("orchestrator_worker_")},
@@ -60,20 +78,30 @@ TAG_KEYS: dict[str, tuple[str, ...]] = {
     "orchestrator_gateway_requests": ("model", "code"),
     "orchestrator_gateway_requests_in_flight": ("replica",),
     "orchestrator_gateway_healthy_replicas": ("model",),
+    "orchestrator_gateway_time_to_first_token_seconds": ("model", "replica"),
+    "orchestrator_gateway_request_duration_seconds": ("model", "replica"),
+    "orchestrator_gateway_stream_tokens_per_second": ("model", "replica"),
+    "orchestrator_gateway_recent_time_to_first_token": ("replica", "le"),
+    "orchestrator_gateway_recent_stream_tokens_per_second": ("replica", "le"),
 }
 
 
 class MetricsSink(Protocol):
     def set(self, name: str, value: float, tags: Mapping[str, str]) -> None: ...
 
-    def inc(self, name: str, value: float, tags: Mapping[str, str]) -> None: ...
+    def inc(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        """Adds ``value`` (>= 0); 0 makes the series exist, so a counter is seen at 0 before its first event."""
+
+    def observe(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        """One observation into a histogram (:data:`BUCKETS` says its bounds)."""
 
 
 class DictSink:
-    """A sink that keeps the last value (gauges) and the sum (counters): tests and ``status``."""
+    """A sink that keeps the last value (gauges), the sum (counters) and every observation (histograms): tests."""
 
     def __init__(self) -> None:
         self.values: dict[tuple[str, tuple], float] = {}
+        self.observed: dict[tuple[str, tuple], list[float]] = {}
 
     def set(self, name: str, value: float, tags: Mapping[str, str]) -> None:
         self.values[(name, tuple(sorted(tags.items())))] = float(value)
@@ -82,8 +110,14 @@ class DictSink:
         key = (name, tuple(sorted(tags.items())))
         self.values[key] = self.values.get(key, 0.0) + float(value)
 
+    def observe(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        self.observed.setdefault((name, tuple(sorted(tags.items()))), []).append(float(value))
+
     def get(self, name: str, **tags: str) -> float | None:
         return self.values.get((name, tuple(sorted(tags.items()))))
+
+    def observations(self, name: str, **tags: str) -> list[float]:
+        return self.observed.get((name, tuple(sorted(tags.items()))), [])
 
 
 # --- llama-server /metrics ----------------------------------------------------------------------------------------
@@ -274,7 +308,7 @@ class WorkerSampler:
     rates: TokenRates = field(default_factory=TokenRates)
     cache: ExpertCacheCounters = field(default_factory=ExpertCacheCounters)
     last: dict = field(default_factory=dict)
-    _restarts_reported: int = 0
+    _restarts_reported: int | None = None     # None: the counter was not written yet
 
     def __post_init__(self) -> None:
         if self.nvml is None:
@@ -290,7 +324,11 @@ class WorkerSampler:
         healthy = bool(state.get("healthy"))
         s.set("orchestrator_worker_healthy", 1.0 if healthy else 0.0, tags)
         restarts = int(state.get("restarts", 0))
-        if restarts > self._restarts_reported:
+        if self._restarts_reported is None:
+            # from the first sample on, so "no restarts yet" is a 0 on the dashboard, not a missing series
+            s.inc("orchestrator_worker_restarts", restarts, tags)
+            self._restarts_reported = restarts
+        elif restarts > self._restarts_reported:
             s.inc("orchestrator_worker_restarts", restarts - self._restarts_reported, tags)
             self._restarts_reported = restarts
         out: dict[str, Any] = {"prompt_tps": 0.0, "generation_tps": 0.0, "requests_in_flight": 0,

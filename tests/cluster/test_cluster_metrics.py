@@ -168,6 +168,39 @@ def test_sampler_writes_every_metric_with_tags(tmp_path):
         assert name in METRICS and tuple(sorted(TAG_KEYS[name])) == tuple(sorted(k for k, _ in tagset))
 
 
+def test_the_restart_counter_exists_at_0_from_the_first_sample():
+    """It used to appear only after a first restart, so a dashboard could not tell 0 from no data."""
+    sink = DictSink()
+    s = WorkerSampler("w0", "n", "http://x", None, sink, fetch=lambda *a: None, rss=lambda pid: 0,
+                      pids=lambda pid: [], nvml=SimpleNamespace(available=False), root="/nonexistent")
+    tags = {"worker": "w0", "node": "n"}
+    s.sample({"healthy": False, "pid": None, "restarts": 0}, 1.0)
+    assert sink.get("orchestrator_worker_restarts", **tags) == 0.0
+    s.sample({"healthy": True, "pid": None, "restarts": 0}, 2.0)
+    s.sample({"healthy": True, "pid": None, "restarts": 1}, 3.0)
+    s.sample({"healthy": True, "pid": None, "restarts": 1}, 4.0)
+    assert sink.get("orchestrator_worker_restarts", **tags) == 1.0
+    # a sampler that starts on a worker with restarts behind it counts them once
+    late = DictSink()
+    s = WorkerSampler("w0", "n", "http://x", None, late, fetch=lambda *a: None, rss=lambda pid: 0,
+                      pids=lambda pid: [], nvml=SimpleNamespace(available=False), root="/nonexistent")
+    s.sample({"healthy": True, "pid": None, "restarts": 3}, 1.0)
+    s.sample({"healthy": True, "pid": None, "restarts": 3}, 2.0)
+    assert late.get("orchestrator_worker_restarts", **tags) == 3.0
+
+
+def test_every_histogram_has_buckets_and_tag_keys():
+    from orchestrator.cluster.metrics import BUCKETS
+
+    hist = {n for n, (kind, _) in METRICS.items() if kind == "histogram"}
+    assert hist and hist == set(BUCKETS)
+    for name in hist:
+        b = BUCKETS[name]
+        assert list(b) == sorted(b) and b[0] > 0 and TAG_KEYS[name] == ("model", "replica")
+    assert BUCKETS["orchestrator_gateway_time_to_first_token_seconds"][0] <= 0.01
+    assert BUCKETS["orchestrator_gateway_time_to_first_token_seconds"][-1] >= 60
+
+
 def test_sampler_exports_the_expert_cache_counters():
     pages = iter([
         # a build without the cache, then the cache, then more lookups, then a restart of llama-server

@@ -1,0 +1,96 @@
+"""The latency users feel, as the gateway sees it: bucket bounds, a sliding window of recent observations, and
+quantiles read back from bucket counts. Pure; the clock is passed in.
+
+The gateway exports each observation twice: into a cumulative histogram (``ray.util.metrics``, for Prometheus and
+Grafana, which compute rates and quantiles over any range) and into a :class:`RecentWindow` whose bucket counts
+over the last :data:`WINDOW_S` seconds it exports as gauges. ``status`` reads those gauges from Ray's metrics
+endpoint once, without a Prometheus, and turns them into p50/p95 with :func:`quantile`; several gateway processes
+each export their own counts, which add up because they are counts, not quantiles.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from typing import Iterable, Mapping, Sequence
+
+# seconds: 10 ms to 60 s in steps of about 1.5x (a p95 read from these is within half a step)
+SECONDS_BUCKETS: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+                                      2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+# tokens per second of one stream: a large model on a CPU to a small one on a GPU
+RATE_BUCKETS: tuple[float, ...] = (1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0,
+                                   200.0, 300.0, 500.0, 750.0, 1000.0, 1500.0, 2000.0, 3000.0, 5000.0)
+WINDOW_S = 300.0        # what `status` calls "recent"
+SLOT_S = 10.0           # the window moves in steps of this
+
+
+def le_label(bound: float) -> str:
+    """A bucket's upper bound as Prometheus writes it (``+Inf`` for the last)."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+class RecentWindow:
+    """Bucket counts of the observations of the last ``window_s`` seconds, kept in slots of ``slot_s``: memory
+    is one count per bucket and slot, whatever the request rate."""
+
+    def __init__(self, bounds: Sequence[float], window_s: float = WINDOW_S, slot_s: float = SLOT_S) -> None:
+        self.bounds = tuple(bounds)
+        self.window_s, self.slot_s = window_s, slot_s
+        self._slots: collections.deque[tuple[int, list[int]]] = collections.deque()
+
+    def observe(self, value: float, now: float) -> None:
+        slot = int(now // self.slot_s)
+        if not self._slots or self._slots[-1][0] != slot:
+            self._slots.append((slot, [0] * (len(self.bounds) + 1)))
+        self._slots[-1][1][bisect.bisect_left(self.bounds, value)] += 1
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        oldest = int((now - self.window_s) // self.slot_s)
+        while self._slots and self._slots[0][0] <= oldest:
+            self._slots.popleft()
+
+    def counts(self, now: float) -> list[int]:
+        """Observations per bucket (the last one above every bound), not cumulative."""
+        self._expire(now)
+        out = [0] * (len(self.bounds) + 1)
+        for _, c in self._slots:
+            for i, n in enumerate(c):
+                out[i] += n
+        return out
+
+    def cumulative(self, now: float) -> dict[str, int]:
+        """``le -> observations <= le``, the shape of a Prometheus histogram's buckets."""
+        out, total = {}, 0
+        for bound, n in zip(self.bounds + (float("inf"),), self.counts(now)):
+            total += n
+            out[le_label(bound)] = total
+        return out
+
+
+def quantile(q: float, cumulative: Mapping[str, float]) -> float | None:
+    """The ``q`` quantile of a histogram given as ``le -> cumulative count``, interpolated linearly inside its
+    bucket as Prometheus' ``histogram_quantile`` does; None without observations. Above the last finite bound the
+    answer is that bound (the histogram says no more)."""
+    pts = sorted((float(le), float(n)) for le, n in cumulative.items())
+    if not pts or pts[-1][1] <= 0:
+        return None
+    total = pts[-1][1]
+    rank = q * total
+    prev_bound, prev_n = 0.0, 0.0
+    for bound, n in pts:
+        if n >= rank and n > prev_n:
+            if bound == float("inf"):
+                return prev_bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_n) / (n - prev_n)
+        prev_bound, prev_n = (bound if bound != float("inf") else prev_bound), n
+    return prev_bound
+
+
+def add_histograms(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The sum of several processes' bucket counts (same bounds)."""
+    out: dict[str, float] = {}
+    for p in parts:
+        for le, n in p.items():
+            out[le] = out.get(le, 0.0) + float(n)
+    return out
