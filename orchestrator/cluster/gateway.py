@@ -35,6 +35,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from orchestrator.cluster.latency import RATE_BUCKETS, SECONDS_BUCKETS, RecentWindow, quantile
+
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 QUARANTINE_S = 2.0
 # llama-server (cpp-httplib) closes a kept-alive connection after 5 s idle; the pool lets go of idle connections
@@ -47,13 +49,17 @@ MAX_HEAD = 64 * 2**10        # request line and headers together
 MAX_HEADERS = 100
 MAX_URL = 8 * 2**10
 MAX_CONNECTIONS = 2048       # per gateway process; more get 503 and are closed
+MAX_PER_ADDRESS = 512        # connections from one client address (so one address cannot take them all)
 MAX_PIPELINED = 16           # parsed requests waiting on one connection before it is read no further
 HEADER_TIMEOUT_S = 10.0      # from the first byte of a request (or the connection) to the end of its headers
-BODY_TIMEOUT_S = 30.0        # longest pause while a request body arrives
+BODY_TIMEOUT_S = 30.0        # longest pause while a request body arrives, and the allowance for the whole body
+MIN_BODY_RATE = 64 * 2**10   # bytes/s a body must average beyond that allowance (a byte every few seconds expires)
 IDLE_TIMEOUT_S = 30.0        # a kept-alive connection with no request
 SEND_TIMEOUT_S = 60.0        # a client that reads nothing of its answer for this long is dropped
 UPSTREAM_IDLE_S = 600.0      # a replica that sends nothing for this long (no head, no token) is given up on
 LINGER_S = 2.0               # after a close, what the client still sends is read and dropped this long
+MAX_UPSTREAM_HEAD = 64 * 2**10   # the head of a replica's answer (llama-server's are a few hundred bytes)
+MAX_SHOWN_NAME = 64          # characters of a client's unknown model name repeated in the error
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
 
@@ -148,13 +154,41 @@ class _Disconnected(Exception):
 
 
 class _Request:
-    __slots__ = ("method", "url", "path", "headers", "body", "keep_alive", "reject")
+    """A parsed request. ``body`` is the list of pieces as they arrived: a 32 MiB body is passed to the replica
+    piece by piece, never joined (each copy of it blocked the event loop for tens of milliseconds)."""
 
-    def __init__(self, method: str, url: bytes, headers: dict[str, str], body: bytes, keep_alive: bool,
-                 reject: tuple[int, bytes] | None) -> None:
+    __slots__ = ("method", "url", "path", "headers", "body", "size", "keep_alive", "reject", "http10", "received")
+
+    def __init__(self, method: str, url: bytes, headers: dict[str, str], body: list[bytes], keep_alive: bool,
+                 reject: tuple[int, bytes] | None, http10: bool = False, received: float = 0.0) -> None:
         self.method, self.url, self.headers, self.body = method, url, headers, body
+        self.size = sum(len(b) for b in body)
         self.path = url.split(b"?", 1)[0].decode("latin-1")
-        self.keep_alive, self.reject = keep_alive, reject
+        self.keep_alive, self.reject, self.http10, self.received = keep_alive, reject, http10, received
+
+    def body_bytes(self) -> bytes:
+        return self.body[0] if len(self.body) == 1 else b"".join(self.body)
+
+
+def origin_form(target: bytes) -> bytes | None:
+    """The path and query of a request target: itself in origin form (``/v1/...``); from the absolute form
+    (``http://host/v1/...``, which RFC 9112 3.2.2 says a server must accept); None when it is neither."""
+    if target.startswith(b"/"):
+        return target
+    if target[:8].lower().startswith((b"http://", b"https://")):
+        try:
+            u = httptools.parse_url(target)
+        except httptools.HttpParserInvalidURLError:
+            return None
+        return (u.path or b"/") + (b"?" + u.query if u.query else b"")
+    return None
+
+
+def shown_name(name: Any) -> str:
+    """A client's model name as an error repeats it: cut short (a 10 MiB name must not come back whole)."""
+    if not isinstance(name, str):
+        return "a JSON " + ("null" if name is None else type(name).__name__)
+    return repr(name if len(name) <= MAX_SHOWN_NAME else name[:MAX_SHOWN_NAME] + "…")
 
 
 def _unauthorized() -> tuple[int, bytes]:
@@ -173,10 +207,12 @@ def _connection_room() -> int:
     return max(16, (soft - 128) // 2)
 
 
-def _response(status: int, body: bytes, ctype: str, close: bool) -> bytes:
+def _response(status: int, body: bytes, ctype: str, connection: str | None, head_only: bool = False) -> bytes:
+    """A whole answer; ``connection``: the Connection header's value, if one is needed; ``head_only``: the answer
+    to HEAD, whose head says how long the body would be and which has none (RFC 9110 9.3.2)."""
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
-    return head.encode("latin-1") + body
+            f"Content-Length: {len(body)}\r\n" + (f"Connection: {connection}\r\n" if connection else "") + "\r\n")
+    return head.encode("latin-1") + (b"" if head_only else body)
 
 
 def _nodelay(transport) -> None:
@@ -196,19 +232,23 @@ class _ClientConn(asyncio.Protocol):
     :data:`MAX_HEADERS` headers and a URL of :data:`MAX_URL` bytes. The API key and the body size are checked as
     soon as the headers are complete: a request that will be refused gets its answer then, without its body
     being read and without ``100 Continue``. Deadlines (head, body, keep-alive idle, a client that stops reading)
-    are enforced by the gateway's housekeeping."""
+    are enforced by the gateway's housekeeping. A request the parser refuses is answered 400 after the answers
+    to the requests before it on the connection, in order."""
 
     def __init__(self, gw: "Gateway") -> None:
         self.gw = gw
         self.transport = None
+        self.address: str | None = None            # counted in gw._per_address while open
         self.parser = httptools.HttpRequestParser(self)
         self.queue: collections.deque[_Request] = collections.deque()
         self.task: asyncio.Task | None = None
         self.exchange: _Exchange | None = None     # the upstream answer being relayed to this connection
+        self.current: _Request | None = None       # the request being answered (its method and version shape it)
+        self.answered = False                      # something of the current answer was written
+        self.stream_open = False                   # a streamed answer was started and not ended
         self.closed = False
-        self.http10 = False
         self.reading_paused = False
-        self.unparsed = b""                        # read but not yet parsed: the client pipelines faster than served
+        self.unparsed: list[bytes] = []            # read but not yet parsed: the client pipelines faster than served
         self.in_head = True                        # between requests or inside a request's head
         self.head_bytes = 0
         self.deadline: float | None = None         # enforced by Gateway._housekeeping
@@ -218,14 +258,17 @@ class _ClientConn(asyncio.Protocol):
         self.write_stalled_since: float | None = None
         self.discard = False                       # refused: the rest of what the client sends is not read
         self.linger_until: float | None = None
+        self._replay: bytes | None = None          # an Upgrade request's head, to parse again without the Upgrade
         self._reset()
 
     def _reset(self) -> None:
         self._url = bytearray()
+        self._target = b"/"
         self._headers: dict[str, list[str]] = {}
         self._nheaders = 0
         self._body: list[bytes] = []
         self._size = 0
+        self._body_started = 0.0
         self._reject: tuple[int, bytes] | None = None
         self._head_done: dict[str, str] = {}
 
@@ -243,59 +286,85 @@ class _ClientConn(asyncio.Protocol):
         if len(self.gw._clients) >= self.gw.max_connections:
             self.closed = True
             transport.write(_response(503, error_body("too many connections", "service_unavailable", 503),
-                                      "application/json", True))
+                                      "application/json", "close"))
             transport.close()
             return
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) and peer else None
+        held = self.gw._per_address.get(address, 0)
+        if address is not None and held >= self.gw.max_per_address:
+            self.closed = True
+            transport.write(_response(503, error_body(f"too many connections from {address}", "service_unavailable",
+                                                      503), "application/json", "close"))
+            transport.close()
+            return
+        self.address = address
+        self.gw._per_address[address] = held + 1
         self.gw._clients.add(self)
         self._set_deadline(self.gw.header_timeout_s, "header")
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self.discard:
             return
-        try:
-            while data:
-                if self.reading_paused:
-                    # too many requests wait already: one read can hold thousands of small pipelined ones, so
-                    # the rest of it is kept as bytes and parsed once the queue has room again
-                    self.unparsed += data
-                    return
-                if self.in_head:
-                    # feed at most what is left of the head's allowance: the parser never holds more than that
-                    room = MAX_HEAD - self.head_bytes
-                    if room <= 0:
-                        return self._refuse_now(431, f"request line and headers over {MAX_HEAD >> 10} KiB")
-                    piece, data = data[:room], data[room:]
-                    self.head_bytes += len(piece)
-                else:
-                    piece, data = data[:MAX_HEAD], data[MAX_HEAD:]
-                self.parser.feed_data(piece)
-                if self.closed or self.discard:
-                    return
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
-            if self.task is not None:      # an answer is going out on this connection: do not write into it
-                self.transport.abort()
+        view = memoryview(data)        # slices of it are not copies
+        while view:
+            if self.reading_paused:
+                # too many requests wait already: one read can hold thousands of small pipelined ones, so
+                # the rest of it is kept as bytes and parsed once the queue has room again
+                self.unparsed.append(bytes(view))
                 return
-            why = ("protocol upgrades are not supported" if isinstance(e, httptools.HttpParserUpgrade)
-                   else "malformed HTTP request")
-            self.respond(400, error_body(why, "invalid_request_error", 400), close=True)
+            if self.in_head:
+                # feed at most what is left of the head's allowance: the parser never holds more than that
+                room = MAX_HEAD - self.head_bytes
+                if room <= 0:
+                    return self._refuse_now(431, f"request line and headers over {MAX_HEAD >> 10} KiB")
+                piece, view = view[:room], view[room:]
+                self.head_bytes += len(piece)
+            else:
+                piece, view = view[:MAX_HEAD], view[MAX_HEAD:]
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserUpgrade as e:
+                if self.discard or self.closed:
+                    return
+                if self._replay is None:           # CONNECT, refused on its head: nothing to parse again
+                    return self._refuse_now(400, "protocol upgrades are not supported")
+                # RFC 9110 7.8: a server may ignore Upgrade (curl --http2 sends `Upgrade: h2c` on plain requests).
+                # llhttp stops parsing at such a head, so the request is parsed again by a new parser, from the
+                # same head without the Upgrade, followed by what came after it
+                replay, self._replay = self._replay, None
+                self.parser = httptools.HttpRequestParser(self)
+                self.in_head, self.head_bytes = True, 0
+                view = memoryview(replay + bytes(piece[e.args[0]:]) + bytes(view))
+                continue
+            except httptools.HttpParserError:
+                return self._refuse_now(400, "malformed HTTP request")
+            if self.closed or self.discard:
+                return
 
     def _refuse_now(self, status: int, why: str) -> None:
         self._refuse(status, error_body(why, "invalid_request_error", status))
 
     def _refuse(self, status: int, body: bytes) -> None:
-        """Answer ``status`` and close: at once when nothing is being answered, else right after (answers go out
-        in order); nothing more is read from this connection either way."""
+        """Answer ``status`` and close: at once when nothing is being answered, else right after the answers to
+        the requests before it (answers go out in order); nothing more is read from this connection either way."""
         self.discard = True
         if self.task is None and not self.queue:
             self.respond(status, body, close=True)
         else:
             self.transport.pause_reading()
             self.reading_paused = True
-            self.queue.append(_Request("GET", b"/", {}, b"", False, (status, body)))
+            self.queue.append(_Request("GET", b"/", {}, [], False, (status, body)))
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self.gw._clients.discard(self)
+        if self in self.gw._clients:
+            self.gw._clients.discard(self)
+            n = self.gw._per_address.get(self.address, 0) - 1
+            if n > 0:
+                self.gw._per_address[self.address] = n
+            else:
+                self.gw._per_address.pop(self.address, None)
         self.writable.set()
         if self.exchange is not None:
             self.exchange.abort()          # the answer has nobody to go to: drop the upstream connection
@@ -340,11 +409,20 @@ class _ClientConn(asyncio.Protocol):
         headers = self._head_done = {k: ", ".join(v) for k, v in self._headers.items()}
         self._headers = {}
         if self._reject is None:
+            target = origin_form(bytes(self._url))
+            if self.parser.get_method() == b"CONNECT":
+                self._reject = (405, error_body("CONNECT is not supported", "invalid_request_error", 405))
+            elif target is None:
+                self._reject = (400, error_body("the request target is neither a path nor an absolute URL",
+                                                "invalid_request_error", 400))
+            else:
+                self._target = target
+        if self._reject is None:
             try:
                 length = int(headers.get("content-length", "0"))
             except ValueError:
                 length = 0
-            path = bytes(self._url).split(b"?", 1)[0].decode("latin-1")
+            path = self._target.split(b"?", 1)[0].decode("latin-1")
             if self.gw.api_key and path in PROXIED + ("/v1/models",) and not self.gw._authorized(headers):
                 self._reject = _unauthorized()
                 self.gw._count("-", 401)
@@ -357,6 +435,7 @@ class _ClientConn(asyncio.Protocol):
             # closed, so the body is never read
             self._refuse(*self._reject)
             return
+        self._body_started = self._now()
         self._set_deadline(self.gw.body_timeout_s, "body")
         if headers.get("expect", "").lower() == "100-continue":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -364,27 +443,33 @@ class _ClientConn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self._reject is not None:
             return
-        self._set_deadline(self.gw.body_timeout_s, "body")
         self._size += len(body)
         if self._size > MAX_BODY:          # chunked: no length up front
             self._body = []
             self._reject = (413, b"")
             self.gw._count("-", 413)
             self._refuse_now(413, f"request body over {MAX_BODY >> 20} MiB")
-        else:
-            self._body.append(body)
+            return
+        self._body.append(body)
+        # a pause of body_timeout_s ends it, and so does a body slower on the whole than its allowance: the
+        # deadline is not pushed back by each byte (a byte every few seconds would hold the connection forever)
+        now = self._now()
+        allowance = self._body_started + self.gw.body_timeout_s + self._size / self.gw.min_body_rate
+        self.deadline, self.why_deadline = min(now + self.gw.body_timeout_s, allowance), "body"
 
     def on_message_complete(self) -> None:
-        if self.parser.should_upgrade():   # not served: feed_data raises HttpParserUpgrade right after
-            return
         if self._reject is not None or self.closed:
+            return
+        if self.parser.should_upgrade():
+            # not served as it is: feed_data raises HttpParserUpgrade right after, and data_received parses it
+            # again from this head without the Upgrade (CONNECT was refused on its head)
+            self._replay = self._head_without_upgrade()
             return
         self.in_head = True
         self.head_bytes = 0
         self._set_deadline(None)
-        self.http10 = self.parser.get_http_version() == "1.0"
-        req = _Request(self.parser.get_method().decode("latin-1"), bytes(self._url), self._head_done,
-                       b"".join(self._body), self.parser.should_keep_alive(), None)
+        req = _Request(self.parser.get_method().decode("latin-1"), self._target, self._head_done, self._body,
+                       self.parser.should_keep_alive(), None, self.parser.get_http_version() == "1.0", self._now())
         self._reset()
         self.queue.append(req)
         if len(self.queue) > MAX_PIPELINED and not self.reading_paused:   # pipelining without reading
@@ -392,6 +477,22 @@ class _ClientConn(asyncio.Protocol):
             self.transport.pause_reading()
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    def _head_without_upgrade(self) -> bytes:
+        """The current request's head again, without ``Upgrade`` (nor ``HTTP2-Settings``, nor ``Expect``: its
+        ``100 Continue`` went out already)."""
+        lines = [b"%s %s HTTP/%s" % (self.parser.get_method(), bytes(self._url),
+                                     self.parser.get_http_version().encode("latin-1"))]
+        for name, value in self._head_done.items():
+            if name in ("upgrade", "http2-settings", "expect"):
+                continue
+            if name == "connection":
+                tokens = [t.strip() for t in value.split(",")]
+                value = ", ".join(t for t in tokens if t and t.lower() not in ("upgrade", "http2-settings"))
+                if not value:
+                    continue
+            lines.append(f"{name}: {value}".encode("latin-1"))
+        return b"\r\n".join(lines) + b"\r\n\r\n"
 
     async def _serve(self) -> None:
         try:
@@ -401,16 +502,26 @@ class _ClientConn(asyncio.Protocol):
                 if self.closed:
                     break
                 req = self.queue.popleft()
+                self.current, self.answered, self.stream_open = req, False, False
                 if req.reject is not None:
                     self.respond(*req.reject, close=True)
                     break
-                keep = await self.gw._handle(self, req)
+                try:
+                    keep = await self.gw._handle(self, req)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:    # a bug: this client gets an answer, the gateway serves on
+                    self.gw._count("-", 500)
+                    self._failed(e)
+                    break
+                finally:
+                    self.current = None
                 if not keep or self.closed:
                     self.close()
                     break
                 if self.reading_paused and len(self.queue) <= MAX_PIPELINED:
                     self.reading_paused = False
-                    unparsed, self.unparsed = self.unparsed, b""
+                    unparsed, self.unparsed = b"".join(self.unparsed), []
                     if unparsed:
                         self.data_received(unparsed)       # may fill the queue and pause again
                     if not self.reading_paused and not self.closed:
@@ -421,6 +532,17 @@ class _ClientConn(asyncio.Protocol):
             self.task = None
             if not self.closed and not self.queue and self.in_head and self.head_bytes == 0:
                 self._set_deadline(self.gw.idle_timeout_s, "idle")
+
+    def _failed(self, e: Exception) -> None:
+        """What the client of a request whose handler raised gets: a 500 when nothing of the answer went out, a
+        visibly cut stream when one had started, and the connection closed either way."""
+        if self.stream_open:
+            self.abort()
+        elif self.answered:
+            self.close()
+        else:
+            why = f"internal error ({type(e).__name__}); the gateway serves on"
+            self.respond(500, error_body(why, "server_error", 500), close=True)
 
     # --- writing ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -446,19 +568,40 @@ class _ClientConn(asyncio.Protocol):
             self.closed = True
             self.transport.abort()
 
+    def _connection_header(self, close: bool) -> str | None:
+        """``close`` when this answer is the connection's last; ``keep-alive`` to an HTTP/1.0 client that asked
+        for it (without it such a client takes the answer as the connection's last and waits for the close)."""
+        req = self.current
+        if close or (req is not None and not req.keep_alive):
+            return "close"
+        return "keep-alive" if req is not None and req.http10 else None
+
     def respond(self, status: int, body: bytes, ctype: str = "application/json", close: bool = False) -> None:
         if self.closed:
             return
-        self.transport.write(_response(status, body, ctype, close))
-        if close:
+        connection = self._connection_header(close)
+        self.answered = True
+        head_only = self.current is not None and self.current.method == "HEAD"
+        self.transport.write(_response(status, body, ctype, connection, head_only))
+        if connection == "close":
             self.close()
 
     def start_stream(self, status: int, ctype: str) -> None:
         if self.closed:
             return
-        framing = "Connection: close\r\n" if self.http10 else "Transfer-Encoding: chunked\r\n"
+        self.answered = self.stream_open = True
+        req = self.current
+        if req is not None and req.http10:
+            framing = "Connection: close\r\n"        # no chunked encoding in HTTP/1.0: the close ends it
+        else:
+            framing = "Transfer-Encoding: chunked\r\n" + ("Connection: close\r\n" if req is not None and
+                                                          not req.keep_alive else "")
         self.transport.write(f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {ctype}\r\n"
                              f"Cache-Control: no-cache\r\n{framing}\r\n".encode("latin-1"))
+
+    @property
+    def http10(self) -> bool:
+        return self.current is not None and self.current.http10
 
     def write_chunk(self, data: bytes) -> None:
         if data and not self.closed:
@@ -466,6 +609,7 @@ class _ClientConn(asyncio.Protocol):
 
     def end_stream(self) -> bool:
         """Ends a streamed answer; False when the connection cannot carry another request."""
+        self.stream_open = False
         if self.closed:
             return False
         if self.http10:
@@ -498,6 +642,15 @@ class _UpstreamConn(asyncio.Protocol):
         ex.got_bytes = True
         ex.last_rx = asyncio.get_running_loop().time()
         try:
+            if not ex.head.done():
+                # the head of the answer is bounded like a client's: an endless one fails this request
+                room = MAX_UPSTREAM_HEAD - ex.head_bytes
+                ex.head_bytes += len(data)
+                if len(data) > room:
+                    ex.parser.feed_data(data[:room])
+                    if not ex.head.done():
+                        raise httptools.HttpParserError(f"its head is over {MAX_UPSTREAM_HEAD >> 10} KiB")
+                    data = data[room:]
             ex.parser.feed_data(data)
         except httptools.HttpParserError as e:
             if not ex.finished:
@@ -571,6 +724,11 @@ class _Exchange:
         self.extra = False         # the replica sent more than that one answer
         self.keep = False
         self.hung = False          # given up on: nothing arrived for upstream_idle_s
+        self.head_bytes = 0
+        self.first_at: float | None = None     # when the first piece of a streamed body came (loop time)
+        self.last_at = 0.0
+        self.events = 0            # SSE events relayed ("data: ..."), about one per token
+        self.saw_done = False      # the last piece was the "data: [DONE]" that ends an OpenAI stream
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -607,6 +765,12 @@ class _Exchange:
         if self.finished or self.interim:
             return
         if self.streaming:
+            now = self.gw.loop_time()
+            if self.first_at is None:
+                self.first_at = now
+            self.last_at = now
+            self.events += data.count(b"data: ")
+            self.saw_done = data.endswith(b"data: [DONE]\n\n")
             self.client.write_chunk(data)
         else:
             self.body.append(data)
@@ -667,7 +831,8 @@ class Gateway:
                  connect_timeout_s: float = 5.0, *, upstream_key: str | None = None,
                  max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S,
                  body_timeout_s: float = BODY_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 send_timeout_s: float = SEND_TIMEOUT_S, upstream_idle_s: float = UPSTREAM_IDLE_S) -> None:
+                 send_timeout_s: float = SEND_TIMEOUT_S, upstream_idle_s: float = UPSTREAM_IDLE_S,
+                 max_per_address: int = MAX_PER_ADDRESS, min_body_rate: float = MIN_BODY_RATE) -> None:
         self.router = router or Router()
         self.api_key = api_key or None
         self.upstream_key = upstream_key or None     # llama-server's own key: added upstream, never shown
@@ -677,7 +842,12 @@ class Gateway:
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
         self.upstream_idle_s = upstream_idle_s
+        self.max_per_address, self.min_body_rate = max_per_address, min_body_rate
         self.counts: dict[tuple[str, str], int] = {}
+        self.recent: dict[tuple[str, str], RecentWindow] = {}      # (metric, replica) -> the last minutes
+        self._observed: list[tuple[str, float, dict[str, str]]] = []   # histogram observations not yet flushed
+        self._per_address: dict[str | None, int] = {}
+        self.loop_time: Callable[[], float] = time.monotonic     # the event loop's clock once started
         self._flushed: dict[tuple[str, str], int] = {}
         self._server: asyncio.AbstractServer | None = None
         self._pools: dict[str, _Pool] = {}          # replica -> its pool (of the replica's current epoch)
@@ -690,7 +860,9 @@ class Gateway:
         """Listen on ``host:port``; ``reuse_port``: share the port with the deployment's other gateway processes
         (SO_REUSEPORT: the kernel spreads new connections over them)."""
         self.max_connections = min(self.max_connections, _connection_room())
+        self.max_per_address = min(self.max_per_address, self.max_connections)
         loop = asyncio.get_running_loop()
+        self.loop_time = loop.time
         self._server = await loop.create_server(lambda: _ClientConn(self), host, port, reuse_address=True,
                                                 reuse_port=reuse_port or None, backlog=1024)
         self.url = f"http://{host}:{port}"
@@ -827,14 +999,14 @@ class Gateway:
                 conn.respond(405, error_body(f"{path} takes POST", "invalid_request_error", 405))
             else:
                 await self._proxy(conn, req)
-        elif path == "/v1/models" and method == "GET":
+        elif path == "/v1/models" and method in ("GET", "HEAD"):
             if not self._authorized(req.headers):
                 conn.respond(*_unauthorized())
             else:
                 data = [{"id": m, "object": "model", "created": 0, "owned_by": "orchestrator"}
                         for m in self.router.models()]
                 conn.respond(200, json.dumps({"object": "list", "data": data}).encode())
-        elif path == "/health" and method == "GET":
+        elif path == "/health" and method in ("GET", "HEAD"):
             n = self.router.healthy_count()
             if n:
                 conn.respond(200, json.dumps({"status": "ok", "healthy_replicas": n}).encode())
@@ -850,19 +1022,18 @@ class Gateway:
         if not self._authorized(req.headers):      # checked at the head already; kept as the last word
             self._count("-", 401)
             return conn.respond(*_unauthorized())
-        body = req.body
         requested = None
         if len(self.router.models()) > 1:
             try:
-                requested = json.loads(body).get("model")
-            except (ValueError, AttributeError):
+                requested = json.loads(req.body_bytes()).get("model")
+            except (ValueError, AttributeError, RecursionError):    # RecursionError: JSON nested too deep
                 self._count("-", 400)
                 return conn.respond(400, error_body("request body is not a JSON object", "invalid_request_error",
                                                     400))
         model = self.router.resolve_model(requested)
         if model is None:
             self._count("-", 404)          # never the requested name: a label per made-up name grows forever
-            return conn.respond(404, error_body(f"model {requested!r} not found; available: "
+            return conn.respond(404, error_body(f"model {shown_name(requested)} not found; available: "
                                                 f"{', '.join(self.router.models())}", "invalid_request_error",
                                                 "model_not_found"))
         extra = f"Content-Type: {req.headers.get('content-type', 'application/json')}\r\n"
@@ -870,7 +1041,7 @@ class Gateway:
             extra += f"Authorization: Bearer {self.upstream_key}\r\n"
         if "accept" in req.headers:
             extra += f"Accept: {req.headers['accept']}\r\n"
-        tail = (extra + f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
+        tail = (extra + f"Content-Length: {req.size}\r\n\r\n").encode("latin-1")
         tried: set[str] = set()
         stale = 0
         while True:
@@ -901,6 +1072,8 @@ class Gateway:
                     ex.abort()
                     return
                 up.transport.write(b"POST " + req.url + b" HTTP/1.1\r\nHost: " + up.pool.host_header + b"\r\n" + tail)
+                for piece in req.body:             # as it arrived: a big body is not copied into one
+                    up.transport.write(piece)
                 try:
                     await self._progress(ex, ex.head)
                 except _Disconnected:
@@ -911,6 +1084,13 @@ class Gateway:
                         self._count(model, 504)
                         return conn.respond(504, error_body(f"replica {rep.name}: {ex.error}", "gateway_timeout",
                                                             504))
+                    if ex.got_bytes:
+                        # it answered, badly (a broken or endless head): this request fails, and only it; the
+                        # replica is alive and stays in the rotation (a dead one is seen by its next connect)
+                        self._count(model, 502)
+                        return conn.respond(502, error_body(f"replica {rep.name} sent a malformed answer: "
+                                                            f"{ex.error or 'closed in the middle of its head'}",
+                                                            "bad_gateway", 502))
                     # closed before any answer: most often a pooled connection the server had just closed (idle
                     # timeout, its keep-alive limit), not a dead server: pick again (a fresh connection) before
                     # calling the replica unreachable
@@ -922,6 +1102,8 @@ class Gateway:
                     self.prune_sessions()
                     continue
                 complete = await self._progress(ex, ex.done)
+                if complete:
+                    self._observe(model, rep.name, req, ex)
                 if not ex.streaming:
                     if not complete:
                         self._count(model, 502)
@@ -960,9 +1142,58 @@ class Gateway:
         return await fut
 
     # --- metrics -------------------------------------------------------------------------------------------------
+    def _observe(self, model: str, replica: str, req: _Request, ex: "_Exchange") -> None:
+        """The latency of one complete 2xx answer: its duration; for a stream also the time to its first body
+        byte and its tokens per second after the first (events after the first over the time between them)."""
+        if not 200 <= ex.status < 300:
+            return
+        now = self.loop_time()
+        tags = {"model": model, "replica": replica}
+        out = [("orchestrator_gateway_request_duration_seconds", now - req.received)]
+        if ex.streaming and ex.first_at is not None:
+            ttft = ex.first_at - req.received
+            out.append(("orchestrator_gateway_time_to_first_token_seconds", ttft))
+            self._recent("orchestrator_gateway_recent_time_to_first_token", replica, SECONDS_BUCKETS).observe(ttft,
+                                                                                                             now)
+            tokens = ex.events - (1 if ex.saw_done else 0)
+            if tokens >= 2 and ex.last_at > ex.first_at:
+                tps = (tokens - 1) / (ex.last_at - ex.first_at)
+                out.append(("orchestrator_gateway_stream_tokens_per_second", tps))
+                self._recent("orchestrator_gateway_recent_stream_tokens_per_second", replica,
+                             RATE_BUCKETS).observe(tps, now)
+        if self.sink is not None and len(self._observed) < 100_000:   # bounded if flushing stops
+            self._observed.extend((name, value, tags) for name, value in out)
+
+    def _recent(self, name: str, replica: str, bounds) -> RecentWindow:
+        w = self.recent.get((name, replica))
+        if w is None:
+            w = self.recent[(name, replica)] = RecentWindow(bounds)
+        return w
+
+    def recent_latency(self) -> dict[str, dict[str, float | int | None]]:
+        """Per replica over the last minutes: streams, p50/p95 time to first token (s), p50 tokens/s."""
+        now = self.loop_time()
+        out: dict[str, dict[str, float | int | None]] = {}
+        for (name, replica), w in self.recent.items():
+            cum = w.cumulative(now)
+            row = out.setdefault(replica, {})
+            if name.endswith("time_to_first_token"):
+                row["streams"] = cum["+Inf"]
+                row["ttft_p50_s"], row["ttft_p95_s"] = quantile(0.5, cum), quantile(0.95, cum)
+            else:
+                row["tokens_per_s_p50"] = quantile(0.5, cum)
+        return out
+
     def flush_metrics(self) -> None:
         if self.sink is None:
             return
+        observed, self._observed = self._observed, []
+        for name, value, tags in observed:
+            self.sink.observe(name, value, tags)
+        now = self.loop_time()
+        for (name, replica), w in list(self.recent.items()):
+            for le, n in w.cumulative(now).items():
+                self.sink.set(name, n, {"replica": replica, "le": le})
         for key, n in list(self.counts.items()):
             d = n - self._flushed.get(key, 0)
             if d:
@@ -977,7 +1208,8 @@ class Gateway:
         return {"url": self.url, "version": self.router.version,
                 "replicas": [{"name": r.name, "url": r.url, "model": r.model, "healthy": r.healthy,
                               "inflight": r.inflight, "detail": r.detail} for r in self.router.replicas.values()],
-                "requests": {f"{m}:{c}": n for (m, c), n in self.counts.items()}}
+                "requests": {f"{m}:{c}": n for (m, c), n in self.counts.items()},
+                "recent": self.recent_latency()}
 
 
 class GatewayActor:

@@ -429,8 +429,9 @@ class SlowStream:
     """An upstream that streams one SSE event every ``every`` seconds until told to stop, and records when its
     client (the gateway) went away; ``die_after``: drop the connection after that many events."""
 
-    def __init__(self, every: float = 0.05, die_after: int | None = None, events: int = 1000) -> None:
-        self.every, self.die_after, self.events = every, die_after, events
+    def __init__(self, every: float = 0.05, die_after: int | None = None, events: int = 1000,
+                 lead: float = 0.0) -> None:
+        self.every, self.die_after, self.events, self.lead = every, die_after, events, lead
         self.port = free_port()
         self.server = None
         self.connections = 0
@@ -450,6 +451,7 @@ class SlowStream:
                                  + str(len(out)).encode() + b"\r\n\r\n" + out)
                     await writer.drain()
                     continue
+                await asyncio.sleep(self.lead)           # "prompt processing" before the first event
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                              b"Transfer-Encoding: chunked\r\n\r\n")
                 for i in range(self.events):
@@ -547,9 +549,12 @@ def test_http10_client_gets_a_close_delimited_stream_and_bad_requests_get_4xx():
                 assert got.startswith(b"HTTP/1.1 405")
                 got = await raw_exchange(port, b"BLAH\r\n\r\n")
                 assert got.startswith(b"HTTP/1.1 400") and b"malformed" in got
+                # an Upgrade is ignored (RFC 9110 7.8): the request is served as HTTP/1.1, no 101
                 got = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\n"
-                                         b"Upgrade: websocket\r\n\r\n")
-                assert got.startswith(b"HTTP/1.1 400") and b"upgrades are not supported" in got
+                                         b"Upgrade: websocket\r\n\r\n", until=b"]}")
+                assert got.startswith(b"HTTP/1.1 200") and b'"id": "m"' in got
+                got = await raw_exchange(port, b"CONNECT gw:443 HTTP/1.1\r\nHost: gw:443\r\n\r\n")
+                assert got.startswith(b"HTTP/1.1 405") and b"CONNECT is not supported" in got
             await with_gateway_port([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
         finally:
             await up.stop()
@@ -665,4 +670,45 @@ def test_idle_upstream_connections_are_closed_before_the_server_would(monkeypatc
             await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn)
         finally:
             await up.stop()
+    run(go())
+
+
+def test_latency_of_streams_is_measured_per_model_and_replica():
+    """Time to first token, request duration and tokens/s per stream go to histograms (through the sink) and to
+    the window of the last minutes that ``status`` reads; an upstream that waits 0.3 s before its first event and
+    then sends one every 50 ms shows as such."""
+    from orchestrator.cluster.metrics import BUCKETS, METRICS, TAG_KEYS
+
+    async def go():
+        up = await SlowStream(every=0.05, events=6, lead=0.3).start()
+        sink = DictSink()
+        try:
+            async def fn(s, base, gw):
+                for _ in range(2):
+                    async with s.post(base + "/v1/completions", json={"stream": True}) as r:
+                        assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+                async with s.post(base + "/v1/completions", json={"size": 5}) as r:   # not streamed
+                    assert r.status == 200
+                gw.flush_metrics()
+                return gw.stats()["recent"]
+            recent = await with_gateway([{"name": "w0", "url": up.url, "model": "m", "healthy": True}], fn, sink=sink)
+        finally:
+            await up.stop()
+        tags = {"model": "m", "replica": "w0"}
+        ttft = sink.observations("orchestrator_gateway_time_to_first_token_seconds", **tags)
+        tps = sink.observations("orchestrator_gateway_stream_tokens_per_second", **tags)
+        dur = sink.observations("orchestrator_gateway_request_duration_seconds", **tags)
+        assert len(ttft) == 2 and all(0.28 < t < 0.6 for t in ttft), ttft           # only the streams
+        assert len(tps) == 2 and all(10 < x < 21 for x in tps), tps                  # 5 gaps of >= 50 ms
+        assert len(dur) == 3 and all(d > 0.55 for d in sorted(dur)[1:]), dur         # 0.3 s + 6 x 50 ms
+        row = recent["w0"]
+        assert row["streams"] == 2 and 0.2 < row["ttft_p50_s"] <= row["ttft_p95_s"] < 0.75
+        assert 7.5 <= row["tokens_per_s_p50"] <= 20
+        le = sink.get("orchestrator_gateway_recent_time_to_first_token", replica="w0", le="+Inf")
+        assert le == 2.0 and sink.get("orchestrator_gateway_recent_time_to_first_token", replica="w0",
+                                      le="0.2") == 0.0
+        # everything the gateway writes is declared, with its tag keys (and bounds for histograms)
+        for name, tagset in list(sink.values) + list(sink.observed):
+            assert name in METRICS and tuple(sorted(TAG_KEYS[name])) == tuple(sorted(k for k, _ in tagset))
+        assert {n for n, _ in sink.observed} <= set(BUCKETS)
     run(go())

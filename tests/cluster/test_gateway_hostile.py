@@ -427,3 +427,359 @@ def test_the_connection_cap_follows_the_file_descriptor_limit(tmp_path):
     finally:
         p.terminate()
         p.wait(10)
+
+
+# --- where the gateway did worse than a maintained server ----------------------------------------------------------
+class Bystander:
+    """Another client asking ``GET /health`` on fresh connections in a loop, from a thread of its own: the longest
+    wait it saw is how long the gateway's event loop was blocked for everyone."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.port, self.worst, self.answers, self.errors = port, 0.0, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
+                    s.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
+                    got = b""
+                    while chunk := s.recv(4096):
+                        got += chunk
+                if not got.startswith(b"HTTP/1.1 200"):
+                    self.errors.append(got[:80])
+                self.answers += 1
+            except OSError as e:
+                self.errors.append(repr(e))
+            self.worst = max(self.worst, time.monotonic() - t)
+            self._stop.wait(0.05)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(15)
+        self._check()
+
+    async def __aenter__(self):                # with the gateway on this event loop: never block it
+        return self.__enter__()
+
+    async def __aexit__(self, *exc):
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 15)
+        self._check()
+
+    def _check(self) -> None:
+        assert self.answers and not self.errors, self.errors[:3]
+        assert self.worst < 1.0, f"another client waited {self.worst:.2f}s"
+
+
+def two_models(up) -> list[dict]:
+    return [up.row, {**up.row, "name": "w1", "model": "other"}]
+
+
+def test_a_json_body_nested_too_deep_is_400_not_silence():
+    """json.loads raises RecursionError on ~100k nested brackets: the client got no answer until the idle
+    timeout. Now it is a 400 at once, and the gateway serves on."""
+    async def go():
+        up = await Raw(lambda n: ok(b"{}")).start()
+        gw, port = await gateway(two_models(up))
+        try:
+            body = b'{"model": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+            t = time.monotonic()
+            got = await exchange(port, POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
+                                 timeout=10)
+            assert got.startswith(b"HTTP/1.1 400") and b"not a JSON object" in got
+            assert time.monotonic() - t < 3 and up.n == 0
+            got = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert got.startswith(b"HTTP/1.1 200")
+        finally:
+            await gw.stop()
+            await up.stop()
+    run(go())
+
+
+def test_any_exception_in_a_handler_is_a_500_and_the_gateway_serves_on(monkeypatch):
+    """Whatever a handler raises (a bug), its client gets one 500 and the connection is closed."""
+    async def go():
+        up = await Raw(lambda n: ok(b"{}")).start()
+        gw, port = await gateway([up.row])
+        try:
+            def broken(requested):
+                raise KeyError("a bug")
+            monkeypatch.setattr(gw.router, "resolve_model", broken)
+            got = await exchange(port, POST + b"Content-Length: 2\r\n\r\n{}")
+            assert got.startswith(b"HTTP/1.1 500") and b"internal error (KeyError)" in got
+            assert b"Connection: close" in got
+            monkeypatch.undo()
+            got = await exchange(port, POST + b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+            assert got.startswith(b"HTTP/1.1 200")
+            assert gw.counts[("-", "500")] == 1
+        finally:
+            await gw.stop()
+            await up.stop()
+    run(go())
+
+
+def answers(data: bytes) -> list[tuple[bytes, bytes]]:
+    """(head, body) of each answer in ``data``, reading bodies by Content-Length as a client does; HEAD answers
+    must be marked by the caller (it cannot be told from the bytes)."""
+    out = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, data[:200]
+        length = next(int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length"))
+        out.append((head, rest[:length]))
+        data = rest[length:]
+    return out
+
+
+def test_head_gets_the_head_only_and_the_next_answer_stays_in_step():
+    """HEAD got a body, which a client reads as the start of the next answer."""
+    async def go():
+        gw, port = await gateway([{"name": "w0", "url": "http://127.0.0.1:1", "model": "m", "healthy": True}])
+        try:
+            got = await exchange(port, b"HEAD /health HTTP/1.1\r\nHost: gw\r\n\r\n"
+                                       b"HEAD /v1/completions HTTP/1.1\r\nHost: gw\r\n\r\n"
+                                       b"GET /health HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
+            h1, sep, rest = got.partition(b"\r\n\r\n")
+            assert h1.startswith(b"HTTP/1.1 200") and b"Content-Length: " in h1
+            h2, sep, rest = rest.partition(b"\r\n\r\n")      # straight after the head: no body in between
+            assert h2.startswith(b"HTTP/1.1 405"), h2
+            (h3, body3), = answers(rest)
+            assert h3.startswith(b"HTTP/1.1 200") and json.loads(body3)["status"] == "ok"
+        finally:
+            await gw.stop()
+    run(go())
+
+
+@pytest.mark.parametrize("broken,why", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"malformed answer"),
+    (b"HTTP/1.1 200 OK\r\nX-Endless: " + b"a" * (1 << 20), b"head is over 64 KiB"),
+])
+def test_a_malformed_answer_is_one_502_and_the_replica_stays_in_rotation(broken, why):
+    """A replica that answers with a broken head marked itself unreachable: every client got 503 for the next
+    seconds. Now that request gets a 502 and the next one is served."""
+    async def go():
+        up = await Raw(lambda n: broken if n == 1 else ok(b'{"n": %d}' % n)).start()
+        gw, port = await gateway([up.row])
+        try:
+            async with Bystander(port):
+                t = time.monotonic()
+                got = await exchange(port, POST + b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+                assert got.startswith(b"HTTP/1.1 502") and why in got, got[:300]
+                assert time.monotonic() - t < 2
+                got = await exchange(port, POST + b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+                assert got.startswith(b"HTTP/1.1 200") and got.endswith(b'{"n": 2}')
+                assert gw.router.healthy_count() == 1
+        finally:
+            await gw.stop()
+            await up.stop()
+    run(go())
+
+
+def test_an_unknown_model_name_is_not_echoed_whole():
+    """A 10 MiB model name came back in a 17 MiB 404 (held for clients that do not read)."""
+    async def go():
+        up = await Raw(lambda n: ok(b"{}")).start()
+        gw, port = await gateway(two_models(up))
+        try:
+            body = json.dumps({"model": "x" * (10 << 20)}).encode()
+            got = await exchange(port, POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
+                                 timeout=20)
+            assert got.startswith(b"HTTP/1.1 404") and len(got) < 1024, len(got)
+            message = json.loads(got.partition(b"\r\n\r\n")[2])["error"]["message"]
+            assert message.startswith("model 'xxxx") and "…" in message and "available: m, other" in message
+        finally:
+            await gw.stop()
+            await up.stop()
+    run(go())
+
+
+def test_a_body_that_trickles_expires_and_one_address_cannot_take_every_connection():
+    """A body sent a byte at a time never expired (the deadline moved with each byte), and nothing limited the
+    connections of one address, so a few thousand such clients held the connection cap. Now a body has an
+    allowance for the whole (body timeout plus its size at MIN_BODY_RATE), and one address a share of the cap."""
+    async def go():
+        up = await Raw(lambda n: ok(b"{}")).start()
+        gw, port = await gateway([up.row], body_timeout_s=1.0, max_connections=8, max_per_address=3)
+        try:
+            async def trickle():
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(POST + b"Content-Length: 100\r\n\r\n")
+                t = time.monotonic()
+                while time.monotonic() - t < 6:
+                    try:
+                        writer.write(b"{")
+                        await writer.drain()
+                    except ConnectionError:
+                        break
+                    try:
+                        got = await asyncio.wait_for(reader.read(4096), 0.25)
+                    except asyncio.TimeoutError:
+                        continue
+                    writer.close()
+                    return got, time.monotonic() - t
+                writer.close()
+                return b"", time.monotonic() - t
+
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            trickling = asyncio.ensure_future(trickle())
+            await asyncio.sleep(0.2)
+            # a fourth connection from 127.0.0.1 is refused; another address is served
+            got = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert got.startswith(b"HTTP/1.1 503") and b"too many connections from 127.0.0.1" in got
+            r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+            w.write(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert (await asyncio.wait_for(r.read(4096), 5)).startswith(b"HTTP/1.1 200")
+            w.close()
+            got, took = await trickling
+            assert got.startswith(b"HTTP/1.1 408") and b"body not received" in got, got
+            assert took < 3, took
+            for _, w in held:
+                w.close()
+            await asyncio.sleep(0.2)
+            assert gw._per_address == {} or set(gw._per_address) == {"127.0.0.1"}
+        finally:
+            await gw.stop()
+            await up.stop()
+    run(go())
+
+
+def test_eight_32_mib_bodies_at_once_do_not_stall_other_clients(tmp_path):
+    """Each 32 MiB body was copied about four times on the event loop (tens of ms each): eight at once stalled
+    every other client for seconds. The gateway runs as its own process here, so its loop is measured alone."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+
+    async def serve_upstream(up: Raw, ready: threading.Event, stop: threading.Event):
+        await up.start()
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await up.stop()
+
+    up = Raw(lambda n: ok(b'{"ok": true}'))
+    ready, stop = threading.Event(), threading.Event()
+    upstream = threading.Thread(target=lambda: asyncio.run(serve_upstream(up, ready, stop)), daemon=True)
+    upstream.start()
+    assert ready.wait(10)
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cluster.gateway", "--port", str(port), "--replica",
+                          f"w0=http://127.0.0.1:{up.port}"], env={**os.environ, "PYTHONPATH": str(repo)},
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening" in p.stdout.readline()
+        size = G.MAX_BODY - 1024
+        body = b'{"prompt": "' + b"x" * (size - 14) + b'"}'
+        results: list[bytes] = []
+
+        def big():
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+                s.sendall(POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                got = b""
+                while chunk := s.recv(65536):
+                    got += chunk
+                results.append(got)
+
+        with Bystander(port) as who:
+            time.sleep(0.3)
+            senders = [threading.Thread(target=big) for _ in range(8)]
+            [t.start() for t in senders]
+            [t.join(120) for t in senders]
+        assert len(results) == 8 and all(r.startswith(b"HTTP/1.1 200") for r in results)
+        assert up.n == 8
+        print(f"worst wait of another client during eight 32 MiB bodies: {who.worst * 1000:.0f} ms")
+    finally:
+        p.terminate()
+        p.wait(10)
+        stop.set()
+        upstream.join(10)
+
+
+def test_pipelined_good_bad_good_answers_the_first_then_400():
+    """A malformed request after a valid one in the same write: the valid one went unanswered."""
+    async def go():
+        gw, port = await gateway([])
+        try:
+            got = await exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
+                                       b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nContent-Length: x\r\n\r\n"
+                                       b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+            (h1, b1), (h2, b2) = answers(got)
+            assert h1.startswith(b"HTTP/1.1 200") and json.loads(b1)["object"] == "list"
+            assert h2.startswith(b"HTTP/1.1 400") and b"Connection: close" in h2 and b"malformed" in b2
+        finally:
+            await gw.stop()
+    run(go())
+
+
+def test_absolute_form_targets_are_served_and_h2c_upgrades_ignored():
+    """``POST http://host/v1/...`` (RFC 9112 3.2.2: a server must accept it) was 404, and ``Upgrade: h2c`` on a
+    plain request (curl --http2 sends it) 400. Both are served as HTTP/1.1; the replica sees an origin-form
+    target and the body."""
+    seen: list[bytes] = []
+
+    class Recording(Raw):
+        async def _conn(self, reader, writer):
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                                   if ln.lower().startswith(b"content-length:")), 0)
+                    seen.append(head.split(b"\r\n", 1)[0] + b" " + await reader.readexactly(length))
+                    writer.write(ok(b'{"ok": true}'))
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+
+    async def go():
+        up = await Recording(None).start()
+        gw, port = await gateway([up.row])
+        try:
+            got = await exchange(port, b"POST http://gw:8080/v1/completions?x=1 HTTP/1.1\r\nHost: gw\r\n"
+                                       b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+            assert got.startswith(b"HTTP/1.1 200"), got[:200]
+            body = b'{"prompt": "h2c"}'
+            got = await exchange(port, POST + b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                                 b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Length: %d\r\n\r\n" % len(body)
+                                 + body + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            (h1, b1), (h2, _) = answers(got)
+            assert h1.startswith(b"HTTP/1.1 200") and b"Upgrade" not in h1 and b1 == b'{"ok": true}'
+            assert h2.startswith(b"HTTP/1.1 200")
+            assert seen == [b"POST /v1/completions?x=1 HTTP/1.1 {}", b"POST /v1/completions HTTP/1.1 " + body]
+        finally:
+            await gw.stop()
+            await up.stop()
+    run(go())
+
+
+def test_http10_keep_alive_is_said_and_kept():
+    """An HTTP/1.0 client asking for keep-alive was kept open without being told, so it waited for a close."""
+    async def go():
+        gw, port = await gateway([])
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(2):
+                writer.write(b"GET /v1/models HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                assert head.startswith(b"HTTP/1.1 200") and b"Connection: keep-alive" in head
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+            writer.close()
+            got = await exchange(port, b"GET /v1/models HTTP/1.0\r\n\r\n")      # no keep-alive: said and closed
+            assert got.startswith(b"HTTP/1.1 200") and b"Connection: close" in got
+        finally:
+            await gw.stop()
+    run(go())
