@@ -29,7 +29,7 @@ from orchestrator.bench.configs import (
     plan_config,
 )
 from orchestrator.bench.measure import Workload
-from orchestrator.bench.runner import BenchOptions, describe, run_bench, schedule
+from orchestrator.bench.session import BenchOptions, describe, run_bench, schedule
 from orchestrator.bench.summary import ratios, summarize
 
 __all__ = [

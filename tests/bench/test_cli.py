@@ -91,7 +91,7 @@ def test_bench_imports_without_gguf_pydantic_ray():
         "        if name.split('.')[0] in ('gguf', 'pydantic', 'ray'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import orchestrator.bench as b, orchestrator.bench.runner, orchestrator.bench.report as r\n"
+        "import orchestrator.bench as b, orchestrator.bench.session, orchestrator.bench.report as r\n"
         "import orchestrator.commands.bench as cb, argparse\n"
         "try:\n"
         "    cb._plan_from_topology(argparse.Namespace(topology='t.yaml'))\n"

@@ -14,7 +14,7 @@ import pytest
 from orchestrator.bench import BenchOptions, VramBallast, Workload, build_configs, parse_config_option, run_bench
 from orchestrator.bench.configs import OFFLOAD_ENV, OFFLOAD_NEVER, BenchConfig
 from orchestrator.bench.progress import Progress
-from orchestrator.bench.runner import binary_has_flag, schedule
+from orchestrator.bench.session import binary_has_flag, schedule
 from orchestrator.bench.server import default_launcher
 from orchestrator.errors import ConfigError, HardwareError
 
@@ -316,7 +316,7 @@ def test_a_configuration_with_its_own_llama_server_and_the_threads_sweep(tmp_pat
 
 
 def test_an_interrupt_while_stopping_still_stops_the_server():
-    from orchestrator.bench.runner import _stop_server
+    from orchestrator.bench.session import _stop_server
 
     class Proc:
         calls = 0
