@@ -1187,13 +1187,6 @@ class Gateway:
     def flush_metrics(self) -> None:
         if self.sink is None:
             return
-        observed, self._observed = self._observed, []
-        for name, value, tags in observed:
-            self.sink.observe(name, value, tags)
-        now = self.loop_time()
-        for (name, replica), w in list(self.recent.items()):
-            for le, n in w.cumulative(now).items():
-                self.sink.set(name, n, {"replica": replica, "le": le})
         for key, n in list(self.counts.items()):
             d = n - self._flushed.get(key, 0)
             if d:
@@ -1203,6 +1196,13 @@ class Gateway:
             self.sink.set("orchestrator_gateway_requests_in_flight", r.inflight, {"replica": r.name})
         for m in self.router.models():
             self.sink.set("orchestrator_gateway_healthy_replicas", self.router.healthy_count(m), {"model": m})
+        now = self.loop_time()
+        for (name, replica), w in list(self.recent.items()):
+            for le, n in w.cumulative(now).items():
+                self.sink.set(name, n, {"replica": replica, "le": le})
+        observed, self._observed = self._observed, []
+        for name, value, tags in observed:
+            self.sink.observe(name, value, tags)
 
     def stats(self) -> dict:
         return {"url": self.url, "version": self.router.version,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import re
 from typing import Iterable, Mapping, Sequence
 
 # seconds: 10 ms to 60 s in steps of about 1.5x (a p95 read from these is within half a step)
@@ -93,4 +94,42 @@ def add_histograms(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
     for p in parts:
         for le, n in p.items():
             out[le] = out.get(le, 0.0) + float(n)
+    return out
+
+
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)\{(.*)\}\s+(\S+)')
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+TTFT_WINDOW = "orchestrator_gateway_recent_time_to_first_token"
+RATE_WINDOW = "orchestrator_gateway_recent_stream_tokens_per_second"
+
+
+def recent_from_page(text: str, prefix: str = "ray_") -> dict[str, dict[str, float | None]]:
+    """Per replica, from a Prometheus text page (Ray's metrics endpoint, whose names carry ``prefix``): streams of
+    the last minutes, p50/p95 time to first token (s) and p50 tokens/s per stream, every gateway process's counts
+    added together (Ray labels each process's series with its WorkerId)."""
+    parts: dict[tuple[str, str], dict[str, float]] = {}
+    names = {prefix + TTFT_WINDOW: "ttft", prefix + RATE_WINDOW: "rate"}
+    for line in text.splitlines():
+        if not line.startswith(prefix + "orchestrator_gateway_recent_"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) not in names:
+            continue
+        labels = dict(_LABEL.findall(m.group(2)))
+        if "replica" not in labels or "le" not in labels:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        h = parts.setdefault((names[m.group(1)], labels["replica"]), {})
+        h[labels["le"]] = h.get(labels["le"], 0.0) + value
+    out: dict[str, dict[str, float | None]] = {}
+    for (kind, replica), h in parts.items():
+        row = out.setdefault(replica, {})
+        if kind == "ttft":
+            row["streams"] = h.get("+Inf", 0.0)
+            row["ttft_p50_s"], row["ttft_p95_s"] = quantile(0.5, h), quantile(0.95, h)
+        else:
+            row["tokens_per_s_p50"] = quantile(0.5, h)
     return out

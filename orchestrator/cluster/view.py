@@ -100,6 +100,25 @@ def _mib(b: Any) -> str:
     return fmt_bytes(b) if b else "-"
 
 
+def _seconds(a: float | None, b: float | None) -> str:
+    """``41/120 ms`` or ``1.2/3.4 s``: two latencies in the unit of the larger."""
+    if a is None or b is None:
+        return "-"
+    if max(a, b) < 10:
+        return f"{a * 1000:.0f}/{b * 1000:.0f} ms"
+    return f"{a:.1f}/{b:.1f} s"
+
+
+def latency_cells(lat: Mapping[str, Any] | None) -> list[str]:
+    """Time to first token p50/p95 and tokens/s per stream (p50) of the last minutes, as the gateway saw them;
+    '-' where no stream was answered in that time."""
+    lat = lat or {}
+    if not lat.get("streams"):
+        return ["-", "-"]
+    tps = lat.get("tokens_per_s_p50")
+    return [_seconds(lat.get("ttft_p50_s"), lat.get("ttft_p95_s")), f"{tps:.1f}" if tps is not None else "-"]
+
+
 def worker_rows(workers: Iterable[Mapping[str, Any]]) -> list[list[str]]:
     rows = []
     for w in workers:
@@ -116,12 +135,15 @@ def worker_rows(workers: Iterable[Mapping[str, Any]]) -> list[list[str]]:
         rows.append([
             str(w.get("name", "?")), str(w.get("state", "?")), str(w.get("pid") or "-"),
             str(w.get("node") or "-"), str(w.get("binding") or "-"), str(w.get("devices") or "-"), mem, tps,
-            str(w.get("restarts", 0)), err,
+            *latency_cells(w.get("latency")), str(w.get("restarts", 0)), err,
         ])
     return rows
 
 
-HEADER = ["worker", "state", "pid", "node", "binding", "devices", "memory", "tok/s p/g", "restarts", "last error"]
+HEADER = ["worker", "state", "pid", "node", "binding", "devices", "memory", "tok/s p/g", "ttft p50/p95",
+          "stream tok/s", "restarts", "last error"]
+LATENCY_NOTE = ("ttft p50/p95, stream tok/s: streamed answers of the last 5 minutes, through the gateway "
+                "(from Ray's metrics endpoint)")
 
 
 def format_table(rows: list[list[str]], header: list[str] = HEADER, max_last: int = 90) -> str:
@@ -142,4 +164,10 @@ def format_status(st: Mapping[str, Any]) -> str:
     for key, label in (("dashboard_url", "dashboard "), ("metrics_url", "metrics   "), ("ray_address", "ray       ")):
         if st.get(key):
             head.append(f"{label} {st[key]}")
-    return "\n".join(head) + "\n\n" + format_table(worker_rows(st.get("workers") or []))
+    workers = st.get("workers") or []
+    note = ""
+    if st.get("latency_error"):
+        note = f"\n\nttft and stream tok/s unknown: {st['latency_error']}"
+    elif any((w.get("latency") or {}).get("streams") for w in workers):
+        note = "\n\n" + LATENCY_NOTE
+    return "\n".join(head) + "\n\n" + format_table(worker_rows(workers)) + note

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "Show the running workers: state, pid, node, binding, devices, memory, tok/s, restarts, last error"
+HELP = ("Show the running workers: state, pid, node, binding, devices, memory, tok/s, time to first token, "
+        "restarts, last error")
 DESCRIPTION = (HELP + ". Exit status: 0 when every worker is ready, 1 while starting or degraded, "
                "2 when no deployment is running or Ray cannot be reached.")
 
@@ -33,8 +34,32 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.cluster.view import format_status
 
     st = status(pick_namespace(args.namespace))
+    add_recent_latency(st)
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True, default=str))
     else:
         print(format_status(st))
     return 0 if st.get("phase") == "ready" else 1
+
+
+def add_recent_latency(st: dict, timeout: float = 3.0) -> None:
+    """Puts each worker's recent latency, as the gateway exported it to Ray's metrics endpoint, under its
+    ``latency`` key; or says in ``latency_error`` why it cannot (the rest of the status stands either way)."""
+    import urllib.error
+    import urllib.request
+
+    from orchestrator.cluster.latency import recent_from_page
+
+    url = st.get("metrics_url")
+    if not url:
+        st["latency_error"] = "no metrics endpoint recorded (a deployment on a Ray cluster it joined)"
+        return
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            page = r.read(64 << 20).decode("utf-8", "replace")
+    except (OSError, urllib.error.URLError, ValueError) as e:
+        st["latency_error"] = f"Ray's metrics endpoint {url} did not answer ({getattr(e, 'reason', None) or e})"
+        return
+    recent = recent_from_page(page)
+    for w in st.get("workers") or []:
+        w["latency"] = recent.get(w.get("name"), {})

@@ -77,8 +77,8 @@ def test_status_table_and_text():
                {"name": "w1", "state": "failed", "pid": None, "node": "b", "restarts": 5,
                 "reason": "gave up after 5 restart(s)", "metrics": {}}]
     rows = worker_rows(workers)
-    assert rows[0] == ["w0", "ready", "11", "a", "numactl -N 0", "cuda:0", "3.0 GiB +20.0 GiB vram", "812/23.5", "1",
-                       "killed by SIGKILL"]
+    assert rows[0] == ["w0", "ready", "11", "a", "numactl -N 0", "cuda:0", "3.0 GiB +20.0 GiB vram", "812/23.5", "-",
+                       "-", "1", "killed by SIGKILL"]
     assert rows[1][1:3] == ["failed", "-"] and rows[1][7] == "-" and rows[1][-1] == "gave up after 5 restart(s)"
     text = format_table(rows)
     assert text.splitlines()[0].split()[:3] == HEADER[:3] and len(text.splitlines()) == 3
@@ -86,6 +86,39 @@ def test_status_table_and_text():
                           "gateway": {"url": "http://127.0.0.1:8080", "state": "serving", "healthy": 1},
                           "dashboard_url": "http://127.0.0.1:8265"})
     assert "deployment ns: degraded (w1: failed)" in full and "healthy replicas: 1/2" in full and "8265" in full
+    assert "last 5 minutes" not in full                  # no stream seen: no latency note
+
+
+def test_status_shows_the_gateways_recent_latency_per_worker():
+    from orchestrator.cluster.latency import recent_from_page
+
+    # two gateway processes (two WorkerIds) of one deployment, as Ray's endpoint shows them
+    def series(name, worker_id, replica, counts):
+        return "".join(f'ray_{name}{{Component="core_worker",WorkerId="{worker_id}",le="{le}",replica="{replica}"}} '
+                       f"{n}\n" for le, n in counts)
+    page = ("# HELP ray_orchestrator_gateway_recent_time_to_first_token ...\n"
+            + series("orchestrator_gateway_recent_time_to_first_token", "a1", "w0",
+                     [("0.03", 0), ("0.05", 6), ("0.1", 9), ("+Inf", 10)])
+            + series("orchestrator_gateway_recent_time_to_first_token", "b2", "w0",
+                     [("0.03", 0), ("0.05", 4), ("0.1", 10), ("+Inf", 10)])
+            + series("orchestrator_gateway_recent_stream_tokens_per_second", "a1", "w0",
+                     [("20.0", 0), ("30.0", 10), ("+Inf", 10)])
+            + series("orchestrator_gateway_recent_time_to_first_token", "a1", "w1", [("0.05", 0), ("+Inf", 0)])
+            + 'ray_orchestrator_gateway_requests_total{code="200",model="m"} 20.0\n')
+    recent = recent_from_page(page)
+    assert recent["w0"]["streams"] == 20
+    assert recent["w0"]["ttft_p50_s"] == pytest.approx(0.03 + 0.02 * 10 / 10)      # 10 of 20 at or under 50 ms
+    assert recent["w0"]["ttft_p95_s"] == pytest.approx(0.05 + 0.05 * (19 - 10) / 9)
+    assert recent["w0"]["tokens_per_s_p50"] == pytest.approx(25.0)
+    assert recent["w1"]["streams"] == 0 and recent["w1"]["ttft_p50_s"] is None
+    workers = [{"name": "w0", "state": "ready", "metrics": {}, "latency": recent["w0"]},
+               {"name": "w1", "state": "ready", "metrics": {}, "latency": recent["w1"]}]
+    rows = worker_rows(workers)
+    assert rows[0][8:10] == ["50/100 ms", "25.0"] and rows[1][8:10] == ["-", "-"]
+    text = format_status({"namespace": "ns", "phase": "ready", "workers": workers, "gateway": {}})
+    assert "ttft p50/p95" in text.splitlines()[3] and "last 5 minutes" in text
+    assert "unknown: no metrics endpoint" in format_status({"workers": workers, "gateway": {},
+                                                            "latency_error": "no metrics endpoint"})
 
 
 # --- deployment ----------------------------------------------------------------------------------------------------
