@@ -137,10 +137,10 @@ def deployment_log_dir(log_dir: str | None, namespace: str) -> Path:
 
 
 class EarlyHead:
-    """The embedded Ray head, started in a background thread while ``up`` is still planning (the head takes
-    seconds to start; planning, reading the model and the warm-up run meanwhile). :func:`start_early_head`
-    makes one only when ``up`` will surely need it; ``up(..., early=...)`` takes it over, and
-    :meth:`abandon` stops it when planning fails. It records itself in the state file as soon as the head runs,
+    """The embedded Ray head, started in a background thread once the plan is made (the head takes seconds to
+    start; pulling and reading the model, the warm-up and the early llama-servers run meanwhile).
+    :func:`start_early_head` makes one only when ``up`` will surely need it; ``up(..., early=...)`` takes it
+    over, and :meth:`abandon` stops it when a later phase fails. It records itself in the state file as soon as the head runs,
     so ``down`` finds it whatever happens next."""
 
     def __init__(self, namespace: str, node_name: str, *, dashboard_host: str, dashboard_port: int,
@@ -274,7 +274,7 @@ def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
 
     try:
         if dep.embedded and early is not None:
-            say(f"waiting for the Ray head started during planning (dashboard on {dep.dashboard_host}:"
+            say(f"waiting for the Ray head started in the background (dashboard on {dep.dashboard_host}:"
                 f"{dep.dashboard_port}) ...")
             early.taken = True           # ours now: the teardown below stops it
             head = early.result()

@@ -5,10 +5,10 @@ stops ``up`` (an error, Ctrl-C, SIGTERM, a hang-up) undoes exactly what had star
 
     lock         one ``up`` per namespace (state.NamespaceLock)
     signals      every stop signal from here on stops cleanly (sigutil.StopSignals)
-    preflight    a deployment already running, the gateway port, the files the topology names: refused
-                 before anything starts or is printed
-    early head   the embedded Ray head starts in the background while the plan is made (runner.EarlyHead)
-    resolve      the plan and its LaunchSpecs (orchestrator.resolve); the workers' ports checked next
+    preflight    a deployment already running, the gateway port, the files the topology names
+    resolve      the plan and its LaunchSpecs (orchestrator.resolve), then every local worker's port: what
+                 can be refused is refused here, before anything starts or is printed
+    early head   the embedded Ray head starts in the background (runner.EarlyHead) while the phases below run
     pull         a remote model into the cache
     prefetch     the model read into the page cache, or warmed up under each worker's NUMA policy
     early        llama-servers started now, adopted later by their worker actors (keeper.EarlyServer)
@@ -129,10 +129,10 @@ class Startup:
         from orchestrator.resolve import resolve
 
         preflight(self.topo)
-        stack.callback(self._abandon_early_head)
-        self.early = self._start_early_head()
         res = resolve(self.topo)
         check_worker_ports(res)
+        stack.callback(self._abandon_early_head)
+        self.early = self._start_early_head()
         self._pull(res)
         dep = deployment_from(res)
         early_start = self.early is not None and res.topology.workers.early_start
@@ -146,7 +146,7 @@ class Startup:
         return self._serve(dep)
 
     def _start_early_head(self):
-        """The Ray head takes seconds to start: start it now, while the plan is made."""
+        """The Ray head takes seconds to start: start it now, while the model is pulled, read ahead and loaded."""
         from orchestrator.cluster.runner import start_early_head
 
         t = self.topo

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -172,30 +173,77 @@ def _orch_ray_dirs() -> set[str]:
 
 
 @pytest.mark.slow
-def test_head_started_during_planning_is_stopped_when_planning_fails(iso, tmp_path):
-    """`up` starts the embedded head while it plans; a model that cannot be read then fails the plan: one line,
-    exit 2, and the head (with its GCS, raylet, dashboard) is gone again, its state record too."""
+def test_a_plan_that_fails_starts_no_ray_head(iso, tmp_path):
+    """A model that cannot be read fails the plan: one line, exit 2, and no Ray head was started for it."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(64))
     topo = tmp_path / "t.yaml"
     topo.write_text(f"model:\n  path: {bad}\ngateway:\n  port: {S.free_port()}\nray:\n  address: local\n"
                     f"  dashboard_port: {S.free_port()}\n  namespace: early-fail\n")
-    before = _orch_ray_dirs()
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
     res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo), "--detach"], env=env,
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 2, res.stderr
     err = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and "bad.gguf" in err[0] and "Traceback" not in res.stderr, res.stderr
-    head_log = Path(os.environ["ORCHESTRATOR_STATE"]) / "logs" / "early-fail" / "ray-head.log"
-    assert "Ray runtime started" in head_log.read_text()     # a head did start while planning
-    new = _orch_ray_dirs() - before
-    assert all(S.ray_processes_of(d) == [] for d in new) and not any(Path(d).exists() for d in new)
-    assert not any("early-fail" in " ".join(p.info["cmdline"] or []) or str(iso["tmp"]) in " ".join(
-        p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]) if "ray" in " ".join(p.info["cmdline"] or []))
+    assert not (Path(os.environ["ORCHESTRATOR_STATE"]) / "logs" / "early-fail" / "ray-head.log").exists()
     from orchestrator.cluster import state
 
     assert state.read("early-fail") is None
+
+
+def _live_record(iso, namespace: str):
+    """A state record of a running deployment: its 'head' a live process of ours (the pid and start time as
+    up records them)."""
+    from orchestrator.cluster import state
+    from orchestrator.cluster.procs import started_since_boot
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    state.write(state.ClusterState(namespace=namespace, ray_address="127.0.0.1:1", embedded=True, up_pid=holder.pid,
+                                   started_at=time.time(), phase="running", head_pid=holder.pid,
+                                   head_started=started_since_boot(holder.pid), gateway_url="http://127.0.0.1:1"))
+    return holder
+
+
+@pytest.mark.parametrize("conflict", ["running", "gateway", "worker", "model"])
+def test_cli_up_refuses_a_conflict_before_the_plan_is_printed_or_ray_starts(iso, tmp_path, conflict):
+    """A deployment already running, the gateway's or a worker's port taken (the holder named), a model file that
+    is not there: one line, exit 2, within seconds; no plan printed, no Ray head, no llama-server."""
+    ns = f"pre-{conflict}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
+    holder = None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        topo = _one_worker_topology(iso, tmp_path / "t.yaml", ns, gateway_port=taken if conflict == "gateway" else None)
+        text = topo.read_text()
+        if conflict == "worker":
+            text = text.replace("  replicas: 1\n", f"  replicas: 1\n  port_base: {taken}\n")
+        if conflict == "model":
+            text = text.replace(str(iso["model"]), str(tmp_path / "missing.gguf"))
+        topo.write_text(text)
+        if conflict == "running":
+            holder = _live_record(iso, ns)
+        t0 = time.monotonic()
+        try:
+            res = subprocess.run([sys.executable, "-m", "orchestrator", "up", str(topo)], env=env,
+                                 capture_output=True, text=True, timeout=120)
+        finally:
+            if holder is not None:
+                holder.kill()
+                holder.wait()
+        took = time.monotonic() - t0
+    want = {"running": rf"deployment '{ns}' is already running",
+            "gateway": rf"gateway\.port: cannot listen on 127\.0\.0\.1:{taken}: .*held by pid {os.getpid()} ",
+            "worker": rf"workers\.port_base: worker \S+ cannot listen: 127\.0\.0\.1:{taken} is already in use by "
+                      rf"pid {os.getpid()} ",
+            "model": r"model\.path: model file .*missing\.gguf does not exist"}[conflict]
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(err) == 1 and re.search(want, err[0]), res.stderr
+    assert took < 20, f"refused after {took:.1f}s"
+    assert not (Path(os.environ["ORCHESTRATOR_STATE"]) / "logs" / ns / "ray-head.log").exists(), "Ray was started"
+    assert [q for q in _ours(str(tmp_path)) if q.name() == "llama-server"] == []
 
 
 @pytest.mark.slow

@@ -153,6 +153,24 @@ def test_a_signal_while_serving_stops_everything(iso, sig, code):
         up.cleanup()
 
 
+def test_down_from_another_shell_stops_the_foreground_up_with_0(iso):
+    """`orchestrator down` from another shell: the foreground `up` sees the deployment stopped (not its head
+    lost) and exits 0 with "stopped by `orchestrator down`"."""
+    up = Up(iso, "stop-down")
+    try:
+        up.serving()
+        res = subprocess.run([sys.executable, "-m", "orchestrator", "down", "-n", up.ns], capture_output=True,
+                             text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert res.returncode == 0, res.stderr
+        rc = up.wait()
+        assert rc == 0, up.out
+        assert "stopped by `orchestrator down`" in up.out and "the Ray head is gone" not in up.out, up.out
+        assert "Traceback" not in up.out
+        _nothing_left(up)
+    finally:
+        up.cleanup()
+
+
 def test_a_second_sigterm_during_the_stop_waits_for_it(iso):
     up = Up(iso, "stop-twice")
     try:
