@@ -1,0 +1,79 @@
+"""`up`'s start-up limits: how ray.start_timeout becomes the head's, the actors' and Ray's own waits, and a real
+Ray head that is given too little time."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cluster.deployment import Deployment, StartLimits
+from orchestrator.config import load_topology
+from orchestrator.errors import ClusterError, ConfigError
+from orchestrator.launch.spec import LaunchSpec
+
+
+@pytest.mark.parametrize("value,load,head", [("auto", 0.0, 120.0), ("auto", 0.5, 120.0), ("auto", 3.0, 360.0),
+                                             ("auto", 50.0, 1200.0), (300.0, 0.0, 300.0), (300.0, 8.0, 300.0)])
+def test_start_timeout_scales_every_limit_together(value, load, head):
+    lim = StartLimits.from_start_timeout(value, load)
+    assert (lim.head_s, lim.actor_s, lim.ray_wait_s) == (head, head / 2, head / 4)
+    env = lim.ray_env()
+    assert env == {"RAY_agent_register_timeout_ms": str(int(head / 4 * 1000)),
+                   "RAY_raylet_start_wait_time_s": str(round(head / 4))}
+
+
+def test_the_defaults_are_the_limits_up_always_had():
+    lim = StartLimits()
+    assert (lim.head_s, lim.actor_s, lim.ray_wait_s) == (120.0, 60.0, 30.0)
+
+
+def test_limits_travel_with_the_deployment():
+    spec = LaunchSpec("w0", ("llama-server", "-m", "m.gguf"), port=9001)
+    dep = Deployment(specs=(spec,), limits=StartLimits.from_start_timeout(600))
+    back = Deployment.from_dict(dep.to_dict())
+    assert back.limits == dep.limits and back.limits.actor_s == 300.0
+    assert Deployment.from_dict({k: v for k, v in dep.to_dict().items() if k != "limits"}).limits == StartLimits()
+
+
+def _topology(tmp_path: Path, ray_lines: str):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    f = tmp_path / "t.yaml"
+    f.write_text(f"model:\n  path: {model}\nray:\n{ray_lines}")
+    return f
+
+
+def test_the_topology_sets_the_start_timeout(tmp_path):
+    assert load_topology(_topology(tmp_path, "  start_timeout: 5m\n")).ray.start_timeout == 300.0
+    assert load_topology(_topology(tmp_path, "  namespace: x\n")).ray.start_timeout == "auto"
+    with pytest.raises(ConfigError, match=r"t\.yaml:\d+: ray\.start_timeout: 3s is out of range \(expected auto or "
+                                          r"a duration"):
+        load_topology(_topology(tmp_path, "  start_timeout: 3s\n"))
+
+
+def test_a_head_given_too_little_time_is_stopped_with_the_key_to_change(tmp_path, monkeypatch):
+    """A real `ray start --head` given half a second: one line naming ray.start_timeout, nothing of the head left;
+    Ray's own waits reached the head's environment."""
+    from orchestrator.cluster import head as headmod
+    from orchestrator.cluster.head import free_port
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")     # no token written into the user's home
+    seen = {}
+
+    def on_spawn(info):
+        seen["info"] = info
+        seen["env"] = Path(f"/proc/{info.pid}/environ").read_bytes().split(b"\0")
+
+    lim = StartLimits.from_start_timeout(40)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"did not start within 0\.5s .*a slow machine may need a longer "
+                                           r"ray\.start_timeout"):
+        headmod.start_head(node_name="local", gcs_port=None, dashboard_host="127.0.0.1",
+                           dashboard_port=free_port("127.0.0.1", set()), metrics_port=None, log_dir=tmp_path,
+                           timeout=0.5, on_spawn=on_spawn, ray_env=lim.ray_env())
+    assert time.monotonic() - t0 < 60
+    assert b"RAY_agent_register_timeout_ms=10000" in seen["env"] and b"RAY_raylet_start_wait_time_s=10" in seen["env"]
+    info = seen["info"]
+    assert headmod.head_tree(info.pid, info.started) == []
