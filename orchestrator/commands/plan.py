@@ -62,8 +62,7 @@ def render_text(res) -> str:
             cache = f", expert cache {_gib(dm.cache)}" if dm.cache else ""
             lines.append(f"  {dm.device:<6} {_gib(dm.total):>10}{budget}  (weights {_gib(dm.weights)}, KV {_gib(dm.kv)},"
                          f" compute {_gib(dm.compute)}, other {_gib(dm.overhead)}{cache})")
-        pp = ", ".join(f"pp{k} {v:.0f}" for k, v in sorted(w.predicted.pp.items()))
-        lines.append(f"speed (predicted): tg {w.predicted.tg:.1f} t/s; {pp} t/s")
+        lines.append(f"speed (predicted): {w.predicted.summary()}")
         if w.expert_cache is not None:
             lines.extend(w.expert_cache.arithmetic())
         lines.append("why:")

@@ -28,11 +28,25 @@ predicts what the plan predicts. The time of everything else a token reads (atte
 is ``base_seconds``, the same for every candidate. The CPU and GPU parts are summed (no overlap counted).
 
 Prompt processing is kept as a proxy: time per micro-batch for the expert weights = host-resident expert bytes /
-PCIe bw (copied in for big batches) + GPU-resident expert bytes / GPU bw.
+PCIe bw (copied in for big batches) + GPU-resident expert bytes / GPU bw. A backend whose big batches read the
+cached experts from the slots (``--moe-cache-prefill``) copies only the host-resident share the cache does not hold:
+host bytes x (1 - cached fraction).
+
+Several streams (``streams`` = the worker's parallel slots, all busy) decode as one batch per step: each layer
+reads the union of the streams' picks, U(N) = n_expert x (1 - (1 - k / n_expert)^N) distinct experts (independent
+picks), and each distinct expert is looked up, uploaded or read once. The streams share every bank, so each sees
+part of the slots: the hit rate at N streams is the curve at (cached fraction x (k / U(N)) ** e). With e = 1 each
+stream would get an equal share of disjoint slots; streams of one model pick many experts alike (popular experts,
+shared between streams), and e < 1 (``stream_share_exponent``, measured) says how much. A step then
+takes the single-token arithmetic above with U(N) experts per layer in place of k, plus ``base_seconds``; the
+aggregate is N tokens per step. Where a batch of N tokens needs more slots than a bank has (N x k > slots per
+layer), the patch leaves it to the CPU path: the step is then computed as without a cache at the same placement.
 
 Objectives: ``generation`` (default) takes the best predicted generation within 3% of the best, then the most
-whole layers (prompt speed); ``prompt`` takes the most whole layers, then the best generation; ``balanced``
-maximises the geometric mean of generation and prompt speed, each relative to its best candidate. A cache is
+whole layers (prompt speed); ``prompt`` takes the fastest prompt (to 0.1 ms a micro-batch: the most whole layers
+unless big batches read the slots, when every split copies about the same bytes), then the best generation;
+``balanced`` maximises the geometric mean of generation and prompt speed, each relative to its best candidate.
+Generation is one stream's, or with ``streams`` > 1 the aggregate of that many streams decoding together. A cache is
 chosen only where it is predicted to beat the same VRAM as whole layers alone (slow link, little locality:
 no cache).
 """
@@ -71,6 +85,9 @@ class CacheInputs:
     cpu_miss_hop_s: float = 0.0          # miss mode "cpu": per host-resident layer whose token has a CPU miss
     cpu_miss_fixed_s: float = 0.0        # miss mode "cpu": per token, beyond the bytes and the hops
     min_gpu_layers: int = 0              # fewer whole layers on the GPU would not fit host memory
+    prefill_reads_cache: bool = False    # big batches read cached experts from the slots (--moe-cache-prefill)
+    streams: int = 1                     # busy parallel slots decoding together (aggregate generation)
+    stream_share_exponent: float = 1.0   # each stream sees the cached fraction x (k / U(N)) ** this
 
 
 @dataclass(frozen=True)
@@ -91,10 +108,19 @@ class CacheCandidate:
     tokens_per_s: float          # 1 / (base_seconds + expert_seconds)
     prompt_seconds: float        # expert weights' time per prompt micro-batch (proxy)
     slot_bytes: int = 0          # VRAM the slots take (slots x one expert's bytes): at most cache_bytes
+    streams: int = 1             # the streams of ``stream_tokens_per_s``
+    stream_tokens_per_s: float = 0.0   # aggregate generation of ``streams`` streams decoding together
+    stream_hit_rate: float = 0.0       # the cache's hit rate per distinct expert looked up at ``streams``
 
     @property
     def cache_mib(self) -> int:
         return self.cache_bytes // MIB
+
+    @property
+    def generation(self) -> float:
+        """What the objectives weigh as generation speed: one stream's tokens/s, or with several parallel slots
+        the aggregate of that many streams decoding together."""
+        return self.stream_tokens_per_s if self.streams > 1 else self.tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -158,6 +184,10 @@ class CachePlan:
                          f"{g.slots_per_layer} slots = {g.slots} experts = {g.cache_bytes / MIB:.1f} MiB of cache; "
                          f"per token {g.hit_bytes / gb:.3f} GB from its cache ({g.hit_rate:.1%} hits) + "
                          f"{g.pcie_bytes / gb:.3f} GB over PCIe")
+        if c.streams > 1:
+            hits = f", {c.stream_hit_rate:.1%} hits per distinct expert" if c.cache_bytes and c.stream_hit_rate else ""
+            lines.append(f"  {c.streams} streams decoding together: {c.stream_tokens_per_s:.1f} tok/s aggregate "
+                         f"predicted ({n.stream_tokens_per_s:.1f} without a cache){hits}")
         if c is not n:
             lines.append(f"  without a cache ({n.gpu_layers} layers on the GPU): {n.expert_seconds * 1e3:.2f} ms "
                          f"-> {n.tokens_per_s:.1f} tok/s; prompt proxy {c.prompt_seconds * 1e3:.1f} ms vs "
@@ -174,6 +204,8 @@ class CachePlan:
                                         round(c.cache_hit_bytes), "host_memory": round(c.host_read_bytes),
                                         "pcie": round(c.pcie_bytes)},
                     "expert_seconds_per_token": c.expert_seconds, "tokens_per_s": c.tokens_per_s,
+                    "streams": c.streams, "stream_tokens_per_s": c.stream_tokens_per_s,
+                    "stream_hit_rate": round(c.stream_hit_rate, 5),
                     "prompt_seconds_per_ubatch": c.prompt_seconds}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
@@ -191,6 +223,38 @@ def _misses_text(c: CacheCandidate) -> str:
             f"(used again within the cache's horizon; --moe-cache-cpu-misses)")
 
 
+def union_experts(n_expert: int, k: int, streams: int) -> float:
+    """Distinct experts a decode step of ``streams`` tokens picks in one layer (independent picks)."""
+    if n_expert <= 0:
+        return 0.0
+    return n_expert * (1.0 - (1.0 - k / n_expert) ** max(1, streams))
+
+
+def _uncached_step(inp: CacheInputs, k: int, used: float) -> float:
+    """Routed experts' time of one decode step whose layers each use ``used`` distinct experts, ``k`` layers on
+    the GPU and the rest computed on the CPU where they lie."""
+    expert = inp.layer_expert_bytes / inp.n_expert
+    h = inp.n_moe_layers - k
+    return k * used * expert / inp.gpu_bw + h * used * expert / inp.host_bw + h * inp.host_layer_overhead_s
+
+
+def _aggregate(inp: CacheInputs, k: int, per_layer: int, fraction: float) -> tuple[float, float]:
+    """(aggregate tokens/s, hit rate) of ``inp.streams`` streams decoding together, upload mode (see the module
+    docstring); ``per_layer`` slots in each host layer's bank (0: no cache)."""
+    n = max(1, inp.streams)
+    used = union_experts(inp.n_expert, inp.n_expert_used, n)
+    h = inp.n_moe_layers - k
+    if per_layer <= 0 or h == 0 or n * inp.n_expert_used > per_layer:
+        return n / (inp.base_seconds + _uncached_step(inp, k, used)), 0.0
+    expert = inp.layer_expert_bytes / inp.n_expert
+    hit = hit_rate(inp.curve, fraction * (inp.n_expert_used / used) ** inp.stream_share_exponent) if used else 0.0
+    picks = h * used * expert
+    misses = (1.0 - hit) * picks
+    t = (k * used * expert + picks) / inp.gpu_bw + misses / inp.pcie_bw + h * inp.cache_layer_overhead_s \
+        + inp.cache_fixed_s
+    return n / (inp.base_seconds + t), hit
+
+
 def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCandidate:
     expert = inp.layer_expert_bytes / inp.n_expert
     per_layer_token = inp.n_expert_used * expert
@@ -200,12 +264,17 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     prompt = h * inp.layer_expert_bytes / inp.pcie_bw + k * inp.layer_expert_bytes / inp.gpu_bw
     if cache_bytes <= 0 or h == 0:
         t = gpu_resident / inp.gpu_bw + host_picks / inp.host_bw + h * inp.host_layer_overhead_s
+        agg, _ = _aggregate(inp, k, 0, 0.0)
         return CacheCandidate(k, h, 0, 0, 0, 0.0, 0.0, "none", gpu_resident, 0.0, host_picks, 0.0, t,
-                              1.0 / (inp.base_seconds + t), prompt)
+                              1.0 / (inp.base_seconds + t), prompt, streams=max(1, inp.streams),
+                              stream_tokens_per_s=agg)
     per_layer = min(int(cache_bytes // (h * expert)), inp.n_expert)
     slots = per_layer * h
     fraction = per_layer / inp.n_expert
+    if inp.prefill_reads_cache:
+        prompt = h * inp.layer_expert_bytes * (1.0 - fraction) / inp.pcie_bw + k * inp.layer_expert_bytes / inp.gpu_bw
     hit = hit_rate(inp.curve, fraction)
+    agg, agg_hit = _aggregate(inp, k, per_layer, fraction)
     hits, misses = hit * host_picks, (1.0 - hit) * host_picks
     fixed = h * inp.cache_layer_overhead_s + inp.cache_fixed_s
     if mode == "upload":
@@ -223,7 +292,8 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
              + h * p_cpu * inp.cpu_miss_hop_s + inp.cpu_miss_fixed_s)
         host_read, pcie = on_cpu, uploads
     return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
-                          host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)))
+                          host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)),
+                          max(1, inp.streams), agg, agg_hit)
 
 
 def candidates(inp: CacheInputs, cache_bytes: int | None = None,
@@ -289,27 +359,30 @@ def plan_expert_cache(inp: CacheInputs, objective: str = "generation", cache_byt
         pick = sized[0]
         return CachePlan(pick, no_cache, cands, objective, inp.curve.source,
                          f"{pick.cache_mib} MiB cache (set by the topology), {pick.gpu_layers} whole layers in "
-                         f"the rest; predicted {pick.tokens_per_s / no_cache.tokens_per_s:.2f}x the generation "
+                         f"the rest; predicted {pick.generation / no_cache.generation:.2f}x the generation "
                          f"of {no_cache.gpu_layers} whole layers without a cache")
-    best_tg = max(c.tokens_per_s for c in cands)
+    best_tg = max(c.generation for c in cands)
     best_pp = min(c.prompt_seconds for c in cands)
+    what = f"{cands[0].streams} streams' aggregate generation" if cands[0].streams > 1 else "generation"
     if objective == "generation":
-        near = [c for c in cands if c.tokens_per_s >= (1 - GENERATION_TOLERANCE) * best_tg]
-        pick = max(near, key=lambda c: (c.gpu_layers, c.tokens_per_s))
-        why = f"best generation within {GENERATION_TOLERANCE:.0%} of the best, then the most whole layers"
+        near = [c for c in cands if c.generation >= (1 - GENERATION_TOLERANCE) * best_tg]
+        pick = max(near, key=lambda c: (c.gpu_layers, c.generation))
+        why = f"best {what} within {GENERATION_TOLERANCE:.0%} of the best, then the most whole layers"
     elif objective == "prompt":
-        pick = max(cands, key=lambda c: (c.gpu_layers, c.tokens_per_s))
-        why = "the most whole layers (prompt speed), then the best generation"
+        # without reads from the slots the fastest prompt is the most whole layers; with them every split copies
+        # about the same bytes, and generation decides
+        pick = max(cands, key=lambda c: (-round(c.prompt_seconds, 4), c.generation))
+        why = f"the fastest prompts, then the best {what}"
     else:
-        pick = max(cands, key=lambda c: math.sqrt(c.tokens_per_s / best_tg * best_pp / c.prompt_seconds))
-        why = "best geometric mean of generation and prompt speed"
-    if pick.cache_bytes and pick.tokens_per_s <= no_cache.tokens_per_s * (1 + MIN_GAIN):
+        pick = max(cands, key=lambda c: math.sqrt(c.generation / best_tg * best_pp / c.prompt_seconds))
+        why = f"best geometric mean of {what} and prompt speed"
+    if pick.cache_bytes and pick.generation <= no_cache.generation * (1 + MIN_GAIN):
         return CachePlan(no_cache, no_cache, cands, objective, inp.curve.source,
                          f"no cache: predicted not to beat {no_cache.gpu_layers} whole layers "
-                         f"({pick.tokens_per_s:.1f} vs {no_cache.tokens_per_s:.1f} tok/s)")
+                         f"({pick.generation:.1f} vs {no_cache.generation:.1f} tok/s)")
     if not pick.cache_bytes:
         return CachePlan(pick, no_cache, cands, objective, inp.curve.source, f"no cache ({why})")
-    gain = pick.tokens_per_s / no_cache.tokens_per_s
+    gain = pick.generation / no_cache.generation
     return CachePlan(pick, no_cache, cands, objective, inp.curve.source,
                      f"{pick.cache_mib} MiB cache, {pick.gpu_layers} whole layers: {why}; predicted "
                      f"{gain:.2f}x the generation of {no_cache.gpu_layers} whole layers without a cache")

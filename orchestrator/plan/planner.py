@@ -22,7 +22,7 @@ from orchestrator.plan.placement import (
     GpuBudget, Placement, _DoesNotFit, cpu_expert_override, layer_split_placement, place_cpu_only,
     place_graph_split, place_layer_split, place_single,
 )
-from orchestrator.plan.predict import SpeedInputs, op_offload_threshold, predict_pp, predict_tg
+from orchestrator.plan.predict import SpeedInputs, op_offload_threshold, predict_pp, predict_tg, predict_tg_streams
 from orchestrator.plan.request import NodeRequest, PlanRequest
 from orchestrator.plan.types import Decision, DeviceMemory, LayerRange, Plan, Prediction, WorkerPlan
 from orchestrator.units import GiB, MiB, fmt_bytes
@@ -50,6 +50,7 @@ class _Candidate:
     overhead_gpu: int
     speed: SpeedInputs
     budgets: tuple[GpuBudget, ...] = ()
+    tg_streams: float = 0.0                 # aggregate of the request's parallel streams (0: not predicted yet)
 
 
 def _kv_layers(model: ModelInfo, req: PlanRequest, *, ub: int = 512, fa: str = "on",
@@ -406,7 +407,10 @@ def _gpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
                                       has_output=placement.n_gpu_layers <= model.n_layers, flavor=flavor)
     memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
                                overhead=M.output_bytes(model, req.parallel)))
-    pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes)
+    streams = max(1, req.parallel)
+    tg_streams = best.tg_streams or predict_tg_streams(costs, placement, best.speed, streams)
+    pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes, streams=streams,
+                      tg_streams=tg_streams)
     return _Side(placement, tuple(memory), pred, threshold, ub, load_mode, cpu, tuple(gpu_names), main,
                  cache_plan, cache_plan.chosen.cache_mib if cache_plan is not None and cache_plan.use_cache else 0)
 
@@ -471,7 +475,8 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
                         host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
                         cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S,
                         cpu_miss_hop_s=R.CACHE_CPU_MISS_HOP_S, cpu_miss_fixed_s=R.CACHE_CPU_MISS_FIXED_S,
-                        min_gpu_layers=min_gpu_layers)
+                        min_gpu_layers=min_gpu_layers, prefill_reads_cache=backend.has("moe_cache_prefill"),
+                        streams=req.parallel, stream_share_exponent=R.STREAM_SHARE_EXPONENT)
     splits, per_gpu_host = None, {}
     if len(gpus) > 1:
         splits, per_gpu_host = _layer_split_cache_splits(costs, best, moe, host, layer_bytes, min_gpu_layers)
@@ -516,7 +521,12 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
         tg_bytes[gpu0] = int(tg_bytes.get(gpu0, 0) + c.cache_hit_bytes + c.pcie_bytes)
     tg_bytes["CPU"] = max(0, int(tg_bytes.get("CPU", 0) - c.host_layers * per_token))
     tg_bytes["PCIe"] = int(c.pcie_bytes)
-    cand = replace(cand, tg=c.tokens_per_s, tg_bytes=tg_bytes)
+    pp = cand.pp
+    if backend.has("moe_cache_prefill"):
+        # big batches read the experts the slots hold from them: only the rest crosses PCIe
+        pp = predict_pp(costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
+                        cached_fraction=size.slots / costs.n_expert)
+    cand = replace(cand, tg=c.tokens_per_s, tg_bytes=tg_bytes, pp=pp, tg_streams=c.stream_tokens_per_s)
     return cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note), cand, banks
 
 
@@ -627,7 +637,9 @@ def _cpu_side(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, machine:
     speed, _ = _speed_inputs(machine, [], load_mode, cpu.host_nodes, cpu.threads)
     tg, tg_bytes = predict_tg(costs, placement, speed)
     pp = predict_pp(costs, placement, speed, ub, None)
-    pred = Prediction(pp=pp, tg=tg, tg_bytes_per_token=tg_bytes)
+    streams = max(1, req.parallel)
+    pred = Prediction(pp=pp, tg=tg, tg_bytes_per_token=tg_bytes, streams=streams,
+                      tg_streams=predict_tg_streams(costs, placement, speed, streams))
     cpu_compute = M.cpu_compute_bytes(model, n_ubatch=ub, n_batch=_n_batch(req, ub), n_ctx=n_ctx,
                                       n_parallel=req.parallel, flash_attn=fa != "off", type_k=req.type_k,
                                       type_v=req.type_v, has_layers=True, has_output=True, flavor=flavor)

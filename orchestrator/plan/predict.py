@@ -196,3 +196,56 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
                     t += cpu_expert_time(costs, cpu_layers, b, sp, sums)
         out[length] = length / t if t > 0 else 0.0
     return out
+
+
+def predict_tg_streams(costs: ModelCosts, placement: Placement, sp: SpeedInputs, streams: int,
+                       kv_read_per_token: float = 0.0) -> float:
+    """Aggregate tokens/s of ``streams`` streams decoding together at short depth, without an expert cache: one
+    batch per step reads every always-used weight once and, in each MoE layer, the union of the streams' picks
+    (independent picks); each stream reads its own KV cache. The same roofline as :func:`predict_tg`, which this
+    equals at one stream."""
+    n = max(1, int(streams))
+    if n == 1 or not costs.n_expert:
+        tg, _ = predict_tg(costs, placement, sp, kv_read_per_token)
+        return tg * n
+    share = experts_used(costs.n_expert, costs.n_expert_used, n) / costs.n_expert
+    gpu_bytes = [0.0] * len(placement.gpu_weights)
+    graph = placement.split_mode in ("tensor", "graph")
+    cpu_bytes = 0.0
+    n_cross = 0
+    for i in range(costs.n_compute_layers):
+        g = placement.layer_gpu[i]
+        experts = costs.layer_experts[i] * share
+        if g is None:
+            cpu_bytes += costs.layer_always[i]
+        if placement.experts_on_gpu[i] and g is not None:
+            if graph:
+                total = sum(placement.gpu_weights) or 1
+                for k in range(len(gpu_bytes)):
+                    gpu_bytes[k] += (costs.layer_always[i] + experts) * placement.gpu_weights[k] / total
+                continue
+            gpu_bytes[g] += experts
+        elif costs.layer_experts[i]:
+            cpu_bytes += experts
+            n_cross += g is not None
+        if g is not None:
+            if graph:
+                total = sum(placement.gpu_weights) or 1
+                for k in range(len(gpu_bytes)):
+                    gpu_bytes[k] += costs.layer_always[i] * placement.gpu_weights[k] / total
+            else:
+                gpu_bytes[g] += costs.layer_always[i]
+    if placement.n_gpu_layers > costs.n_layers and gpu_bytes:
+        gpu_bytes[-1 if not graph else 0] += costs.output_bytes
+    else:
+        cpu_bytes += costs.output_bytes
+    if gpu_bytes:
+        gpu_bytes[0] += kv_read_per_token * n
+    else:
+        cpu_bytes += kv_read_per_token * n
+    t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
+    if gpu_bytes:
+        times = [b / (bw * R.GPU_TG_EFFICIENCY) for b, bw in zip(gpu_bytes, sp.gpu_mem_bw)]
+        t += max(times) if graph else sum(times)
+        t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S + n_cross * R.CROSS_DEVICE_LAYER_OVERHEAD_S
+    return n / t if t > 0 else 0.0

@@ -101,3 +101,9 @@ CACHE_FIXED_S = 0.37e-3
 # switched shape from token to token and lost its CUDA graphs: 4.5 ms per token then, 0.26 ms now.
 CACHE_CPU_MISS_FIXED_S = 0.26e-3
 CACHE_CPU_MISS_HOP_S = 105e-6
+# Several streams decoding together share each bank of slots. A stream's hit rate at N streams is the single-stream
+# curve at (cached fraction x (k / U(N)) ** STREAM_SHARE_EXPONENT), U(N) the distinct experts of a step of N tokens
+# (plan/expert_cache.py). Taken from one H200 measurement: W1 at 12 GiB (the plan's 38 slots of 128 per layer,
+# default locality) serving four streams through `up` exported a hit ratio of 0.70 where one stream hits 0.886;
+# the profile's curve gives 0.70 at 0.149 of the experts, half the cached 0.297, and k / U(4) = 8 / 29.1.
+STREAM_SHARE_EXPONENT = 0.54

@@ -61,17 +61,43 @@ class LayerRange:
         return {"layers": [self.first, self.last], "attention": self.attn, "experts": self.experts}
 
 
+TTFT_LENGTHS = (512, 4096)   # prompt lengths whose time to first token a plan states
+
+
 @dataclass(frozen=True)
 class Prediction:
-    """Roofline prediction. ``pp``: prompt length -> tokens/s; ``tg``: generation tokens/s at short depth."""
+    """Roofline prediction. ``pp``: prompt length -> tokens/s; ``tg``: generation tokens/s at short depth;
+    ``tg_streams``: aggregate generation tokens/s of ``streams`` streams (the worker's parallel slots) decoding
+    together."""
 
     pp: Mapping[int, float] = field(default_factory=dict)
     tg: float = 0.0
     tg_bytes_per_token: Mapping[str, int] = field(default_factory=dict)   # device -> bytes read per token
+    streams: int = 1
+    tg_streams: float = 0.0
+
+    def ttft(self, length: int) -> float | None:
+        """Seconds from a prompt of ``length`` tokens to its first generated token: the prompt, then one step."""
+        pp = self.pp.get(length)
+        if not pp or not self.tg:
+            return None
+        return length / pp + 1.0 / self.tg
+
+    def summary(self) -> str:
+        """One line: generation, the streams' aggregate, prompts and time to first token."""
+        pp = ", ".join(f"pp{k} {v:.0f}" for k, v in sorted(self.pp.items()) if k in (32, 512, 4096))
+        agg = f"; {self.streams} streams {self.tg_streams:.1f} t/s aggregate" if self.streams > 1 else ""
+        ttft = ", ".join(f"{k} tokens {t * 1e3:.0f} ms" for k in TTFT_LENGTHS if (t := self.ttft(k)) is not None)
+        return f"tg {self.tg:.1f} t/s{agg}; {pp} t/s" + (f"; time to first token: {ttft}" if ttft else "")
 
     def to_dict(self) -> dict:
-        return {"pp": {str(k): round(v, 1) for k, v in sorted(self.pp.items())}, "tg": round(self.tg, 2),
-                "tg_bytes_per_token": dict(self.tg_bytes_per_token)}
+        out = {"pp": {str(k): round(v, 1) for k, v in sorted(self.pp.items())}, "tg": round(self.tg, 2),
+               "tg_bytes_per_token": dict(self.tg_bytes_per_token), "streams": self.streams,
+               "tg_streams": round(self.tg_streams, 2)}
+        ttft = {str(k): round(t, 4) for k in TTFT_LENGTHS if (t := self.ttft(k)) is not None}
+        if ttft:
+            out["ttft_s"] = ttft
+        return out
 
 
 @dataclass(frozen=True)

@@ -206,3 +206,52 @@ def test_the_cache_size_follows_the_patch_rules(models):
     assert moe_cache_size(model, (), 1000).slots == 0
     assert moe_cache_bank_bytes(model, range(10), 21, 2) + moe_cache_bank_bytes(model, range(10, 23), 21, 2) \
         == s.bytes
+
+
+def test_prompts_that_read_the_slots_copy_only_the_uncached_share():
+    """With --moe-cache-prefill a prompt batch reads cached experts from the slots: its copy over PCIe shrinks by
+    the cached fraction, so moving VRAM from whole layers to cache costs prompts (almost) nothing."""
+    plain = {c.gpu_layers: c for c in X.candidates(_inputs())}
+    reads = {c.gpu_layers: c for c in X.candidates(_inputs(prefill_reads_cache=True))}
+    assert plain.keys() == reads.keys()
+    for k, c in reads.items():
+        p = plain[k]
+        assert c.tokens_per_s == p.tokens_per_s                 # generation does not change
+        if c.cache_bytes:
+            host = c.host_layers * LAYER
+            assert c.prompt_seconds == pytest.approx(host * (1 - c.fraction) / 50e9 + k * LAYER / 4e12)
+            assert c.prompt_seconds < p.prompt_seconds
+        else:
+            assert c.prompt_seconds == p.prompt_seconds
+    cached = [c for c in reads.values() if c.cache_bytes]
+    spread = max(c.prompt_seconds for c in cached) / min(c.prompt_seconds for c in cached)
+    before = [plain[c.gpu_layers].prompt_seconds for c in cached]
+    assert spread < 1.02 and max(before) / min(before) > 1.2
+
+
+def test_several_streams_share_the_slots_and_read_the_union_of_their_picks():
+    one = {c.gpu_layers: c for c in X.candidates(_inputs())}
+    four = {c.gpu_layers: c for c in X.candidates(_inputs(streams=4, stream_share_exponent=0.54))}
+    u4 = X.union_experts(128, 8, 4)
+    assert u4 == pytest.approx(128 * (1 - (120 / 128) ** 4)) and 8 * 3 < u4 < 32
+    for k, c in four.items():
+        o = one[k]
+        assert o.streams == 1 and o.stream_tokens_per_s == pytest.approx(o.tokens_per_s)   # one stream: itself
+        assert c.generation == c.stream_tokens_per_s and o.generation == o.tokens_per_s
+        assert c.stream_tokens_per_s < 4 * o.tokens_per_s
+        if not c.cache_bytes:
+            assert c.stream_tokens_per_s > o.tokens_per_s             # the weights are read once per step
+        if c.cache_bytes and c.slots_per_layer >= 32:
+            assert c.stream_hit_rate < c.hit_rate                 # the streams' picks share the banks
+            share = c.fraction * (8 / u4) ** 0.54
+            assert c.stream_hit_rate == pytest.approx(X.hit_rate(DEFAULT_CURVE, share))
+        elif c.cache_bytes:
+            # a bank smaller than four tokens' picks: the patch sends such a batch down the CPU path
+            assert c.stream_hit_rate == 0.0
+            expert = LAYER / 128
+            step = k * u4 * expert / 4e12 + c.host_layers * u4 * expert / 100e9
+            assert c.stream_tokens_per_s == pytest.approx(4 / (0.002 + step))
+    plan = X.plan_expert_cache(_inputs(streams=4, stream_share_exponent=0.54))
+    assert "4 streams' aggregate generation" in plan.reason
+    assert any("4 streams decoding together" in line for line in plan.arithmetic())
+    assert plan.to_json()["chosen"]["streams"] == 4

@@ -287,9 +287,13 @@ def test_objective_prompt_and_off_keep_whole_layers(models, h200):
 
 
 def test_many_slots_widen_the_batch_the_cache_serves(models, h200):
-    """Every busy slot adds a token to a generation batch: with 16 slots the cache serves batches of 16."""
+    """Every busy slot adds a token to a generation batch: with 16 slots the cache serves batches of 16 (a cache
+    the topology sets: for sixteen streams' aggregate the plan itself would take none at 12 GiB, since a batch of
+    16 tokens needs banks of 128 slots)."""
     one = _plan(models, h200, 12, _curve("default"))
-    many = _plan(models, h200, 12, _curve("default"), parallel=16)
+    auto = _plan(models, h200, 12, _curve("default"), parallel=16)
+    assert not auto.expert_cache.use_cache and "16 streams" in auto.expert_cache.reason
+    many = _plan(models, h200, 12, _curve("default"), parallel=16, expert_cache=2048 * MiB)
     assert one.settings.moe_cache_max_batch is None and "--moe-cache-max-batch" not in one.args
     assert many.settings.moe_cache_max_batch == 16
     assert many.args[many.args.index("--moe-cache-max-batch") + 1] == "16"

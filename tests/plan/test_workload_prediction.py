@@ -1,0 +1,67 @@
+"""What a plan predicts for the whole workload: prompts that read the expert cache's slots, several streams
+decoding together, and time to first token (pure planning on the recorded H200)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from planfixtures import backend, with_gpu_free
+
+from orchestrator.hardware.dump import load_machine
+from orchestrator.plan import NodeRequest, PlanRequest, make_plan
+from orchestrator.plan.types import TTFT_LENGTHS, Prediction
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures"
+GiB, MiB = 1 << 30, 1 << 20
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return load_machine(FIX / "machines" / "h200.inspect.json")
+
+
+def _backend(*extra: str):
+    b = backend("mainline")
+    return dataclasses.replace(b, features=(b.features - {"moe_cache_prefill"}) | {"moe_cache", *extra})
+
+
+def _worker(models, h200, budget: int, back, **kw):
+    req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=budget, vram_reserve=256 * MiB),), **kw)
+    plan = make_plan(machines={"h200": with_gpu_free(h200, budget)}, model=models("qwen3-30b-a3b"), request=req,
+                     backend=back)
+    return plan.workers[0]
+
+
+def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placement(models, h200):
+    fixed = dict(expert_layers_on_cpu=tuple(range(28)), expert_cache=2714 * MiB, ubatch=2048)
+    without = _worker(models, h200, 12 * GiB, _backend(), **fixed)
+    reads = _worker(models, h200, 12 * GiB, _backend("moe_cache_prefill"), **fixed)
+    assert without.settings.moe_cache_mib == reads.settings.moe_cache_mib == 2714
+    assert reads.predicted.tg == pytest.approx(without.predicted.tg)
+    for n in (512, 4096):
+        assert reads.predicted.pp[n] > 1.15 * without.predicted.pp[n], n
+    assert reads.predicted.pp[8] == pytest.approx(without.predicted.pp[8])   # small batches stay on the CPU
+
+
+def test_the_plan_states_aggregate_generation_and_time_to_first_token(models, h200):
+    one = _worker(models, h200, 12 * GiB, _backend("moe_cache_prefill"))
+    four = _worker(models, h200, 12 * GiB, _backend("moe_cache_prefill"), parallel=4)
+    assert one.predicted.streams == 1 and one.predicted.tg_streams == pytest.approx(one.predicted.tg)
+    p = four.predicted
+    assert p.streams == 4 and p.tg_streams > p.tg
+    doc = p.to_dict()
+    assert doc["streams"] == 4 and doc["tg_streams"] == pytest.approx(p.tg_streams, abs=0.01)
+    for n in TTFT_LENGTHS:
+        assert doc["ttft_s"][str(n)] == pytest.approx(n / p.pp[n] + 1 / p.tg, rel=1e-3)
+    line = p.summary()
+    assert "4 streams" in line and "time to first token: 512 tokens" in line
+    # the cache plan says what it weighed: the four streams' aggregate
+    assert four.expert_cache is not None and "4 streams" in four.expert_cache.reason
+
+
+def test_time_to_first_token_needs_both_speeds():
+    assert Prediction(pp={512: 1000.0}, tg=0.0).ttft(512) is None
+    assert Prediction(pp={}, tg=50.0).ttft(512) is None
+    assert Prediction(pp={512: 1024.0}, tg=50.0).ttft(512) == pytest.approx(0.5 + 0.02)
