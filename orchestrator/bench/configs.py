@@ -266,62 +266,38 @@ def config_from_launch_spec(spec: LaunchSpec, worker: WorkerPlan | None = None) 
 
 
 def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
-    """The plan configuration from ``orchestrator plan --json`` output (``workers[i]`` with ``settings`` and
-    the document's ``backend``, else ``args`` or ``argv``; ``env``, ``predicted``, ``devices``/``memory``,
-    ``gpus``, ``cpu_expert_layers``)."""
-    workers = data.get("workers")
-    if not isinstance(workers, list) or not workers:
-        raise ConfigError("plan JSON: expected a non-empty 'workers' list (the output of `orchestrator plan --json`)")
-    if not 0 <= worker < len(workers):
-        raise ConfigError(f"plan JSON: worker {worker} does not exist (it has {len(workers)})")
-    w = workers[worker]
-    settings = backend = None
-    if w.get("settings") and data.get("backend"):
-        settings = WorkerSettings.from_dict(w["settings"])
-        backend = BackendInfo.from_dict(data["backend"])
-    wrapper: tuple[str, ...] = ()
-    argv = tuple(w.get("argv") or ())
-    if w.get("args"):
-        args = tuple(w["args"])
-        if argv and argv[-len(args):] == args:
-            wrapper = argv[:-len(args) - 1]
-    elif argv:
-        idx = next((i for i, a in enumerate(argv) if re.search(r"(^|/)llama-server[^/]*$", a)), None)
-        if idx is None:
-            raise ConfigError("plan JSON: workers[%d].argv has no llama-server binary in it" % worker)
-        wrapper, args = argv[:idx], argv[idx + 1:]
-    else:
-        raise ConfigError(f"plan JSON: workers[{worker}] has neither 'args' nor 'argv'")
+    """The plan configuration from ``orchestrator plan --json`` output, read through
+    :class:`orchestrator.plan.document.PlanDocument` (its settings and backend when given, else its args)."""
+    from orchestrator.plan.document import PlanDocument
+
+    doc = PlanDocument.from_dict(data)
+    w = doc.worker(worker)
+    use_settings = w.settings is not None and doc.backend is not None
     predicted: dict[str, Any] = {}
-    p = w.get("predicted") or {}
-    if p.get("pp"):
-        predicted["pp"] = {int(k): float(v) for k, v in p["pp"].items()}
-    if p.get("tg"):
-        predicted["tg"] = float(p["tg"])
-    gpus = tuple(w.get("gpus") or ())
-    devices = w.get("devices") or {m["device"]: m["total"] for m in w.get("memory") or () if "device" in m}
-    if devices:
-        predicted["memory"] = {_device_key(k, gpus): int(v) for k, v in devices.items()}
-    cel = w.get("cpu_expert_layers")
-    c = plan_config(args, w.get("env") or {}, wrapper=wrapper, settings=settings, backend=backend,
-                    cpu_expert_layers=tuple(cel) if cel is not None else None, predicted=predicted)
-    n_layers = (data.get("model") or {}).get("n_layers")
-    if isinstance(n_layers, int) and n_layers > 0:
-        c = replace(c, params={**dict(c.params), "n_layers": n_layers})
+    if w.predicted_pp:
+        predicted["pp"] = dict(w.predicted_pp)
+    if w.predicted_tg:
+        predicted["tg"] = w.predicted_tg
+    if w.devices:
+        predicted["memory"] = {_device_key(k, w.gpus): v for k, v in w.devices.items()}
+    c = plan_config(w.server_args, w.env, wrapper=w.wrapper, settings=w.settings if use_settings else None,
+                    backend=doc.backend if use_settings else None, cpu_expert_layers=w.cpu_expert_layers,
+                    predicted=predicted)
+    if doc.n_layers:
+        c = replace(c, params={**dict(c.params), "n_layers": doc.n_layers})
     return c
 
 
 def server_from_plan_json(data: Mapping, worker: int = 0) -> str | None:
-    """The llama-server binary of ``orchestrator plan --json`` output: its backend, else the word of
-    ``workers[i].argv`` named llama-server; None when neither tells."""
-    server = (data.get("backend") or {}).get("server") if isinstance(data, Mapping) else None
-    if server:
-        return server
+    """The llama-server binary of ``orchestrator plan --json`` output: its backend's, else the one in the
+    worker's argv; None when neither tells."""
+    from orchestrator.plan.document import PlanDocument
+
     try:
-        argv = data["workers"][worker].get("argv") or ()
-    except (KeyError, IndexError, TypeError, AttributeError):
+        doc = PlanDocument.from_dict(data)
+        return doc.backend.server if doc.backend is not None else doc.worker(worker).server
+    except ConfigError:
         return None
-    return next((a for a in argv if re.search(r"(^|/)llama-server[^/]*$", a)), None)
 
 
 def _device_key(device: str, gpus: Sequence[int]) -> str:

@@ -256,3 +256,9 @@ def json_schema() -> dict:
             "workers": {"type": "array", "minItems": 1, "items": worker},
         },
     }
+
+
+if __name__ == "__main__":      # python -m orchestrator.plan.document > docs/plan-document.schema.json
+    import json
+
+    print(json.dumps(json_schema(), indent=1))
