@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent setup shared by the README's two commands (scripts/demo.sh, scripts/test.sh):
-#   system packages (numactl, cmake, ninja, g++, python3-venv) when missing and we may install them,
+#   system packages (numactl, cmake, ninja, g++, python3-venv, prometheus) when missing and we may install them,
 #   a virtual environment in .venv with orchestrator and its test extras,
 #   llama-server/llama-bench/llama-fit-params built from the pinned llama.cpp source (cached; skipped when found).
 # Environment: PYTHON (default python3), VENV (default .venv), ORCHESTRATOR_SKIP_BUILD=1 to skip the llama.cpp build.
@@ -15,6 +15,7 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v ninja >/dev/null || need+=(ninja-build)
 command -v c++ >/dev/null || need+=(g++)
 command -v git >/dev/null || need+=(git)
+command -v prometheus >/dev/null || need+=(prometheus)   # tests/integration/test_prometheus.py scrapes with it
 "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null; then

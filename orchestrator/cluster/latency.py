@@ -18,9 +18,10 @@ from typing import Iterable, Mapping, Sequence
 # seconds: 10 ms to 60 s in steps of about 1.5x (a p95 read from these is within half a step)
 SECONDS_BUCKETS: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
                                       2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
-# tokens per second of one stream: a large model on a CPU to a small one on a GPU
+# tokens per second of one stream: a large model on a CPU to a tiny one (whose events come several to a read)
 RATE_BUCKETS: tuple[float, ...] = (1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0,
-                                   200.0, 300.0, 500.0, 750.0, 1000.0, 1500.0, 2000.0, 3000.0, 5000.0)
+                                   200.0, 300.0, 500.0, 750.0, 1000.0, 1500.0, 2000.0, 3000.0, 5000.0, 7500.0,
+                                   10000.0, 20000.0)
 WINDOW_S = 300.0        # what `status` calls "recent"
 SLOT_S = 10.0           # the window moves in steps of this
 
