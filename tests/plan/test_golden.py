@@ -30,6 +30,16 @@ CASES = [  # (topology, model shape, quant, flavor, overrides): 1, 2, 4 and 8 GP
                                                          "nodes.0.vram_limit": "12GiB"}),
     ("h200", "qwen3-30b-a3b", "q4_0", "mainline", {"nodes.0.machine": "tests/fixtures/machines/h200x2.tar.gz",
                                                     "nodes.0.vram_limit": "6GiB"}),
+    # the demo's two CPU replicas on recorded machines of several NUMA nodes: one replica per node, each on its
+    # node's cores and memory (the two-node guest of tests/vm, and a two-socket Xeon)
+    ("demo", "qwen3-30b-a3b@1", "q4_0", "mainline", {"nodes.0.machine": "tests/fixtures/machines/numa-guest.tar.gz"}),
+    ("demo", "qwen3-30b-a3b@8", "q4_0", "mainline",
+     {"nodes.0.machine": "tests/fixtures/sysfs/32em64t-2n8c+dax+nvme+mic+dimms.tar.bz2"}),
+    # 4 sockets x 2 nodes, the layout left to the plan: one replica per node (the demo's two replicas would
+    # each get two sockets)
+    ("demo", "qwen3-30b-a3b@8", "q4_0", "mainline",
+     {"nodes.0.machine": "tests/fixtures/sysfs/64amd64-4s2n4ca2co.tar.bz2", "workers.layout": "auto",
+      "workers.replicas": "auto", "nodes.0.ram_reserve": "2GiB"}),
 ]
 
 
