@@ -53,10 +53,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", action="store_true",
                    help="measure how the model routes in decode order through llama.cpp and cache the profile "
                         "(expert-cache hit rate by size) by the file's identity; the plan reads it")
-    p.add_argument("--prompts", metavar="FILE", help="with --routing: a text file to decode (default: random tokens)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="with --routing: decode this text file instead of the built-in corpus")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--text", dest="trace_input", action="store_const", const="text",
+                      help="with --routing: decode text even for a model written by synth-model (the built-in "
+                           "corpus of chat turns, prose, code and German, or --prompts FILE), then the model's own "
+                           "sampled continuation; the default for every other model")
+    what.add_argument("--random", dest="trace_input", action="store_const", const="random",
+                      help="with --routing: decode uniformly random token ids instead of text; the default for a "
+                           "model written by synth-model (its GGUF general.organization says so)")
     p.add_argument("--tokens", type=_positive, default=1024, help="with --routing: tokens to decode (default 1024)")
     p.add_argument("--sample", type=float, metavar="T",
-                   help="with --routing: after the prompt, sample the tokens from the model at temperature T")
+                   help="with --routing: sample the tokens after the text (or after one random id) from the model "
+                        "at temperature T (default 0.8 after text, as llama-server samples; none after random ids)")
     p.add_argument("--gpu-layers", type=_non_negative, default=0, metavar="N",
                    help="with --routing: layers llama.cpp puts on a GPU while tracing (a CUDA build; default 0: "
                         "all on the CPU). A model that fits measures many times faster; the routing is the "
@@ -86,16 +96,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _routing(args, model) -> tuple[dict, str]:
+    import time
+
     from orchestrator.errors import ModelError
-    from orchestrator.model.routing import measure_profile
+    from orchestrator.model.routing import describe_input, measure_profile
     from orchestrator.model.routing_profile import format_profile
 
     if not model.n_expert:
         raise ModelError(f"{args.path}: --routing needs a MoE model (no routed experts)")
-    prof, path, cached = measure_profile(args.path, tokens=args.tokens, prompts=args.prompts, sample=args.sample,
-                                         gpu_layers=args.gpu_layers)
-    text = format_profile(prof) + f"\n{'cached' if cached else 'saved'}: {path}"
-    return {**prof.to_json(), "cache_file": str(path), "cached": cached}, text
+
+    def say(text: str) -> None:
+        print(f"orchestrator model: routing: {text}", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    prof, path, cached, traced = measure_profile(args.path, tokens=args.tokens, input=args.trace_input or "auto",
+                                                 prompts=args.prompts, sample=args.sample,
+                                                 gpu_layers=args.gpu_layers, say=say)
+    if cached:
+        say(f"measured before with these settings: {path}")
+    else:
+        say(f"traced in {time.monotonic() - t0:.0f} s; profile saved: {path}")
+    text = (format_profile(prof) + f"\ntraced: {describe_input(traced)}, {traced['tokens']} tokens"
+            + f"\n{'cached' if cached else 'saved'}: {path}")
+    return {**prof.to_json(), "traced": traced, "cache_file": str(path), "cached": cached}, text
 
 
 def _memory(model, args) -> dict:

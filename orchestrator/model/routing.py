@@ -276,25 +276,49 @@ def measure(model: os.PathLike | str, *, lengths: tuple[int, ...] = (512, 8), se
     return parse_report(_run_tool(argv, model, TOOL, timeout).stdout)
 
 
-def _run_tool(argv: list[str], model: Path, what: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run the router probe; a timeout or a failure is one line naming the model and the tool's last words."""
+def _run_tool(argv: list[str], model: Path, what: str, timeout: float, say=None,
+              interval: float = 10.0) -> subprocess.CompletedProcess:
+    """Run the router probe; a timeout or a failure is one line naming the model and the tool's last words.
+    ``say(text)``, when given, hears how long it has run every ``interval`` seconds (a trace of a large model on
+    a CPU takes minutes and prints nothing before it ends)."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        while True:
+            left = timeout - (time.monotonic() - t0)
+            if left <= 0:
+                raise subprocess.TimeoutExpired(argv, timeout)
+            try:
+                out, err = proc.communicate(timeout=min(interval, left))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - t0 >= timeout:
+                    raise
+                if say is not None:
+                    say(f"{what}: running for {time.monotonic() - t0:.0f} s")
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         raise BackendError(f"{what} on {model} took longer than {timeout:.0f}s") from None
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.splitlines()[-10:])
+        tail = "\n".join(err.splitlines()[-10:])
         raise ModelError(f"{model}: {what} failed (exit {proc.returncode}): {tail}")
-    return proc
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
           sample: float | None = None, seed: int = 1, threads: int | None = None, ngl: int = 0,
-          tool: Path | None = None, timeout: float = 1800):
+          tool: Path | None = None, timeout: float = 1800, say=None):
     """Decode ``tokens`` tokens one per ``llama_decode`` and return the experts each picked in each MoE layer
     (:class:`orchestrator.model.routing_profile.Trace`). The tokens are random ids, or the text of ``prompts``;
     with ``sample`` (a temperature > 0), after the text (or one random token) they are sampled from the model,
-    seeded, as a server generates them."""
+    seeded, as a server generates them. ``say(text)`` hears progress (see :func:`_run_tool`)."""
     import tempfile
 
     from orchestrator.model.routing_profile import parse_trace
@@ -319,7 +343,7 @@ def trace(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike 
             argv += ["--sample", repr(float(sample))]
         if threads:
             argv += ["-t", str(threads)]
-        _run_tool(argv, model, f"{TOOL} --trace", timeout)
+        _run_tool(argv, model, f"{TOOL} --trace", timeout, say)
         return parse_trace(out.read_bytes(), str(out))
 
 
@@ -367,47 +391,120 @@ def load_profile(model: os.PathLike | str, cache: Path | None = None):
 
 def profile_curve(model: os.PathLike | str, policy: str = "lru-layer", cache: Path | None = None):
     """The hit-rate curve the plan uses for ``model``: the cached profile's (``lru-layer`` by default: our
-    cache gives every host-resident expert tensor its own bank of slots, the same count for all), else
-    :data:`~orchestrator.model.routing_profile.DEFAULT_CURVE`, whose ``source`` says that it is the default."""
-    from orchestrator.model.routing_profile import DEFAULT_CURVE
+    cache gives every host-resident expert tensor its own bank of slots, the same count for all), else the stated
+    default for the model's expert count and top-k
+    (:func:`~orchestrator.model.routing_profile.default_curve`, read from its header), whose ``source`` says that
+    it is the default."""
+    from orchestrator.model import read_model
+    from orchestrator.model.routing_profile import default_curve
 
     found = load_profile(model, cache)
-    return found[0].curve(policy) if found else DEFAULT_CURVE
+    if found:
+        return found[0].curve(policy)
+    info = read_model(model)
+    return default_curve(info.n_expert, info.n_expert_used)
 
 
-def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os.PathLike | str | None = None,
-                    sample: float | None = None, seed: int = 1, threads: int | None = None, cache: Path | None = None,
-                    refresh: bool = False, tool: Path | None = None, gpu_layers: int = 0):
-    """Measure ``model``'s routing profile (a decode-order trace through llama.cpp) and cache it by the file's
-    identity; a cached profile measured with the same settings is returned as it is. ``gpu_layers`` only makes the
-    trace faster (where the layers run changes the routing no more than rounding does), so it is not a setting
-    the cache compares.
+# --------------------------------------------------------------------------------------------------------------
+# what a trace decodes
 
-    Returns ``(profile, path, cached)``."""
+# `orchestrator synth-model` writes this as general.organization (model/shapes.py): a generated model, whose
+# locality is built into its weights and shows on random ids as on text
+SYNTH_ORGANIZATION = "orchestrator synth-model"
+CORPUS = Path(__file__).resolve().parent.parent / "_data" / "routing" / "corpus.txt"
+CORPUS_PARTS = "chat turns, prose, code, German"
+# llama-server's default temperature (common_params_sampling::temp, 0.80 in llama.cpp's common/common.h): the
+# continuation is sampled as a server samples it, over the whole vocabulary
+TEXT_TEMPERATURE = 0.8
+INPUTS = ("auto", "text", "random")
+
+
+def is_generated(model: os.PathLike | str) -> bool:
+    """Whether ``model`` was written by ``orchestrator synth-model`` (its GGUF ``general.organization``)."""
+    from orchestrator.model.reader import read_gguf
+
+    return read_gguf(model).metadata.get("general.organization") == SYNTH_ORGANIZATION
+
+
+def trace_input(model: os.PathLike | str, input: str = "auto", prompts: os.PathLike | str | None = None,
+                sample: float | None = None) -> dict:
+    """What a trace of ``model`` decodes, as the profile records it: ``input`` "text" (``prompts``, else the
+    built-in corpus, then the model's own continuation sampled at ``sample``, default
+    :data:`TEXT_TEMPERATURE`) or "random" (uniformly random token ids; sampled after the first one only with
+    ``sample``). "auto": random ids for a generated model, text for any other -- a trained model's locality comes
+    from coherent text, and random ids make it look far less local than it is in use."""
+    if input not in INPUTS:
+        raise ModelError(f"trace input {input!r}: expected one of {', '.join(INPUTS)}")
+    if prompts is not None:
+        if input == "random":
+            raise ModelError("--prompts and --random: a trace decodes either a text or random token ids")
+        input = "text"
+    if input == "auto":
+        input = "random" if is_generated(model) else "text"
+    if input == "random":
+        return {"input": "random", "prompts": None, "sample": sample}
+    path = Path(prompts) if prompts is not None else CORPUS
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        if prompts is None:
+            raise ModelError(f"{path}: the built-in routing corpus is missing from this installation; "
+                             f"give a text with --prompts FILE or use --random") from None
+        raise ModelError(f"{path}: prompts file not found") from None
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read the prompts file: {e.strerror or e}") from None
+    name = f"the built-in corpus ({CORPUS_PARTS})" if prompts is None else path.name
+    return {"input": "text", "prompts": {"path": str(path), "name": name,
+                                         "sha256": hashlib.sha256(text).hexdigest()[:16]},
+            "sample": TEXT_TEMPERATURE if sample is None else sample}
+
+
+def describe_input(what: dict) -> str:
+    """One line for what a trace decoded (:func:`trace_input`'s record)."""
+    if what["input"] == "random":
+        return "random token ids" + (f" (one, then the model's own tokens sampled at temperature "
+                                     f"{what['sample']:g})" if what["sample"] else "")
+    # the text is cut at the trace's length: the continuation starts where the text ends, if before that
+    return (f"the text of {what['prompts']['name']}"
+            + (f", then past its end the model's own tokens sampled at temperature {what['sample']:g}"
+               if what["sample"] else ""))
+
+
+def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, input: str = "auto",
+                    prompts: os.PathLike | str | None = None, sample: float | None = None, seed: int = 1,
+                    threads: int | None = None, cache: Path | None = None, refresh: bool = False,
+                    tool: Path | None = None, gpu_layers: int = 0, say=None):
+    """Measure ``model``'s routing profile (a decode-order trace through llama.cpp of what :func:`trace_input`
+    picks) and cache it by the file's identity; a cached profile measured with the same settings is returned as
+    it is. ``gpu_layers`` only makes the trace faster (where the layers run changes the routing no more than
+    rounding does), so it is not a setting the cache compares. ``say(text)`` hears what it is doing.
+
+    Returns ``(profile, path, cached, settings)``; ``settings`` records what was traced."""
     from orchestrator.model.routing_profile import profile
 
     model = Path(model)
     if not model.is_file():
         raise ModelError(f"{model}: model file not found")
-    settings = {"tokens": tokens, "seed": seed, "prompts": None, "sample": sample}
-    if prompts is not None:
-        prompts = Path(prompts)
-        try:
-            text = prompts.read_bytes()
-        except OSError as e:
-            raise ModelError(f"{prompts}: cannot read the prompts file: {e.strerror or e}") from None
-        settings["prompts"] = {"path": str(prompts), "sha256": hashlib.sha256(text).hexdigest()[:16]}
+    what = trace_input(model, input, prompts, sample)
+    settings = {"tokens": tokens, "seed": seed, **what}
     path = profile_path(model, cache)
     if not refresh:
         old = load_profile(model, cache)
         # a profile cached before the CPU-miss shares were replayed is measured again
         if old is not None and old[1] == settings and old[0].cpu_misses is not None:
-            return old[0], path, True
-    tr = trace(model, tokens=tokens, prompts=prompts, sample=sample, seed=seed, threads=threads, tool=tool,
-               ngl=gpu_layers)
-    start = f"text of {prompts.name}" if prompts is not None else "random token ids"
-    source = (f"measured: {model.name}, {tr.n_tokens} tokens in decode order, "
-              + (f"{start} then sampled at temperature {sample:g}" if sample else start) + f" (seed {seed})")
+            return old[0], path, True, settings
+    exe = tool
+    if exe is None:
+        if say is not None and not _tool_is_built():
+            say(f"building {TOOL} against the cached llama.cpp libraries (once)")
+        exe = build_tool()
+    if say is not None:
+        say(f"tracing {tokens} tokens of {model.name} one per decode, as generation runs: "
+            f"{describe_input(what)} (seed {seed})")
+    tr = trace(model, tokens=tokens, prompts=what["prompts"]["path"] if what["prompts"] else None,
+               sample=what["sample"], seed=seed, threads=threads, tool=exe, ngl=gpu_layers, say=say)
+    source = (f"measured: {model.name}, {tr.n_tokens} tokens in decode order, {describe_input(what)} "
+              f"(seed {seed})")
     prof = profile(tr, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.part")
@@ -416,7 +513,18 @@ def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, prompts: os
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return prof, path, False
+    return prof, path, False, settings
+
+
+def _tool_is_built() -> bool:
+    """Whether :func:`build_tool` would find its binary without compiling (False when it cannot tell)."""
+    try:
+        tree = find_dev_tree()
+        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or ""
+        return bool(cxx) and SOURCE.is_file() and os.access(cache_dir() / "native" / f"{TOOL}-{_tool_key(tree, cxx)}",
+                                                            os.X_OK)
+    except (BackendError, OSError):
+        return False
 
 
 def format_report(report: RoutingReport) -> str:

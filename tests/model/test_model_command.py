@@ -76,3 +76,13 @@ def test_inferred_expert_count_warns_on_stderr(write_model, tiny_specs):
     assert res.returncode == 0
     assert "warning" in res.stderr and str(path) in res.stderr
     assert json.loads(res.stdout)["n_experts"] == 8
+
+
+def test_routing_input_choices_that_contradict_are_refused(tiny_models, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    res = orch(str(tiny_models["qwen3moe"]), "--routing", "--text", "--random")
+    assert res.returncode == 2 and "not allowed with argument" in res.stderr and "Traceback" not in res.stderr
+    res = orch(str(tiny_models["qwen3moe"]), "--routing", "--random", "--prompts", str(text))
+    assert res.returncode == 2 and "either a text or random token ids" in res.stderr
+    assert "Traceback" not in res.stderr and res.stdout == ""

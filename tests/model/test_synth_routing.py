@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.errors import BackendError
+from orchestrator.errors import BackendError, ModelError
 from orchestrator.model import routing
 
 
@@ -149,18 +149,71 @@ def _cached_profile(cache, model):
 
 
 def test_profile_cache_is_keyed_by_file_identity(tmp_path):
-    from orchestrator.model.routing_profile import DEFAULT_CURVE
-
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"\1" * 100)
     assert routing.load_profile(model, tmp_path) is None
-    assert routing.profile_curve(model, cache=tmp_path) is DEFAULT_CURVE      # no profile: the stated default
     prof, _ = _cached_profile(tmp_path, model)
     got, settings = routing.load_profile(model, tmp_path)
     assert settings == {"tokens": 3} and got.curve("lru-global").hits == prof.curve("lru-global").hits
     assert routing.profile_curve(model, cache=tmp_path).source == "recorded"
     model.write_bytes(b"GGUF" + b"\2" * 100)                                   # same size, other content
     assert routing.load_profile(model, tmp_path) is None
+
+
+def test_without_a_profile_the_default_follows_the_model_shape(tmp_path, write_model, tiny_specs):
+    from orchestrator.model import synth
+    from orchestrator.model.routing_profile import DEFAULT_CURVE, default_curve
+
+    # 128 experts, top 8: the measured shape
+    qwen = synth.write_model(tmp_path / "q.gguf", "qwen3-30b-a3b", scale=0.05, layers=2, fsync=False).path
+    assert routing.profile_curve(qwen, cache=tmp_path) is DEFAULT_CURVE
+    # 8 experts, top 2: another shape, the cautious default for it
+    (tiny,) = write_model(tiny_specs["qwen3moe"])
+    c = routing.profile_curve(tiny, cache=tmp_path)
+    assert c == default_curve(8, 2) and c.source.startswith("default for 8 experts, top 2")
+    with pytest.raises(ModelError, match="x.gguf"):
+        routing.profile_curve(tmp_path / "x.gguf", cache=tmp_path)
+
+
+def test_generated_models_trace_random_ids_and_others_text(tmp_path, write_model, tiny_specs):
+    """synth-model's general.organization marks a generated model: its locality is in its weights, so random ids
+    show it; any other model traces the built-in corpus, then its own continuation at llama-server's 0.8."""
+    from orchestrator.model import synth
+
+    gen = synth.write_model(tmp_path / "g.gguf", "qwen3-30b-a3b", scale=0.05, layers=2, fsync=False).path
+    (other,) = write_model(tiny_specs["qwen3moe"])
+    assert routing.is_generated(gen) and not routing.is_generated(other)
+    assert routing.trace_input(gen) == {"input": "random", "prompts": None, "sample": None}
+    text = routing.trace_input(other)
+    assert text["input"] == "text" and text["sample"] == 0.8
+    assert text["prompts"]["path"] == str(routing.CORPUS) and "built-in corpus" in text["prompts"]["name"]
+    assert routing.describe_input(text).startswith("the text of the built-in corpus (chat turns, prose, code")
+    assert routing.describe_input(text).endswith(", then past its end the model's own tokens sampled at temperature 0.8")
+    assert routing.describe_input(routing.trace_input(gen)) == "random token ids"
+    # asked for, either way round
+    assert routing.trace_input(gen, "text")["input"] == "text"
+    assert routing.trace_input(other, "random", sample=1.0) == {"input": "random", "prompts": None, "sample": 1.0}
+    own = tmp_path / "mine.txt"
+    own.write_text("Bonjour tout le monde.")
+    mine = routing.trace_input(gen, prompts=own, sample=1.5)
+    assert mine["prompts"]["name"] == "mine.txt" and mine["sample"] == 1.5 and mine["input"] == "text"
+    # another text is another profile: the hash says which
+    own.write_text("Hallo Welt.")
+    assert routing.trace_input(gen, prompts=own)["prompts"]["sha256"] != mine["prompts"]["sha256"]
+    with pytest.raises(ModelError, match="either a text or random"):
+        routing.trace_input(gen, "random", prompts=own)
+    with pytest.raises(ModelError, match="missing.txt: prompts file not found"):
+        routing.trace_input(gen, prompts=tmp_path / "missing.txt")
+    with pytest.raises(ModelError, match="trace input 'words'"):
+        routing.trace_input(gen, "words")
+
+
+def test_the_built_in_corpus_holds_what_it_says():
+    text = routing.CORPUS.read_text(encoding="utf-8")
+    assert 1000 < len(text.encode()) < 4000          # about 500 tokens: the continuation gets the rest of 1024
+    assert "User:" in text and "Assistant:" in text  # chat turns
+    assert "def " in text and "return" in text        # code
+    assert any(w in text for w in ("und", "wir", "dass")) and "ü" in text   # German
 
 
 def test_a_damaged_profile_says_what_to_do(tmp_path):
