@@ -269,12 +269,14 @@ class WorkersConfig(Section):
 
     expert_cache_misses: Choice(AUTO, "upload", "cpu") = "upload"
     """What the expert cache does with an expert a batch needs that is not in its slots: upload (copy it
-    into a slot over PCIe, as upstream llama.cpp's cache does), cpu (`--moe-cache-cpu-misses`: an expert not
+    into a slot over PCIe), cpu (`--moe-cache-cpu-misses`: an expert not
     used recently enough to stay in a cache of this size is computed on the CPU from host memory while the GPU
     computes the cached ones; one used again soon enough is uploaded), or auto (whichever the plan predicts
     faster from the host-memory and PCIe bandwidths and the shares the model's routing profile replays; without
     a profile, upload). upload by default: on the H200 (PCIe Gen5) the CPU path ran at 0.67-0.80x of uploading,
-    and auto, which carries its measured costs, never chose it there."""
+    and auto, which carries its measured costs, never chose it there. The cache is this project's patch of
+    llama.cpp; upstream has none merged (late 2026), and one that lands is driven through the flags its
+    `--help` shows."""
 
     warmup: Bool = False
     """Before `up` starts the workers: drop the page cache (needs root; otherwise it is kept, with a note) and
