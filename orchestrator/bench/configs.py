@@ -336,11 +336,6 @@ def baseline(s: WorkerSettings) -> WorkerSettings:
                    load_mode="mmap", op_offload_min_batch=None, moe_cache_mib=0, extra_args=extra)
 
 
-def baseline_args(plan: BenchConfig) -> tuple[str, ...]:
-    """The flags of the plan's :func:`baseline`."""
-    return server_args(baseline(plan.settings), plan.renders_for)
-
-
 def fit_config(plan: BenchConfig) -> BenchConfig:
     """llama.cpp's own automatic placement (``--fit on``, its defaults for -ngl/-ot/-ub/-b/load mode and the
     op-offload threshold), with the plan's context kept: ``-c`` stays explicit, which llama.cpp's fit never

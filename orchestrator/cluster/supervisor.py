@@ -28,7 +28,6 @@ from orchestrator.launch.spec import LaunchSpec
 
 IDLE, STARTING, READY, BACKOFF, FAILED, STOPPED = "idle", "starting", "ready", "backoff", "failed", "stopped"
 _KILLED_FROM_OUTSIDE = (1, 2, 9, 15)     # SIGHUP, SIGINT, SIGKILL, SIGTERM (SIGSEGV, SIGABRT ... are its own)
-STATES = (IDLE, STARTING, READY, BACKOFF, FAILED, STOPPED)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ Everything here is pure: no files, no processes. Sizes are bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from orchestrator.model.classes import TensorClass
 
@@ -255,11 +254,3 @@ class ModelInfo:
         if tensors:
             out["tensors"] = [t.to_json() for t in self.tensors]
         return out
-
-
-def sum_classes(dicts: Iterable[dict[TensorClass, int]]) -> dict[TensorClass, int]:
-    out = {c: 0 for c in TensorClass}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] += v
-    return out

@@ -6,7 +6,7 @@ tested with a one-line request and keeps config parsing (files, line numbers) ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 
@@ -91,13 +91,3 @@ class PlanRequest:
 
     def copy(self, **changes) -> "PlanRequest":
         return replace(self, **changes)
-
-
-@dataclass(frozen=True)
-class Rates:
-    """Measured or estimated speeds the prediction needs (bytes/s, FLOP/s). Missing = estimated."""
-
-    gpu_h2d_pinned: Mapping[tuple[int, int], float] = field(default_factory=dict)   # (gpu, node) -> B/s
-    gpu_h2d_pageable: Mapping[tuple[int, int], float] = field(default_factory=dict)
-    host_mem: Mapping[tuple[int, int], float] = field(default_factory=dict)         # (cpu node, mem node) -> B/s
-    cpu_flops_per_core: float | None = None
