@@ -48,14 +48,15 @@ def applied(src_root: Path) -> list[str] | None:
         return None
 
 
-def _git_apply(src_root: Path, patch: Path, *, check: bool) -> subprocess.CompletedProcess:
+def _git_apply(src_root: Path, patch: Path, *, check: bool, reverse: bool = False) -> subprocess.CompletedProcess:
     git = shutil.which("git")
     if git is None:
         raise BackendError("git not found: it applies orchestrator's llama.cpp patches (apt-get install git)")
     env = dict(os.environ)
     # never let git find an enclosing repository: the paths are relative to the llama.cpp tree itself
     env["GIT_CEILING_DIRECTORIES"] = str(src_root.parent)
-    argv = [git, "apply", "-p1", "--whitespace=nowarn"] + (["--check"] if check else []) + [str(patch)]
+    argv = ([git, "apply", "-p1", "--whitespace=nowarn"] + (["--check"] if check else []) +
+            (["--reverse"] if reverse else []) + [str(patch)])
     return subprocess.run(argv, cwd=src_root, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -68,19 +69,27 @@ def apply(src_root: Path, patches: list[Path], say: Callable[[str], None], *, st
     """
     if not patches:
         return []
+    # a later patch applies on top of the earlier ones: check each after applying those before it, and take the
+    # applied ones back when one does not apply, so the tree is either patched whole or left as it was
+    done: list[Path] = []
     for p in patches:
         res = _git_apply(src_root, p, check=True)
-        if res.returncode != 0:
-            first = (res.stderr or res.stdout).strip().splitlines()[:1]
-            if strict:
-                raise BackendError(f"{p.name}: does not apply to the pinned llama.cpp source ({' '.join(first)})")
-            say(f"orchestrator's llama.cpp patches do not apply to this source ({p.name}: {' '.join(first)}); "
-                "building it without them (no expert cache)")
-            return []
-    for p in patches:
-        res = _git_apply(src_root, p, check=False)
-        if res.returncode != 0:
-            raise BackendError(f"{p.name}: failed to apply: {(res.stderr or res.stdout).strip()}")
+        if res.returncode == 0:
+            res = _git_apply(src_root, p, check=False)
+            if res.returncode == 0:
+                done.append(p)
+                continue
+        for q in reversed(done):
+            back = _git_apply(src_root, q, check=False, reverse=True)
+            if back.returncode != 0:
+                raise BackendError(f"{q.name}: could not be taken back after {p.name} failed: "
+                                   f"{(back.stderr or back.stdout).strip()}")
+        first = (res.stderr or res.stdout).strip().splitlines()[:1]
+        if strict:
+            raise BackendError(f"{p.name}: does not apply to the pinned llama.cpp source ({' '.join(first)})")
+        say(f"orchestrator's llama.cpp patches do not apply to this source ({p.name}: {' '.join(first)}); "
+            "building it without them (no expert cache)")
+        return []
     lines = describe(patches)
     (src_root / MARKER).write_text("\n".join(lines) + "\n")
     say(f"applied {len(patches)} llama.cpp patch(es): {', '.join(p.name for p in patches)}")

@@ -123,3 +123,47 @@ def one_completion(server: str, rpc_server: str, model: Path, tmp: Path, name: s
         return serve_one_completion(argv, tmp / f"{name}.log", f"http://127.0.0.1:{port}", sampling or {})
     finally:
         _stop(rpc)
+
+
+def metrics_of(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
+
+
+def serve_in_turn(argv: list[str], log: Path, url: str, bodies: list[dict],
+                  env: dict | None = None) -> tuple[list[tuple[dict, dict]], str]:
+    """Start llama-server (``argv``, listening at ``url``), answer ``bodies`` one after another (greedy completions
+    of PROMPT unless a body says otherwise), reading /metrics after each; stop it. Returns ([(answer, metrics)],
+    log)."""
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    out = []
+    try:
+        _wait(lambda: _healthy(url), 300, "llama-server", log, proc)
+        for body in bodies:
+            req_body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0, "n_probs": 4,
+                        "ignore_eos": True, "cache_prompt": False, "return_tokens": True, **body}
+            req = urllib.request.Request(url + "/completion", data=json.dumps(req_body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                answer = json.loads(r.read())
+            out.append((answer, metrics_of(url)))
+    finally:
+        _stop(proc)
+    return out, log.read_text()
+
+
+def completions_in_turn(server: str, rpc_server: str, model: Path, tmp: Path, name: str, extra: list[str],
+                        bodies: list[dict], env: dict | None = None) -> tuple[list[tuple[dict, dict]], str]:
+    """:func:`serve_in_turn` on a llama-server whose 'GPU' is a fresh ggml-rpc-server."""
+    rpc_port, port = _port(), _port()
+    rpc = _start([rpc_server, "-H", "127.0.0.1", "-p", str(rpc_port), "-t", "1"], tmp / f"{name}-rpc.log")
+    try:
+        _wait(lambda: _listening(rpc_port), 60, "ggml-rpc-server", tmp / f"{name}-rpc.log", rpc)
+        argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
+                "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "999", "--cpu-moe", "--no-repack", "--metrics",
+                "--no-warmup", "-t", "1", *extra]
+        return serve_in_turn(argv, tmp / f"{name}.log", f"http://127.0.0.1:{port}", bodies, env)
+    finally:
+        _stop(rpc)

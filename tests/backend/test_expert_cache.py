@@ -48,6 +48,28 @@ def test_the_series_applies_to_the_pinned_source_and_marks_it(tmp_path):
     assert (root / "ggml" / "src" / "ggml-backend.cpp").read_text() == before
 
 
+def test_a_series_applies_in_order_or_not_at_all(tmp_path):
+    """Each patch applies on top of the ones before it; when a later one does not apply, the earlier ones are taken
+    back: the tree is the pinned source again, byte for byte."""
+    archive = sources.fetch(sources.SOURCES["mainline"], b.cache_dir(), progress=lambda s: None)
+    root = sources.extract(archive, tmp_path / "src", sources.SOURCES["mainline"].subdir)
+    series = patches.series("mainline")
+    assert len(series) >= 2           # the later patches change lines the first one adds
+    touched = ["common/arg.cpp", "ggml/src/ggml-backend.cpp", "include/llama.h"]
+    pristine = {f: (root / f).read_bytes() for f in touched}
+    alt = tmp_path / "series"
+    alt.mkdir()
+    for p in series:
+        (alt / p.name).write_bytes(p.read_bytes())
+    (alt / "9999-broken.patch").write_text("diff --git a/common/arg.cpp b/common/arg.cpp\n--- a/common/arg.cpp\n"
+                                         "+++ b/common/arg.cpp\n@@ -1,1 +1,1 @@\n-no such line\n+x\n")
+    said = []
+    assert patches.apply(root, patches.series("mainline", alt), said.append, strict=False) == []
+    assert any("9999-broken.patch" in s for s in said)
+    assert {f: (root / f).read_bytes() for f in touched} == pristine
+    assert not (root / "ggml" / "include" / "ggml-moe-cache.h").exists() and patches.applied(root) is None
+
+
 def test_another_source_is_built_without_the_series_and_says_so(tmp_path):
     from tests.backend.test_build import fake_tree
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.model import synth
-from tests.backend.expert_cache_support import agreement, probs, serve_one_completion
+from tests.backend.expert_cache_support import PROMPT, agreement, probs, serve_in_turn, serve_one_completion
 
 pytestmark = pytest.mark.gpu
 
@@ -122,3 +122,45 @@ def test_misses_computed_on_the_cpu_agree_with_the_gpu_path(model, tmp_path):
     assert worst < 0.02, (same, worst)
     print(f"cpu misses vs offload: {same} identical tokens, max |dp| {worst:.2e} before divergence; "
           f"{on_cpu:.0f} of {misses:.0f} misses on the CPU, hit rate {hits / lookups:.3f}")
+
+
+def test_prompts_reading_the_slots_give_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_path):
+    """Two greedy completions in turn; the second prompt (16 tokens, through op offload) finds experts in the
+    slots. In every --moe-cache-prefill mode: exactly the tokens and probabilities of the offload path without a
+    cache (the same CUDA kernels on the same bytes, copied from another place); reading copies only the experts
+    the slots did not hold; refreshing admits the first prompt's last experts."""
+    server = _server_path()
+    from orchestrator.model.reader import read_gguf
+
+    info = read_gguf(model)
+    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
+    mib = -(-24 * expert_bytes * len(experts) // 2**20)
+    env = {"GGML_OP_OFFLOAD_MIN_BATCH": "8"}
+    bodies = [{"n_predict": 64}, {"n_predict": 64, "prompt": PROMPT[::-1]}]
+
+    def run(name: str, extra: list[str]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
+                "-ngl", "999", "--cpu-moe", "-fa", "on", "--metrics", "--no-warmup", "-t", "8", *extra]
+        return serve_in_turn(argv, tmp_path / f"{name}.log", f"http://127.0.0.1:{port}", bodies, env)
+
+    plain, _log = run("offload", [])
+    runs = {mode: run(mode, ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-prefill", mode])
+            for mode in ("off", "read", "refresh")}
+    for mode, (answers, log) in runs.items():
+        assert answers[-1][1].get("moe_cache_active") == 1, log[-3000:]
+        for (got, _m), (want, _w) in zip(answers, plain):
+            assert got["tokens"] == want["tokens"], mode
+            assert probs(got) == probs(want), mode
+    off, read, fresh = (runs[m][0][-1][1] for m in ("off", "read", "refresh"))
+    assert off["moe_cache_prefill_hits_total"] == 0 < read["moe_cache_prefill_hits_total"]
+    assert (read["moe_cache_prefill_copied_bytes_total"] + read["moe_cache_prefill_saved_bytes_total"]
+            == pytest.approx(read["moe_cache_prefill_lookups_total"] * expert_bytes, rel=2e-5))   # 6 digits printed
+    assert read["moe_cache_prefill_copied_bytes_total"] < off["moe_cache_prefill_copied_bytes_total"]
+    assert fresh["moe_cache_prefill_admitted_total"] > 0
+    print(f"second prompt read {read['moe_cache_prefill_hits_total']:.0f} of "
+          f"{read['moe_cache_prefill_lookups_total']:.0f} expert copies from the slots; refresh admitted "
+          f"{fresh['moe_cache_prefill_admitted_total']:.0f}; tokens identical to the uncached offload path")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.model import synth
-from tests.backend.expert_cache_support import N_PREDICT, PROMPT, one_completion, probs
+from tests.backend.expert_cache_support import N_PREDICT, PROMPT, completions_in_turn, one_completion, probs
 
 pytestmark = pytest.mark.integration
 
@@ -172,3 +172,76 @@ def test_cpu_misses_in_a_batch_of_several_tokens(setup, llama_server_path, rpc_s
     # the prompt's lookups too: its distinct experts per tensor, beyond one token's
     assert m["moe_cache_lookups_total"] > N_PREDICT * setup.n_used * setup.n_tensors
     assert m["moe_cache_cpu_misses_total"] > 0
+
+
+# Prompts through op offload: with GGML_OP_OFFLOAD_MIN_BATCH set, the RPC device takes batches of at least that many
+# tokens as a local GPU does, copying the host-resident experts they use into its compute buffer. The 16-token
+# prompts do; decode (one token) stays on the cache path.
+PREFILL_ENV = {"GGML_OP_OFFLOAD_MIN_BATCH": "8"}
+SECOND = {"prompt": PROMPT[::-1]}
+
+
+@pytest.fixture(scope="module")
+def prefill_runs(setup, llama_server_path, rpc_server, tmp_path_factory):
+    """Two completions in turn (PROMPT, then another prompt) on one server, without a cache and with each
+    --moe-cache-prefill mode."""
+    runs = {}
+    for mode in ("none", "off", "read", "refresh"):
+        extra = [] if mode == "none" else ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4",
+                                           "--moe-cache-prefill", mode]
+        runs[mode] = completions_in_turn(llama_server_path, rpc_server, setup.model,
+                                         tmp_path_factory.mktemp(f"prefill-{mode}"), mode, extra, [{}, SECOND],
+                                         env=PREFILL_ENV)
+    return runs
+
+
+def test_prompts_on_the_device_give_the_tokens_of_no_cache_in_every_prefill_mode(setup, plain, prefill_runs):
+    none, _log = prefill_runs["none"]
+    assert none[0][0]["tokens"] == plain["tokens"]       # op offload onto the RPC device computes what the CPU does
+    for mode in ("off", "read", "refresh"):
+        answers, log = prefill_runs[mode]
+        assert answers[-1][1].get("moe_cache_active") == 1, log[-3000:]
+        for (got, _m), (want, _w) in zip(answers, none):
+            assert got["tokens"] == want["tokens"], mode
+            assert probs(got) == probs(want), mode
+
+
+def test_a_prompt_reads_the_experts_the_slots_hold_instead_of_copying_them(setup, prefill_runs):
+    expert = setup.expert_bytes
+    (_a1, off1), (_a2, off2) = prefill_runs["off"][0]
+    (_r1, read1), (_r2, read2) = prefill_runs["read"][0]
+    # both prompts ran on the device: every expert they used was copied from host memory when the mode is off
+    assert off1["moe_cache_prefill_lookups_total"] > 0, "the prompts did not run through op offload"
+    assert off2["moe_cache_prefill_hits_total"] == 0
+    # (the page prints 6 significant digits)
+    assert off2["moe_cache_prefill_copied_bytes_total"] == pytest.approx(off2["moe_cache_prefill_lookups_total"] * expert,
+                                                                         rel=1e-5)
+    # the first prompt finds the slots empty; the second finds what decoding the first left there
+    assert read1["moe_cache_prefill_hits_total"] == 0
+    hits = read2["moe_cache_prefill_hits_total"]
+    assert hits > 0
+    assert read2["moe_cache_prefill_saved_bytes_total"] == pytest.approx(hits * expert, rel=1e-5)
+    assert (read2["moe_cache_prefill_copied_bytes_total"] + read2["moe_cache_prefill_saved_bytes_total"]
+            == pytest.approx(read2["moe_cache_prefill_lookups_total"] * expert, rel=2e-5))
+    assert read2["moe_cache_prefill_lookups_total"] == off2["moe_cache_prefill_lookups_total"]
+    assert read2["moe_cache_prefill_copied_bytes_total"] < off2["moe_cache_prefill_copied_bytes_total"]
+    # reading the slots leaves them as they were: decode hits exactly as with the mode off
+    for k in ("moe_cache_lookups_total", "moe_cache_hits_total", "moe_cache_uploaded_bytes_total"):
+        assert read2[k] == off2[k], k
+    assert read2["moe_cache_prefill_admitted_total"] == 0
+    print(f"second prompt: {hits:.0f} of {read2['moe_cache_prefill_lookups_total']:.0f} expert copies read from the "
+          f"slots; copied {read2['moe_cache_prefill_copied_bytes_total'] / 2**20:.1f} MiB instead of "
+          f"{off2['moe_cache_prefill_copied_bytes_total'] / 2**20:.1f} MiB")
+
+
+def test_a_refreshing_prompt_leaves_its_last_experts_in_the_slots_for_decode(setup, prefill_runs):
+    (_r1, read1), _ = prefill_runs["read"][0]
+    (_f1, fresh1), (_f2, fresh2) = prefill_runs["refresh"][0]
+    admitted = fresh1["moe_cache_prefill_admitted_total"]
+    # an empty cache takes the experts of the prompt's last tokens (up to as many as the slots hold), each once at
+    # least: the last token's picks in every tensor among them
+    assert setup.n_used * setup.n_tensors <= admitted <= fresh1["moe_cache_prefill_lookups_total"]
+    assert fresh1["moe_cache_hits_total"] > read1["moe_cache_hits_total"]    # the first tokens after it hit
+    assert fresh2["moe_cache_prefill_hits_total"] > 0
+    print(f"after the first prompt: decode hits {fresh1['moe_cache_hits_total']:.0f} refreshed against "
+          f"{read1['moe_cache_hits_total']:.0f} read-only, of {fresh1['moe_cache_lookups_total']:.0f} lookups")
