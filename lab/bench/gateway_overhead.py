@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Gateway overhead: 16 concurrent streams straight to llama-server vs through the orchestrator gateway.
+"""Gateway overhead: concurrent streams straight to llama-server vs through the orchestrator gateway.
 
 Both paths hit the same llama-server, interleaved round by round (direct, gateway, gateway, direct, ...) so drift
-in the machine's load hits both alike. Per request it records the time to the first streamed token and the time
-to the last; per round the generated tokens per second over all streams. It prints p50/p90 of both, the added p50
-latency and the throughput loss, against the targets (<= 1 ms p50 added, <= 3 % throughput loss).
+in the machine's load hits both alike. Per request it records the time to the first streamed token, the time to
+the last and the time per token after the first; per round the generated tokens per second over all streams. It
+prints p50/p90/p95 of each, the added latency and the throughput loss, against the targets (<= 1 ms p50 added,
+<= 3 % throughput loss). ``--streams 1,4,16`` measures each count in turn on one deployment (llama-server with as
+many slots as the largest count); each count gets at least ``--min-samples`` requests per path.
 
 Modes:
   --mode ray         (default) the real thing: `orchestrator.cluster.up` with one worker under an embedded Ray
@@ -20,6 +22,7 @@ modes --gateway-cmd measures another gateway on the same footing, e.g. the aioht
 `--gateway-cmd 'python3 /tmp/old_gateway.py --port {port} --replica bench={upstream}'`.
 
   python lab/bench/gateway_overhead.py [--model M.gguf] [--binary llama-server] [--streams 16] [--rounds 8]
+                                      [--out result.json]
 
 Without --model a small random llama GGUF (tests/tiny_llama.py, --embd/--layers) is written to a
 temporary directory; its tokens come fast, which makes the gateway's share of each request as large as it gets.
@@ -127,27 +130,43 @@ def wait_http(url: str, timeout: float) -> None:
     raise SystemExit(f"{url} not healthy after {timeout:g}s")
 
 
+def server_key(port: int) -> str | None:
+    """The key `up` gave the llama-server listening on ``port`` (in its environment, never on its command line):
+    asked directly, a server of a deployment answers only with it."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            argv = p.info["cmdline"] or []
+            if any(a.endswith("llama-server") for a in argv) and str(port) in argv[argv.index("--port") + 1:][:1]:
+                return p.environ().get("LLAMA_API_KEY")
+        except (psutil.Error, ValueError):
+            continue
+    return None
+
+
 RETRIED: dict[str, int] = {}   # url -> requests sent again after the server closed a kept-alive connection
 
 
-async def one_stream(session, url: str, body: bytes) -> tuple[float, float, int]:
-    """One streamed request: (time to the first token, time to the last, tokens). A request whose kept-alive
+async def one_stream(session, url: str, body: bytes, headers: dict | None = None) -> tuple[float, float, int]:
+    """One streamed request: (time to the first token, time to the last, tokens; the time per token after the
+    first is (last - first) / (tokens - 1)). A request whose kept-alive
     connection the server closed before it answered (the usual keep-alive race of HTTP/1.1; aiohttp does not
     resend a POST by itself) is sent once more and counted in RETRIED, which the report prints per path."""
     import aiohttp
 
     try:
-        return await _one_stream(session, url, body)
+        return await _one_stream(session, url, body, headers)
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
         RETRIED[url] = RETRIED.get(url, 0) + 1
-        return await _one_stream(session, url, body)
+        return await _one_stream(session, url, body, headers)
 
 
-async def _one_stream(session, url: str, body: bytes) -> tuple[float, float, int]:
+async def _one_stream(session, url: str, body: bytes, headers: dict | None = None) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     first = None
     n = 0
-    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})}) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
         async for line in r.content:
@@ -160,9 +179,10 @@ async def _one_stream(session, url: str, body: bytes) -> tuple[float, float, int
     return (first or end) - t0, end - t0, n
 
 
-async def one_round(session, url: str, streams: int, body: bytes) -> tuple[list, float, int]:
+async def one_round(session, url: str, streams: int, body: bytes, headers: dict | None = None
+                    ) -> tuple[list, float, int]:
     t0 = time.perf_counter()
-    res = await asyncio.gather(*[one_stream(session, url, body) for _ in range(streams)])
+    res = await asyncio.gather(*[one_stream(session, url, body, headers) for _ in range(streams)])
     wall = time.perf_counter() - t0
     return res, wall, sum(r[2] for r in res)
 
@@ -174,38 +194,50 @@ def pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def measure(direct: str, gateway: str, streams: int, rounds: int, max_tokens: int, warmup: int) -> dict:
+def rounds_for(streams: int, rounds: int, min_samples: int) -> int:
+    """Rounds of ``streams`` requests so that each path gets at least ``min_samples`` requests (a p95 of 8)."""
+    return max(rounds, -(-min_samples // streams))
+
+
+async def measure(direct: str, gateway: str, streams: int, rounds: int, max_tokens: int, warmup: int,
+                  direct_key: str | None = None) -> dict:
     import aiohttp
 
     body = json.dumps({"prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True, "temperature": 0}).encode()
-    out = {"direct": {"ttft": [], "total": [], "tps": []}, "gateway": {"ttft": [], "total": [], "tps": []}}
+    out = {p: {"ttft": [], "total": [], "per_token": [], "tps": []} for p in ("direct", "gateway")}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         targets = {"direct": direct + "/v1/completions", "gateway": gateway + "/v1/completions"}
+        headers = {"direct": {"Authorization": f"Bearer {direct_key}"} if direct_key else {}, "gateway": {}}
         for _ in range(warmup):
             for name in ("direct", "gateway"):
-                await one_round(s, targets[name], streams, body)
+                await one_round(s, targets[name], streams, body, headers[name])
         for i in range(rounds):
             order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
             for name in order:
-                res, wall, toks = await one_round(s, targets[name], streams, body)
+                res, wall, toks = await one_round(s, targets[name], streams, body, headers[name])
                 out[name]["ttft"] += [r[0] for r in res]
                 out[name]["total"] += [r[1] for r in res]
+                out[name]["per_token"] += [(r[1] - r[0]) / (r[2] - 1) for r in res if r[2] > 1]
                 out[name]["tps"].append(toks / wall)
     return out
 
 
-def summarize(raw: dict, args, extra: dict) -> dict:
+def summarize(raw: dict, args, extra: dict, streams: int | None = None, rounds: int | None = None) -> dict:
     d, g = raw["direct"], raw["gateway"]
-    s = {
-        "streams": args.streams, "rounds": args.rounds, "max_tokens": args.max_tokens,
-        "ttft_p50_ms": {"direct": pct(d["ttft"], .5) * 1e3, "gateway": pct(g["ttft"], .5) * 1e3},
-        "ttft_p90_ms": {"direct": pct(d["ttft"], .9) * 1e3, "gateway": pct(g["ttft"], .9) * 1e3},
-        "total_p50_ms": {"direct": pct(d["total"], .5) * 1e3, "gateway": pct(g["total"], .5) * 1e3},
-        "tokens_per_s_median": {"direct": statistics.median(d["tps"]), "gateway": statistics.median(g["tps"])},
-    }
+    ms = lambda xs, q: pct(xs, q) * 1e3 if xs else float("nan")  # noqa: E731
+    s = {"streams": streams if streams is not None else args.streams, "rounds": rounds or args.rounds,
+         "max_tokens": args.max_tokens, "samples": {"direct": len(d["ttft"]), "gateway": len(g["ttft"])}}
+    for key, q in (("p50", .5), ("p90", .9), ("p95", .95)):
+        s[f"ttft_{key}_ms"] = {"direct": ms(d["ttft"], q), "gateway": ms(g["ttft"], q)}
+        s[f"per_token_{key}_ms"] = {"direct": ms(d["per_token"], q), "gateway": ms(g["per_token"], q)}
+    s["total_p50_ms"] = {"direct": ms(d["total"], .5), "gateway": ms(g["total"], .5)}
+    s["tokens_per_s_median"] = {"direct": statistics.median(d["tps"]), "gateway": statistics.median(g["tps"])}
     s["added_p50_ttft_ms"] = s["ttft_p50_ms"]["gateway"] - s["ttft_p50_ms"]["direct"]
+    s["added_p95_ttft_ms"] = s["ttft_p95_ms"]["gateway"] - s["ttft_p95_ms"]["direct"]
+    s["added_p50_per_token_ms"] = s["per_token_p50_ms"]["gateway"] - s["per_token_p50_ms"]["direct"]
+    s["added_p95_per_token_ms"] = s["per_token_p95_ms"]["gateway"] - s["per_token_p95_ms"]["direct"]
     s["added_p50_total_ms"] = s["total_p50_ms"]["gateway"] - s["total_p50_ms"]["direct"]
     s["throughput_loss_pct"] = 100 * (1 - s["tokens_per_s_median"]["gateway"] / s["tokens_per_s_median"]["direct"])
     s.update(extra)
@@ -213,17 +245,21 @@ def summarize(raw: dict, args, extra: dict) -> dict:
 
 
 def report(s: dict) -> str:
+    def row(label: str, key: str) -> str:
+        a, b = s[key]["direct"], s[key]["gateway"]
+        return f"{label:26}{a:>10.2f}ms{b:>10.2f}ms{b - a:>+10.2f}ms"
+
     lines = [
         f"gateway overhead, {s['streams']} concurrent streams x {s['max_tokens']} tokens, {s['rounds']} rounds "
         f"interleaved ({s['mode']} mode" + (f", {s['gateway_processes']} gateway processes" if s.get("gateway_processes")
                                              else "") + ")",
         f"{'':26}{'direct':>12}{'gateway':>12}{'added':>12}",
-        f"{'time to first token p50':26}{s['ttft_p50_ms']['direct']:>10.2f}ms{s['ttft_p50_ms']['gateway']:>10.2f}ms"
-        f"{s['added_p50_ttft_ms']:>+10.2f}ms",
-        f"{'time to first token p90':26}{s['ttft_p90_ms']['direct']:>10.2f}ms{s['ttft_p90_ms']['gateway']:>10.2f}ms"
-        f"{s['ttft_p90_ms']['gateway'] - s['ttft_p90_ms']['direct']:>+10.2f}ms",
-        f"{'request total p50':26}{s['total_p50_ms']['direct']:>10.2f}ms{s['total_p50_ms']['gateway']:>10.2f}ms"
-        f"{s['added_p50_total_ms']:>+10.2f}ms",
+        row("time to first token p50", "ttft_p50_ms"),
+        row("time to first token p90", "ttft_p90_ms"),
+        row("time to first token p95", "ttft_p95_ms"),
+        row("per token p50", "per_token_p50_ms"),
+        row("per token p95", "per_token_p95_ms"),
+        row("request total p50", "total_p50_ms"),
         f"{'tokens/s (median round)':26}{s['tokens_per_s_median']['direct']:>12.1f}"
         f"{s['tokens_per_s_median']['gateway']:>12.1f}{-s['throughput_loss_pct']:>+11.2f}%",
         f"gateway CPU per streamed chunk: {s['gateway_cpu_us_per_chunk']:.1f} us",
@@ -236,14 +272,27 @@ def report(s: dict) -> str:
     return "\n".join(lines)
 
 
+def stream_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--streams {text!r}: a count or counts like 1,4,16")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=("ray", "standalone", "fake"), default="ray")
     ap.add_argument("--token-ms", type=float, default=10.0, help="--mode fake: pace of the stand-in's tokens")
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--binary", default=None, help="llama-server (default: $LLAMA_SERVER, PATH, build cache)")
-    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--streams", type=stream_counts, default=[16], help="concurrent streams: 16, or 1,4,16")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--min-samples", type=int, default=0,
+                    help="at least this many requests per path and stream count (more rounds for few streams)")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
@@ -267,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         binary = a.binary or find_llama_server(None)[0]
         model = a.model or tiny_model(tmp / "bench.gguf", a.embd, a.layers)
     port, gw_port = free_port(), free_port()
-    argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(a.streams),
-            "-c", str(a.streams * (a.max_tokens + 64)), "-t", str(a.threads), "--metrics", "--no-warmup"]
+    slots = max(a.streams)
+    argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+            "-c", str(slots * (a.max_tokens + 64)), "-t", str(a.threads), "--metrics", "--no-warmup"]
     if a.ngl:
         argv += ["-ngl", a.ngl]
     direct, gateway = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{gw_port}"
@@ -312,10 +362,14 @@ def main(argv: list[str] | None = None) -> int:
                                           stdout=subprocess.DEVNULL))
         wait_http(gateway + "/health", 120)
         gpids = gateway_pids(a.mode, procs)
-        cpu0 = cpu_seconds(gpids)
-        raw = asyncio.run(measure(direct, gateway, a.streams, a.rounds, a.max_tokens, a.warmup))
-        chunks = (a.rounds + a.warmup) * a.streams * (a.max_tokens + 1)
-        extra["gateway_cpu_us_per_chunk"] = (cpu_seconds(gpids) - cpu0) / chunks * 1e6
+        key = server_key(port) if a.mode == "ray" else None
+        raws = {}
+        for n in a.streams:
+            rounds = rounds_for(n, a.rounds, a.min_samples)
+            cpu0 = cpu_seconds(gpids)
+            raws[n] = (rounds, asyncio.run(measure(direct, gateway, n, rounds, a.max_tokens, a.warmup, key)))
+            chunks = (rounds + a.warmup) * n * (a.max_tokens + 1)
+            raws[n] += ((cpu_seconds(gpids) - cpu0) / chunks * 1e6,)
         extra["resent"] = {"direct": RETRIED.get(direct + "/v1/completions", 0),
                            "gateway": RETRIED.get(gateway + "/v1/completions", 0)}
     finally:
@@ -330,10 +384,16 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    s = summarize(raw, a, extra)
-    print(report(s))
+    by = {}
+    for n, (rounds, raw, cpu_us) in raws.items():
+        by[n] = summarize(raw, a, {**extra, "gateway_cpu_us_per_chunk": cpu_us}, n, rounds)
+        print(report(by[n]))
+    s = by[a.streams[0]] if len(by) == 1 else {**extra, "max_tokens": a.max_tokens,
+                                               "by_streams": {str(n): v for n, v in by.items()}}
     if a.json:
         print(json.dumps(s))
+    if a.out is not None:
+        a.out.write_text(json.dumps(s, indent=2) + "\n")
     return 0
 
 
