@@ -32,11 +32,12 @@ class Resolved:
 
 
 def measured(machine: Machine, notes: list[str]) -> Machine:
-    """This machine with measured bandwidths. With GPUs and nothing cached yet, measure now (`orchestrator probe`,
-    a second or two, cached per machine): the op-offload threshold and the main GPU come from the PCIe
-    bandwidth, so `plan` and `up` must not fall back to assumed numbers where one measurement settles them.
-    A probe that cannot run leaves the assumed bandwidths and says why."""
-    if machine.bandwidth is not None or not machine.gpus:
+    """This machine with measured bandwidths. When nothing is cached yet, measure now (`orchestrator probe`, a few
+    seconds, cached per machine): generation speed on the CPU follows host memory bandwidth, and with GPUs the
+    op-offload threshold and the main GPU follow the PCIe bandwidth, so `plan` and `up` must not fall back to
+    assumed numbers where one measurement settles them. A probe that cannot run leaves the assumed bandwidths
+    and says why."""
+    if machine.bandwidth is not None:
         return machine
     from orchestrator.errors import HardwareError
     from orchestrator.hardware.probe import run_probe
@@ -48,9 +49,29 @@ def measured(machine: Machine, notes: list[str]) -> Machine:
         return machine
     if res.failed:
         notes.append("bandwidth: partly measured (" + "; ".join(res.messages) + ")")
-    notes.append("bandwidth: measured now by `orchestrator probe` (cached; `orchestrator probe --refresh` "
-                 "measures again)")
+    what = "host memory and PCIe" if machine.gpus else "host memory"
+    notes.append(f"bandwidth: {what} measured {'now ' if not res.cached else ''}by `orchestrator probe` (cached in "
+                 f"{res.cache_file}; `orchestrator probe --refresh` measures again)")
     return replace(machine, bandwidth=res.bandwidth)
+
+
+def assumed_host_bandwidth(machines: dict[str, Machine]) -> list[str]:
+    """One note per machine whose host memory bandwidth the plan assumes instead of knowing: the speed it
+    predicts on the CPU then rests on that figure, and the user must see which."""
+    from orchestrator.plan import rates
+
+    out = []
+    for name, m in machines.items():
+        host = dict(m.bandwidth.host) if m.bandwidth is not None else {}
+        missing = [n.id for n in m.numa_nodes if not host.get((n.id, n.id))]
+        if host and not missing:
+            continue
+        per, _src = rates.host_memory_bandwidth_default(len(m.numa_nodes))
+        nodes = "" if not host else f" on node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        out.append(f"node {name}: host memory bandwidth not measured{nodes}: CPU speed predicted from an assumed "
+                   f"{per / 1e9:.0f} GB/s per NUMA node (`orchestrator probe` on that machine measures it; a recorded "
+                   f"machine carries it with `inspect --save` after a probe)")
+    return out
 
 
 def load_machines(topo: Topology) -> tuple[dict[str, Machine], list[str]]:
@@ -137,6 +158,7 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
         topo = topo.override(overrides)
     topo.check_files()
     machines, notes = load_machines(topo)
+    notes += assumed_host_bandwidth(machines)
     model, remote = load_model(str(topo.model.path))
     if remote is not None:
         notes.append(remote_note(remote))
