@@ -7,12 +7,14 @@ With no healthy replica the answer is 503 with an OpenAI-style JSON error that s
 the connection is skipped for a moment and the request goes to another one (nothing was sent to the client yet).
 
 Built on asyncio protocols with httptools (llhttp, the parser behind uvicorn) on both sides: a streamed answer is
-written to the client from the upstream connection's callback, without a task switch per token (through aiohttp
-the same relay added 2-3 ms to the first token of 16 concurrent streams). What a client may send is bounded the
+written to the client from the upstream connection's callback, without a task switch per token (behind an ASGI
+server the same relay costs about 0.13 ms more per event at 16 streams and about 2 ms more on the first token of
+16 simultaneous streams, at about twice the CPU per event). What a client may send is bounded the
 way well-kept servers bound it (head 64 KiB, 100 headers, URL 8 KiB, body 32 MiB, head/body/idle/unread-answer
 deadlines, a connection cap; the API key checked on the head, before any body or ``100 Continue``), and what a
-replica sends is checked (one answer per request, 1xx skipped, silence timed out, a cut stream visibly cut): see
-the constants below and ``docs/cluster.md``. The :class:`Router` is pure and
+replica sends is checked (one answer per request, 1xx skipped, silence timed out, a cut stream visibly cut, a
+malformed answer one 502): see the constants below and ``docs/cluster.md``. Each answer's latency (time to first
+token, duration, tokens/s per stream) goes to histograms and to a window of the last minutes that ``status`` reads. The :class:`Router` is pure and
 unit-tested; :class:`Gateway` is the HTTP server; :class:`GatewayActor` runs it inside a Ray actor (the
 controller creates it on the node where ``up`` runs, so ``down`` stops it with the rest); ``python -m
 orchestrator.cluster.gateway`` runs it standalone with a fixed replica list (benchmarks, debugging).
