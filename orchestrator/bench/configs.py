@@ -18,15 +18,22 @@ from typing import Any, Iterable, Mapping, Sequence
 from orchestrator.backend.info import BackendInfo
 from orchestrator.errors import ConfigError
 from orchestrator.launch.llama_args import (
-    FIELD_FLAGS, OFFLOAD_DEFAULT, OFFLOAD_ENV, OFFLOAD_NEVER, backend_seen_in, canonical, long_flag, parse_server_args,
-    server_args, server_env, split_flags,
+    FIELD_FLAGS, OFFLOAD_DEFAULT, OFFLOAD_ENV, OFFLOAD_NEVER, backend_seen_in, canonical, long_flag, numactl_argv,
+    parse_server_args, server_args, server_env, split_flags,
 )
+from orchestrator.launch.numa import NumaPolicy
 from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
+from orchestrator.launch.wrappers import wrap
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.plan.types import WorkerPlan
 
 GROUPS = ("plan", "fit", "fit-pinned", "cpu-moe", "ncmoe-sweep", "offload-sweep", "cache-grid")
 OPTIONAL_GROUPS = ("control", "threads-sweep")          # asked for by name only
+# a plan that runs on the CPU only: the choices it made there (threads, micro-batch, NUMA policy), each against
+# llama.cpp's own defaults; the GPU-only groups would only run the same CPU computation again
+CPU_GROUPS = ("plan", "defaults", "threads-sweep", "ub-sweep", "numa-sweep")
+GPU_ONLY_GROUPS = ("fit", "fit-pinned", "cpu-moe", "ncmoe-sweep", "offload-sweep", "cache-grid")
+CPU_UBATCHES = (128, 256, 512, 1024, 2048)
 CACHE_GRID_STEPS = (0, 4, 8, 12)     # more expert layers in host memory than the plan, their VRAM as cache
 CACHE_GRID_MARGIN_MIB = 64           # kept from the freed VRAM: the banks' id buffers and padding
 
@@ -311,16 +318,78 @@ def _device_key(device: str, gpus: Sequence[int]) -> str:
 
 # --- the alternatives ----------------------------------------------------------------------------------------
 
-def derive(plan: BenchConfig, name: str, group: str, settings: WorkerSettings, params: Mapping[str, Any]
-           ) -> BenchConfig:
+def derive(plan: BenchConfig, name: str, group: str, settings: WorkerSettings, params: Mapping[str, Any],
+           wrapper: Sequence[str] | None = None) -> BenchConfig:
     """A configuration from the plan's: ``settings`` rendered for the plan's backend, the plan's variables that
-    the settings do not own kept, the plan's wrapper and server."""
+    the settings do not own kept, the plan's wrapper (or ``wrapper``) and server."""
     backend = plan.renders_for
     owned = set(server_env(plan.settings, backend)) | {OFFLOAD_ENV}
     env = {k: v for k, v in plan.env.items() if k not in owned}
     env.update(server_env(settings, backend))
     return BenchConfig(name=name, args=server_args(settings, backend), env=env, group=group, params=dict(params),
-                       wrapper=plan.wrapper, server=plan.server, settings=settings, backend=plan.backend)
+                       wrapper=plan.wrapper if wrapper is None else tuple(wrapper), server=plan.server,
+                       settings=settings, backend=plan.backend)
+
+
+def runs_on_cpu_only(plan: BenchConfig) -> bool:
+    """The plan puts nothing on a GPU (no GPU selected, ``-ngl 0``, or a binary without GPU offload)."""
+    s = plan.settings
+    return s.gpus == () or s.n_gpu_layers == 0 or (plan.backend is not None and not plan.backend.gpu_offload)
+
+
+def rewrapped(plan: BenchConfig, settings: WorkerSettings) -> tuple[str, ...]:
+    """The wrappers ``settings`` ask for (NUMA balancing, numactl), with the numactl the plan's wrapper uses."""
+    numactl = next((w for w in plan.wrapper if w.rsplit("/", 1)[-1] == "numactl"), "numactl")
+    return wrap(("-",), disable_numa_balancing=settings.disable_numa_balancing,
+                numactl=numactl_argv(settings.numa, numactl))[:-1]
+
+
+def defaults_config(plan: BenchConfig) -> BenchConfig:
+    """What a user runs on a CPU without a plan: llama.cpp's defaults for threads, batches and load mode, and no
+    numactl (the plan's context, slots, model and cache types kept)."""
+    s = replace(baseline(plan.settings), threads=None, threads_batch=None, numa=NumaPolicy.none(), numa_flag="",
+                disable_numa_balancing=False)
+    return derive(plan, "defaults", "defaults", s, {"threads": None, "numa": "none"}, wrapper=())
+
+
+def default_cpu_ubatches(plan: BenchConfig) -> list[int]:
+    """-ub values of the CPU sweep: 128 to 2048, up to the plan's -b."""
+    top = plan.settings.n_batch or 2048
+    return [u for u in CPU_UBATCHES if u <= top]
+
+
+def ub_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]:
+    """The plan at other micro-batches (``-ub``); ``-b`` stays the plan's, raised to ``-ub`` where it is smaller."""
+    s = plan.settings
+    out = []
+    for v in _other_points(values, s.n_ubatch, "ub"):
+        b = max(s.n_batch or v, v)
+        out.append(derive(plan, f"ub{v}", "ub-sweep", replace(s, n_ubatch=v, n_batch=b),
+                          {**dict(plan.params), "ubatch": v}))
+    return out
+
+
+def numa_sweep(plan: BenchConfig, nodes: Sequence[int] = ()) -> list[BenchConfig]:
+    """The plan under the NUMA policies it did not choose, on the same CPUs: no numactl (threads and pages
+    where the kernel puts them), memory bound to the plan's nodes (or the first), and memory interleaved over
+    ``nodes`` (the machine's; else the plan's own) with llama.cpp's ``--numa distribute``."""
+    s = plan.settings
+    p = s.numa
+    mine = tuple(sorted(set(p.mem_nodes) | set(p.cpu_nodes)))
+    every = tuple(sorted(set(nodes))) or mine or (0,)
+    policies = {
+        "none": (NumaPolicy.none(p.cpus), ""),
+        "bind": (NumaPolicy("bind", p.cpus, () if p.cpus else (mine or every)[:1], (mine or every)[:1]), ""),
+        "interleave": (NumaPolicy("interleave", p.cpus, p.cpu_nodes, every), "distribute"),
+    }
+    out = []
+    for mode, (policy, flag) in policies.items():
+        if mode == p.mode:
+            continue                     # the plan's own point is the plan
+        t = replace(s, numa=policy, numa_flag=flag)
+        out.append(derive(plan, f"numa-{mode}", "numa-sweep", t, {**dict(plan.params), "numa": mode},
+                          wrapper=rewrapped(plan, t)))
+    return out
 
 
 def baseline(s: WorkerSettings) -> WorkerSettings:
@@ -609,21 +678,28 @@ def threads_sweep(plan: BenchConfig, values: Sequence[int]) -> list[BenchConfig]
 def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_values: Sequence[int] | None = None,
                   ubatches: Sequence[int] | None = None, load_modes: Sequence[str] = ("mmap", "pinned"),
                   offload_values: Sequence[int] | None = None, n_layers: int | None = None,
-                  thread_values: Sequence[int] | None = None, layer_expert_bytes: int | None = None
-                  ) -> list[BenchConfig]:
+                  thread_values: Sequence[int] | None = None, layer_expert_bytes: int | None = None,
+                  numa_nodes: Sequence[int] = ()) -> list[BenchConfig]:
     """The configurations named in ``which`` (plan, fit, fit-pinned, cpu-moe, ncmoe-sweep, offload-sweep,
     cache-grid, and the optional control: the plan again, and threads-sweep: the plan at other generation
     threads), derived from the plan's, in that order; names are unique. ``cache-grid`` needs the routed-expert
     bytes of one layer (``layer_expert_bytes``) and a backend with the expert cache; without them it is left
-    out unless asked for by name."""
-    unknown = [w for w in which if w not in GROUPS + OPTIONAL_GROUPS]
+    out unless asked for by name. The CPU groups (:data:`CPU_GROUPS`): ``defaults`` (llama.cpp's own),
+    ``ub-sweep`` (``ubatches``), ``numa-sweep`` (the other NUMA policies, ``numa_nodes`` being the machine's)."""
+    known = dict.fromkeys(GROUPS + OPTIONAL_GROUPS + CPU_GROUPS)
+    unknown = [w for w in which if w not in known]
     if unknown:
-        raise ConfigError(f"unknown bench configuration group {unknown[0]!r}: expected one of "
-                          f"{', '.join(GROUPS + OPTIONAL_GROUPS)}")
+        raise ConfigError(f"unknown bench configuration group {unknown[0]!r}: expected one of {', '.join(known)}")
     out: list[BenchConfig] = []
     for w in which:
         if w == "plan":
             out.append(plan)
+        elif w == "defaults":
+            out.append(defaults_config(plan))
+        elif w == "ub-sweep":
+            out += ub_sweep(plan, list(ubatches) if ubatches is not None else default_cpu_ubatches(plan))
+        elif w == "numa-sweep":
+            out += numa_sweep(plan, numa_nodes)
         elif w == "fit":
             out.append(fit_config(plan))
         elif w == "fit-pinned":

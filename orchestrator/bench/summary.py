@@ -23,6 +23,7 @@ from orchestrator.bench.measure import quantile
 FIT_TARGETS = {"tg128@0": 1.05, "pp512": 3.0, "pp4096": 2.5, "pp32": 2.0, "pp64": 2.0, "pp128": 2.0}
 SWEEP_TARGET = 0.97
 THRESHOLD_TARGET = 0.97
+CPU_ALTERNATIVES = ("defaults", "threads-sweep", "ub-sweep", "numa-sweep", "replicas")
 PREDICTION_BAND = (0.85, 1.15)
 
 _PP = re.compile(r"^pp(\d+)$")
@@ -185,6 +186,7 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
     - ``plan/best-safe-sweep`` (with ``vram_budget``): the same against the sweep points that left at least
       ``SAFE_HEADROOM`` of the budget free on every GPU (no target: it says how much of a ``plan/best-sweep``
       gap comes from placements at the edge of out-of-memory, which the plan's reserve rules out);
+    - ``plan/best-cpu``: a plan on the CPU only against the best of its CPU alternatives (no target);
     - ``plan/control``: the plan against itself run again (A/A): the noise floor, within 0.97–1.03 to read the
       0.97 targets meaningfully. When it was run, a ``plan/fit`` or ``plan/best-sweep`` verdict whose distance
       from its target is smaller than the A/A difference of the same metric gets ``"within_noise": True``
@@ -224,6 +226,13 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
         for m in plan_metrics:
             if best := _best(summary, names, m):
                 out.append(_entry(kind, m, _med(summary, plan, m), best[1], best[0], target))
+
+    # a plan on the CPU only, against the CPU alternatives (llama.cpp's defaults, threads, -ub, NUMA policy, one
+    # replica over the machine): no target, the GPU targets above do not apply to it
+    cpu = [n for n, g in groups.items() if g in CPU_ALTERNATIVES and n in summary]
+    for m in plan_metrics if cpu else ():
+        if best := _best(summary, cpu, m):
+            out.append(_entry("plan/best-cpu", m, _med(summary, plan, m), best[1], best[0], None))
 
     thresholds = [n for n, g in groups.items() if g == "offload-sweep" and n in summary]
     if thresholds:

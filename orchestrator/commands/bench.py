@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 HELP = "Benchmark the plan against llama.cpp's own placements (--fit, --cpu-moe, sweeps) on this machine"
 DESCRIPTION = """\
@@ -14,7 +15,8 @@ at several context depths, time to first token, memory, power and temperature th
 and writes bench.json, bench.txt and PNG charts. The plan comes from topology.yaml (planned exactly as `up`
 would, under --vram-budget as vram_limit), --plan-json (the output of `orchestrator plan --json`) or
 --config plan='FLAGS'; the alternatives (fit, fit-pinned, cpu-moe, ncmoe-sweep, offload-sweep, cache-grid) are
-derived from it. More configurations: --config NAME='FLAGS' (leading VAR=value words are environment).
+derived from it; a plan that runs on the CPU only gets CPU alternatives instead (llama.cpp's defaults, threads,
+-ub, NUMA policy, one replica over the machine) and no GPU targets. More configurations: --config NAME='FLAGS' (leading VAR=value words are environment).
 Generation samples (temperature 1, a seed per request, llama-server's default top_k/top_p); with an expert
 cache the table shows its hit rate during generation (llama-server's /metrics). Example:
 
@@ -71,8 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="derived groups: plan,fit,fit-pinned,cpu-moe,ncmoe-sweep,offload-sweep,cache-grid "
                           "(default: all of them when there is a plan; cache-grid = the plan's expert layers "
                           "+0/4/8/12 in host memory with their VRAM as cache, when the binary has the cache and "
-                          "the plan comes from a topology); control = the plan again, an A/A noise check; threads-sweep = the plan "
-                          "at other generation threads (-t)")
+                          "the plan comes from a topology); control = the plan again, an A/A noise check; "
+                          "threads-sweep = the plan at other generation threads (-t). A plan on the CPU only "
+                          "gets plan,defaults,threads-sweep,ub-sweep,numa-sweep (defaults = llama.cpp's own; "
+                          "ub-sweep = other -ub, --ub; numa-sweep = the NUMA policies it did not choose) and, "
+                          "from a topology with several replicas, replicas1 (one worker over the machine)")
     src.add_argument("--ncmoe", type=_ints, metavar="N,...", help="--n-cpu-moe values (default: plan ±1)")
     src.add_argument("--ub", type=_ints, metavar="N,...", help="-ub values of the sweep (default: 512 and the plan's)")
     src.add_argument("--load-modes", type=_words, default=("mmap", "pinned"), metavar="LIST",
@@ -121,56 +126,83 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--dry-run", action="store_true", help="print the configurations and exit")
 
 
-def _configs(args: argparse.Namespace):
-    from orchestrator.bench.configs import (GROUPS, build_configs, config_from_plan_json, dedupe, parse_config_option,
-                                            server_from_plan_json)
+@dataclass(frozen=True)
+class BenchSource:
+    """What the command line gives to measure: the configurations, the llama-server to run them with, and what
+    the plan knew (for bench.json)."""
+
+    configs: tuple
+    server: str | None = None
+    plan_context: dict | None = None
+    cpu_only: bool = False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    config: object = None
+    server: str | None = None
+    context: dict | None = None
+    numa_nodes: tuple[int, ...] = ()
+
+
+def _source(args: argparse.Namespace) -> BenchSource:
+    from orchestrator.bench.configs import (CPU_GROUPS, GPU_ONLY_GROUPS, GROUPS, build_configs, dedupe,
+                                            parse_config_option, runs_on_cpu_only)
     from orchestrator.errors import ConfigError
 
     extra = [parse_config_option(t) for t in args.config]
-    plan = next((c for c in extra if c.name == "plan"), None)
-    if args.topology and (args.plan_json or plan is not None):
+    given = next((c for c in extra if c.name == "plan"), None)
+    if args.topology and (args.plan_json or given is not None):
         raise ConfigError("give the plan one way: a topology, --plan-json or --config plan=...")
     if args.set and not args.topology:
         raise ConfigError("--set changes a topology: give topology.yaml")
-    if args.topology:
-        plan = _plan_from_topology(args)
-    elif args.plan_json:
-        if plan is not None:
-            raise ConfigError("--plan-json and --config plan=... both give the plan: pass one")
-        try:
-            with open(args.plan_json) as f:
-                data = json.load(f)
-        except OSError as e:
-            raise ConfigError(f"--plan-json {args.plan_json}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--plan-json {args.plan_json}: not JSON (line {e.lineno}: {e.msg})") from None
-        plan = config_from_plan_json(data, args.worker)
-        if not args.server:
-            args.server = server_from_plan_json(data, args.worker)
+    if args.plan_json and given is not None:
+        raise ConfigError("--plan-json and --config plan=... both give the plan: pass one")
+    p = _plan_from_topology(args) if args.topology else _plan_from_json(args) if args.plan_json else _Plan(given)
+    server = args.server or p.server
     others = [c for c in extra if c.name != "plan"]
+    plan = p.config
     if plan is None:
         if args.configs:
             raise ConfigError("--configs derives from the plan: give --plan-json or --config plan='FLAGS'")
         if not others:
             raise ConfigError("nothing to benchmark: give --plan-json FILE or --config NAME='llama-server flags'")
-        return others
-    which = args.configs or GROUPS
+        return BenchSource(tuple(others), server, p.context)
+    cpu_only = runs_on_cpu_only(plan)
+    which = args.configs or (CPU_GROUPS if cpu_only else GROUPS)
+    if cpu_only:
+        gpu_only = [w for w in which if w in GPU_ONLY_GROUPS]
+        if gpu_only:
+            raise ConfigError(f"--configs {gpu_only[0]}: compares GPU placements, and the plan runs on the CPU only "
+                              f"(CPU alternatives: {', '.join(CPU_GROUPS[1:])})")
     derived = build_configs(plan, which, ncmoe_values=args.ncmoe, ubatches=args.ub, load_modes=args.load_modes,
                             offload_values=args.offload, thread_values=args.threads,
-                            layer_expert_bytes=plan.params.get("layer_expert_bytes"))
+                            layer_expert_bytes=plan.params.get("layer_expert_bytes"), numa_nodes=p.numa_nodes)
+    derived += _replica_alternatives(args, p) if cpu_only and not args.configs else []
     names = {c.name for c in derived}
     clash = [c.name for c in others if c.name in names]
     if clash:
         raise ConfigError(f"--config {clash[0]}: that name is taken by a derived configuration")
-    return dedupe(derived + others)
+    return BenchSource(tuple(dedupe(derived + others)), server, p.context, cpu_only)
 
 
-def _plan_from_topology(args: argparse.Namespace):
+def _plan_from_json(args: argparse.Namespace) -> _Plan:
+    from orchestrator.bench.configs import config_from_plan_json, server_from_plan_json
+    from orchestrator.errors import ConfigError
+
+    try:
+        with open(args.plan_json) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--plan-json {args.plan_json}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--plan-json {args.plan_json}: not JSON (line {e.lineno}: {e.msg})") from None
+    return _Plan(config_from_plan_json(data, args.worker), server_from_plan_json(data, args.worker))
+
+
+def _resolve(args: argparse.Namespace, more: dict | None = None):
     """Plan exactly as `orchestrator plan`/`up` do (orchestrator.resolve), under the VRAM budget when one is
-    given (every node's vram_limit), and take the worker's LaunchSpec as the plan configuration."""
-    from dataclasses import replace
-
-    from orchestrator.bench.configs import config_from_launch_spec
+    given (every node's vram_limit)."""
     from orchestrator.errors import ConfigError
 
     try:
@@ -186,32 +218,53 @@ def _plan_from_topology(args: argparse.Namespace):
     if args.vram_budget:
         for i in range(len(topo.nodes)):
             overrides[f"nodes.{i}.vram_limit"] = args.vram_budget
-    res = resolve(topo, overrides=overrides or None)
+    return resolve(topo, overrides={**overrides, **(more or {})} or None)
+
+
+def _plan_from_topology(args: argparse.Namespace) -> _Plan:
+    """The worker's LaunchSpec of the topology's plan as the plan configuration."""
+    from dataclasses import replace
+
+    from orchestrator.bench.configs import config_from_launch_spec
+    from orchestrator.errors import ConfigError
+    from orchestrator.plan.costs import model_costs
+
+    res = _resolve(args)
     if not 0 <= args.worker < len(res.specs):
         raise ConfigError(f"{args.topology}: worker {args.worker} does not exist (the plan has {len(res.specs)})")
     spec, worker = res.specs[args.worker], res.plan.workers[args.worker]
     machine = res.machines.get(worker.node)
-    args.plan_context = {
+    context = {
         "topology": str(args.topology), "worker": worker.name, "node": worker.node,
         "decisions": [[d.what, d.value, d.why] for d in worker.decisions],
         "bandwidth": machine.bandwidth.to_json() if machine is not None and machine.bandwidth is not None else None,
+        "replicas": sum(1 for w in res.plan.workers if w.node == worker.node),
     }
     plan = config_from_launch_spec(spec, worker)
     n_layers = res.plan.model.get("n_layers")
     if isinstance(n_layers, int):
         plan = replace(plan, params={**dict(plan.params), "n_layers": n_layers})
-    from orchestrator.plan.costs import model_costs
-
     costs = model_costs(res.model)
     if costs.moe_layers:
         # the cache grid frees whole expert layers: the largest one's VRAM, as the plan counts it
         plan = replace(plan, params={**dict(plan.params),
                                      "layer_expert_bytes": max(costs.layer_experts[i] for i in costs.moe_layers)})
-    if not args.server:
-        args.server = res.backend.server
-    if args.gpus is None and worker.gpus:
-        args.gpus = tuple(worker.gpus)
-    return plan
+    nodes = tuple(n.id for n in machine.numa_nodes if n.cpus) if machine is not None else ()
+    return _Plan(plan, res.backend.server, context, nodes)
+
+
+def _replica_alternatives(args: argparse.Namespace, p: _Plan) -> list:
+    """A CPU plan of several replicas on this machine: one worker over the whole machine instead (what
+    ``workers.replicas: 1`` plans), measured as one server beside one of the plan's replicas."""
+    from dataclasses import replace
+
+    from orchestrator.bench.configs import config_from_launch_spec
+
+    if not args.topology or not p.context or p.context.get("replicas", 1) < 2:
+        return []
+    res = _resolve(args, {"workers.replicas": 1})
+    one = config_from_launch_spec(res.specs[0], res.plan.workers[0])
+    return [replace(one, name="replicas1", group="replicas", params={**dict(one.params), "replicas": 1})]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,12 +296,14 @@ def run(args: argparse.Namespace) -> int:
         verbosity = int(args.server_verbosity)
     else:
         raise ConfigError(f"--server-verbosity: expected a number or 'none', got {args.server_verbosity!r}")
-    options = BenchOptions(log_verbosity=verbosity, rounds=args.rounds, workload=workload, order=args.order, load_timeout=args.load_timeout,
-                           prime_page_cache=not args.no_prime, seed=args.seed, vram_budget=budget,
-                           max_seconds=args.max_minutes * 60 if args.max_minutes else None, gpus=args.gpus)
-    configs = _configs(args)          # may take the server binary from the plan JSON
-    if args.server:
-        server = args.server
+    src = _source(args)
+    options = BenchOptions(log_verbosity=verbosity, rounds=args.rounds, workload=workload, order=args.order,
+                           load_timeout=args.load_timeout, prime_page_cache=not args.no_prime, seed=args.seed,
+                           vram_budget=budget, max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                           gpus=args.gpus)
+    configs = list(src.configs)
+    if src.server:
+        server = src.server
     else:
         from orchestrator.backend.detect import find_llama_server
 
@@ -262,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
 
     with terminate_as_interrupt():     # SIGTERM, a hang-up: stop the server, keep the results so far
         data = run_bench(configs, server, out, options, progress=make_progress(args.progress),
-                         charts=not args.no_charts, plan_context=getattr(args, "plan_context", None))
+                         charts=not args.no_charts, plan_context=src.plan_context)
     if args.json:
         json.dump({"out": str(out), "files": data.get("files"), "summary": data["summary"],
                    "ratios": data["ratios"], "stopped_early": data.get("stopped_early")}, sys.stdout, indent=1)

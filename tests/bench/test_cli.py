@@ -173,13 +173,17 @@ def test_topology_is_planned_like_up_and_measured(tmp_path, tiny_moe, llama_serv
     topo.write_text(f"model: {{path: {tiny_moe}, context: 1024, parallel: 1}}\n"
                     f"backend: {{binary: {llama_server_path}}}\n"
                     "nodes: [{name: local}]\nworkers: {layout: machine}\n")
-    rc, out, err = _run([str(topo), "--set", "workers.threads=1", "--configs", "plan,fit,control", "--rounds", "1",
+    rc, out, err = _run([str(topo), "--set", "workers.threads=1", "--configs", "plan,defaults,control", "--rounds", "1",
                          "--pp", "8,64", "--pp-reps", "1", "--tg-depths", "0", "--tg-tokens", "4", "--concurrency",
                          "none", "--out", str(tmp_path / "o"), "--json", "--progress", "none", "--no-charts"], capsys)
     assert rc == 0, err
     d = json.loads(out)
-    assert set(d["summary"]) == {"plan", "fit", "plan-control"}
+    assert set(d["summary"]) == {"plan", "defaults", "plan-control"}
     assert all(s["loaded"] == 1 for s in d["summary"].values())
+    # a plan on the CPU only: graded against its CPU alternative without a target, never against GPU targets
+    kinds = {r["kind"] for r in d["ratios"]}
+    assert "plan/best-cpu" in kinds and not kinds & {"plan/fit", "plan/best-sweep", "threshold/best"}
+    assert all(r["target"] is None for r in d["ratios"] if r["kind"] == "plan/best-cpu")
     data = json.loads((tmp_path / "o" / "bench.json").read_text())
     plan = next(c for c in data["configs"] if c["name"] == "plan")
     assert "-t" in plan["args"] and plan["args"][plan["args"].index("-t") + 1] == "1"      # --set reached the plan
@@ -191,3 +195,38 @@ def test_topology_is_planned_like_up_and_measured(tmp_path, tiny_moe, llama_serv
     ctx = data["plan_context"]
     assert ctx["topology"] == str(topo) and ctx["node"] == "local" and "bandwidth" in ctx
     assert any(what == "threads" and value.startswith("-t 1") for what, value, _why in ctx["decisions"])
+
+
+def _cpu_topology(tmp_path, tiny_moe, llama_server_path, replicas: int = 2):
+    topo = tmp_path / "cpu.yaml"
+    topo.write_text(f"model: {{path: {tiny_moe}, context: 1024, parallel: 1}}\n"
+                    f"backend: {{binary: {llama_server_path}}}\n"
+                    f"nodes: [{{name: local, gpus: none}}]\nworkers: {{replicas: {replicas}}}\n")
+    return topo
+
+
+def test_a_plan_on_the_cpu_gets_cpu_alternatives(tmp_path, tiny_moe, llama_server_path, capsys):
+    """No GPU: llama.cpp's defaults, other -ub, the NUMA policies the plan did not choose and one replica over the
+    machine; none of the GPU-only groups (fit, --n-cpu-moe sweeps, op-offload thresholds)."""
+    topo = _cpu_topology(tmp_path, tiny_moe, llama_server_path)
+    rc, out, err = _run([str(topo), "--dry-run", "--ub", "256,512"], capsys)
+    assert rc == 0, err
+    lines = out.splitlines()[1:]
+    names = {ln.split()[0]: ln for ln in lines}
+    assert {"plan", "defaults", "ub256", "numa-none", "numa-interleave", "replicas1"} <= set(names), out
+    assert not [n for n in names if n.startswith(("fit", "cpu-moe", "ncmoe", "offload", "cache"))], out
+    assert "numactl" not in names["defaults"] and " -t " not in names["defaults"]
+    assert "numactl" not in names["numa-none"] and "--interleave=" in names["numa-interleave"]
+    assert "--numa distribute" in names["numa-interleave"]
+    plan_t = names["plan"].split(" -t ")[1].split()[0]
+    one_t = names["replicas1"].split(" -t ")[1].split()[0]
+    assert int(one_t) >= int(plan_t)              # one worker gets at least one replica's threads
+
+
+def test_a_gpu_only_group_on_a_cpu_plan_is_one_line(tmp_path, tiny_moe, llama_server_path, capsys):
+    topo = _cpu_topology(tmp_path, tiny_moe, llama_server_path, replicas=1)
+    rc, out, err = _run([str(topo), "--dry-run", "--configs", "plan,offload-sweep"], capsys)
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        "orchestrator bench: error: --configs offload-sweep: compares GPU placements, and the plan runs on the CPU "
+        "only (CPU alternatives: defaults, threads-sweep, ub-sweep, numa-sweep)"]

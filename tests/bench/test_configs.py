@@ -426,3 +426,69 @@ def plan_without_cache():
     from orchestrator.bench.configs import parse_config_option
 
     return parse_config_option(r"plan=-m m.gguf -ngl 999 -ot blk\.(0|1)\.ffn_(up|down|gate)_exps=CPU")
+
+
+CPU_ARGS = ("-m", "/models/q30.gguf", "-c", "4096", "-np", "2", "-ngl", "0", "--fit", "off", "-t", "8", "-tb", "16",
+            "-b", "2048", "-ub", "512", "--metrics")
+
+
+def _cpu_plan(numa=None):
+    from dataclasses import replace
+
+    from orchestrator.launch.numa import NumaPolicy
+
+    from orchestrator.backend.info import nominal_backend
+
+    plan = plan_config(CPU_ARGS, wrapper=("/usr/bin/numactl", "--physcpubind=0-7", "--membind=1", "--"))
+    return replace(plan, settings=replace(plan.settings, numa=numa or NumaPolicy("bind", tuple(range(8)), (), (1,))),
+                   backend=nominal_backend("mainline", cuda=False))
+
+
+def test_a_cpu_plan_is_told_apart_from_a_gpu_plan():
+    from orchestrator.bench.configs import runs_on_cpu_only
+
+    assert runs_on_cpu_only(_cpu_plan()) and runs_on_cpu_only(plan_config(CPU_ARGS))
+    assert not runs_on_cpu_only(plan_config(PLAN_ARGS))
+
+
+def test_the_cpu_alternatives_change_one_choice_each():
+    from orchestrator.bench.configs import CPU_GROUPS
+
+    plan = _cpu_plan()
+    out = {c.name: c for c in build_configs(plan, CPU_GROUPS, numa_nodes=(0, 1), ubatches=(256, 512, 1024))}
+    assert list(out) == ["plan", "defaults", "threads2", "threads4", "threads6", "threads7", "ub256", "ub1024",
+                         "numa-none", "numa-interleave"]
+    d = out["defaults"]
+    assert d.wrapper == () and not has_flag(d.args, "-t") and not has_flag(d.args, "-ub")
+    assert get_arg(d.args, "-c") == "4096" and get_arg(d.args, "-np") == "2"
+    assert get_arg(out["ub256"].args, "-ub") == "256" and out["ub256"].wrapper == plan.wrapper
+    assert out["numa-none"].wrapper == () and get_arg(out["numa-none"].args, "-t") == "8"
+    assert out["numa-interleave"].wrapper == ("/usr/bin/numactl", "--physcpubind=0-7", "--interleave=0-1", "--")
+    assert get_arg(out["numa-interleave"].args, "--numa") == "distribute"
+
+
+def test_a_plan_without_numactl_gets_bind_and_interleave():
+    from orchestrator.bench.configs import numa_sweep
+    from orchestrator.launch.numa import NumaPolicy
+
+    plan = plan_config(CPU_ARGS)
+    from dataclasses import replace
+
+    plan = replace(plan, settings=replace(plan.settings, numa=NumaPolicy.none((0, 1))))
+    got = {c.name: c.wrapper for c in numa_sweep(plan, (0,))}
+    assert got == {"numa-bind": ("numactl", "--physcpubind=0-1", "--membind=0", "--"),
+                   "numa-interleave": ("numactl", "--physcpubind=0-1", "--interleave=0", "--")}
+
+
+def test_a_cpu_plan_is_graded_against_its_alternatives_without_a_target():
+    from orchestrator.bench.summary import ratios
+
+    def s(tg):
+        return {"metrics": {"tg128@0": {"median": tg, "values": [tg]}}}
+
+    summary = {"plan": s(10.0), "defaults": s(8.0), "ub256": s(12.0)}
+    configs = [{"name": "plan", "group": "plan"}, {"name": "defaults", "group": "defaults"},
+               {"name": "ub256", "group": "ub-sweep"}]
+    out = [r for r in ratios(summary, configs) if r["kind"] == "plan/best-cpu"]
+    assert len(out) == 1 and out[0]["other_config"] == "ub256" and out[0]["target"] is None
+    assert out[0]["value"] == pytest.approx(10 / 12, rel=1e-3)
