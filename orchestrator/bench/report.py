@@ -172,11 +172,19 @@ def _problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+PIPED_WIDTH = 200      # as bench.txt: a pipe or file has no width, and rich would cut the tables at 80 columns
+
+
 def print_tables(data: Mapping[str, Any], file=None) -> None:
-    """Print the tables on ``file`` (stdout): coloured on a terminal, plain otherwise."""
+    """Print the tables on ``file`` (stdout): coloured and as wide as a terminal, else plain and
+    :data:`PIPED_WIDTH` wide (``bench ... | tee`` keeps every column)."""
+    import sys
+
     from rich.console import Console
 
-    console = Console(file=file) if file is not None else Console()
+    out = file if file is not None else sys.stdout
+    tty = hasattr(out, "isatty") and out.isatty()
+    console = Console(file=out) if tty else Console(file=out, width=PIPED_WIDTH, color_system=None)
     for r in _renderables(data):
         console.print(r)
 

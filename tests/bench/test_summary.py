@@ -224,3 +224,24 @@ def test_the_cache_grid_chart(tmp_path):
     header, rows = table_rows(summary)
     assert "cache hits" in header and rows[0][header.index("cache hits")] == "87.0%"
     assert rows[1][header.index("cache hits")] == "-"
+
+
+def test_tables_piped_into_another_program_keep_every_column(tmp_path):
+    """`orchestrator bench ... | tee log`: the tables are as wide as bench.txt's, not cut at 80 columns."""
+    import json
+    import subprocess
+    import sys
+
+    from orchestrator.paths import REPO_ROOT
+
+    configs, runs = _bench()
+    s = summarize(configs, runs)
+    data = {"summary": s, "ratios": ratios(s, configs)}
+    f = tmp_path / "data.json"
+    f.write_text(json.dumps(data))
+    code = ("import json, sys; from orchestrator.bench.report import print_tables; "
+            f"print_tables(json.load(open({str(f)!r})))")
+    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "COLUMNS": "80"}).stdout
+    assert max(len(ln) for ln in piped.splitlines()) > 80
+    assert "\n".join(ln.rstrip() for ln in piped.splitlines()).strip("\n") == render_text(data)
