@@ -1,0 +1,240 @@
+"""Checks run inside the two-node guest (tests/vm/numa_guest.py); each prints one JSON document on its last line.
+
+    python tests/vm/guest_checks.py balancing          # the balancing wrapper on the real /proc file
+    python tests/vm/guest_checks.py bind-socket        # numactl-bind-socket.sh --socket 1 on a real process
+    python tests/vm/guest_checks.py workers TOPOLOGY MODEL   # the plan's workers started as `up` starts them
+
+They report what the kernel shows (``/proc/sys/kernel/numa_balancing``, every thread's ``Cpus_allowed_list``,
+the memory policy and the pages' nodes in ``/proc/PID/numa_maps``); the tests on the host compare that with what
+was asked. Standard library only, except ``workers``, which plans and launches with orchestrator itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BALANCING = Path("/proc/sys/kernel/numa_balancing")
+WRAPPER = REPO / "scripts" / "numa" / "disable-numa-balancing.sh"
+BIND = REPO / "scripts" / "numa" / "numactl-bind-socket.sh"
+MIB = 1 << 20
+
+# A process that touches TOUCH_MIB of anonymous memory from its main thread and from a second thread, then
+# reports its threads' CPUs and waits: what numactl's binding does to a real process.
+TOUCHER = r"""
+import mmap, os, sys, threading
+n = int(sys.argv[1]) << 20
+a = mmap.mmap(-1, n)
+a.write(b"x" * n)
+done = threading.Event()
+def other():
+    b = mmap.mmap(-1, 1 << 20); b.write(b"y" * (1 << 20)); done.set(); threading.Event().wait()
+threading.Thread(target=other, daemon=True).start()
+done.wait()
+print(hex(id(a)), flush=True)
+sys.stdin.read()
+"""
+
+
+def read(path: Path | str) -> str:
+    return Path(path).read_text().strip()
+
+
+def threads(pid: int) -> dict[str, str]:
+    """Every thread of ``pid``: its Cpus_allowed_list."""
+    out = {}
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda p: int(p.name)):
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        m = re.search(r"^Cpus_allowed_list:\s*(\S+)", status, re.M)
+        out[task.name] = m.group(1) if m else "?"
+    return out
+
+
+def numa_maps(pid: int, min_kib: int = 1024) -> list[dict]:
+    """The mappings of ``pid`` with at least ``min_kib`` resident: address, policy, pages per node, kind."""
+    out = []
+    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
+        words = line.split()
+        nodes = {int(w[1:w.index("=")]): int(w.split("=")[1]) for w in words if re.match(r"^N\d+=\d+$", w)}
+        psize = next((int(w.split("=")[1]) for w in words if w.startswith("kernelpagesize_kB=")), 4)
+        if sum(nodes.values()) * psize < min_kib:
+            continue
+        kind = ("anon" if "anon=" in line else "file") + (" heap" if "heap" in words else "")
+        path = next((w.split("=", 1)[1] for w in words if w.startswith("file=")), "")
+        out.append({"addr": words[0], "policy": words[1], "pages": nodes, "kind": kind, "file": path})
+    return out
+
+
+def mempolicy(pid: int) -> str:
+    """The task policy as numa_maps shows it for a fresh anonymous region (the stack's line: its default)."""
+    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
+        if "stack" in line.split():
+            return line.split()[1]
+    return "?"
+
+
+# -- balancing ---------------------------------------------------------------------------------------------------
+
+def _wait_for(pred, timeout=60.0, what="condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def _holder(ready: Path, extra: str = "") -> subprocess.Popen:
+    """The wrapper around a shell that writes what it saw, then waits for a signal (exit 7 on TERM, 8 on INT)."""
+    script = (f"trap 'exit 7' TERM; trap 'exit 8' INT; cat {BALANCING} > {ready}.tmp; mv {ready}.tmp {ready}; "
+              f"{extra} while :; do sleep 0.1; done")
+    return subprocess.Popen([str(WRAPPER), "bash", "-c", script], start_new_session=True)
+
+
+def balancing() -> dict:
+    t0 = time.monotonic()
+    res: dict = {"start": read(BALANCING), "dev_fd": os.path.exists("/dev/fd")}
+    tmp = Path("/run/balancing-check")
+    tmp.mkdir(exist_ok=True)
+
+    def one(name: str, how: str, start: str = "1") -> None:
+        BALANCING.write_text(start + "\n")
+        ready = tmp / name
+        p = _holder(ready)
+        _wait_for(ready.exists, what=f"{name}: the command did not start")
+        during = read(ready)
+        if how == "SIGKILL":                  # the wrapper and its command killed: --cleanup restores
+            os.killpg(p.pid, signal.SIGKILL)
+            rc = p.wait(60)
+            subprocess.run([str(WRAPPER), "--cleanup"], capture_output=True, check=False)
+        else:
+            p.send_signal(getattr(signal, how))
+            rc = p.wait(60)
+        res[name] = {"during": during, "after": read(BALANCING), "rc": rc}
+
+    def plain(name: str, code: int) -> None:   # a command that ends by itself, with status ``code``
+        BALANCING.write_text("1\n")
+        r = subprocess.run([str(WRAPPER), "bash", "-c", f"cat {BALANCING}; exit {code}"], capture_output=True,
+                           text=True)
+        res[name] = {"during": r.stdout.strip(), "after": read(BALANCING), "rc": r.returncode,
+                     "stderr": r.stderr.strip()}
+
+    plain("exit", 0)
+    plain("failure", 3)
+    one("sigint", "SIGINT")
+    one("sigterm", "SIGTERM")
+    one("killed", "SIGKILL")
+    for start in ("0", "2"):
+        one(f"start{start}", "SIGTERM", start=start)
+    # two holders: the setting comes back only when the second one leaves
+    BALANCING.write_text("1\n")
+    a, b = _holder(tmp / "a"), _holder(tmp / "b")
+    _wait_for(lambda: (tmp / "a").exists() and (tmp / "b").exists(), what="two holders")
+    a.send_signal(signal.SIGTERM)
+    a.wait(60)
+    after_first = read(BALANCING)
+    b.send_signal(signal.SIGTERM)
+    b.wait(60)
+    res["two_holders"] = {"during": [read(tmp / "a"), read(tmp / "b")], "after_first": after_first,
+                          "after_both": read(BALANCING)}
+    BALANCING.write_text(res["start"] + "\n")
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+# -- numactl-bind-socket.sh --------------------------------------------------------------------------------------
+
+def bind_socket(touch_mib: int = 64) -> dict:
+    res = {}
+    for interleave in ("off", "on"):
+        argv = [str(BIND), "--socket", "1", "--mode", "physical", "--interleave", interleave, "--",
+                sys.executable, "-c", TOUCHER, str(touch_mib)]
+        dry = subprocess.run(argv[:7] + ["--dry-run"] + argv[7:], capture_output=True, text=True)
+        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        p.stdout.readline()                 # touched
+        maps = [m for m in numa_maps(p.pid) if m["kind"].startswith("anon")]
+        biggest = max(maps, key=lambda m: sum(m["pages"].values()))
+        res[interleave] = {"maps": maps, "dry_run": dry.stdout.strip(), "threads": threads(p.pid), "policy": mempolicy(p.pid),
+                           "touched": biggest}
+        p.stdin.close()
+        p.wait(60)
+    return res
+
+
+# -- the plan's workers ------------------------------------------------------------------------------------------
+
+def workers(topology: str, model: str, prompt: str = "Hello") -> dict:
+    import urllib.request
+
+    from orchestrator.launch import process
+    from orchestrator.resolve import resolve
+
+    res = resolve(Path(topology), overrides={"model.path": model})
+    out = {"workers": []}
+    logs = Path("/run/worker-logs")
+    logs.mkdir(exist_ok=True)
+    started = []
+    try:
+        for w, spec in zip(res.plan.workers, res.specs):
+            t0 = time.monotonic()
+            proc = process.start(spec, logs / f"{w.name}.log")
+            started.append(proc)
+            started_s = time.monotonic() - t0
+            entry = {"name": w.name, "argv": list(spec.argv), "plan": w.numa.to_dict(), "start_s": started_s}
+            out["workers"].append(entry)
+        for proc, entry, w in zip(started, out["workers"], res.plan.workers):
+            t0 = time.monotonic()
+            proc.wait_healthy(900)
+            entry["ready_s"] = time.monotonic() - t0
+            server = _server_pid(proc.pid)
+            entry["threads"] = threads(server)
+            entry["policy"] = mempolicy(server)
+            entry["maps"] = numa_maps(server)
+            body = json.dumps({"prompt": prompt, "n_predict": 8}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{w.port}/completion", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                entry["completion"] = json.loads(r.read()).get("content", "")
+            entry["threads_after"] = threads(server)      # after computing: llama.cpp must not have widened them
+        out["balancing_during"] = read(BALANCING)
+    finally:
+        for proc in started:
+            proc.stop()
+    out["balancing_after"] = read(BALANCING)
+    return out
+
+
+def _server_pid(wrapper_pid: int) -> int:
+    """The llama-server under the wrapper (the wrapper's child, numactl having exec'd it)."""
+    seen = [wrapper_pid]
+    while seen:
+        pid = seen.pop(0)
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip().startswith("llama-server"):
+                return pid
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        seen.extend(int(k) for k in kids)
+    raise RuntimeError(f"no llama-server under pid {wrapper_pid}")
+
+
+def main(argv: list[str]) -> int:
+    what, *rest = argv
+    doc = {"balancing": balancing, "bind-socket": bind_socket, "workers": workers}[what](*rest)
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,69 @@
+"""On a real kernel with two NUMA nodes (the QEMU guest of numa_guest.py): what orchestrator reads, what its NUMA
+wrappers do to the kernel's setting and to real processes, and where the plan's workers really run.
+
+Each test boots the guest once (about 20 s to the first command under TCG on a 2-core host) and runs one check
+of guest_checks.py inside; the durations measured are in tests/vm/README.md."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from orchestrator.units import parse_cpulist
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PY = sys.executable
+
+
+def last_json(out: str) -> dict:
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, f"no JSON report in the guest's output:\n{out[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def test_guest_returns_the_command_status_and_is_bounded_in_time(guest):
+    rc, out, _ = guest(["bash", "-c", "cat /sys/devices/system/node/online; exit 7"], timeout=180)
+    assert rc == 7 and "0-1" in out.splitlines()
+    rc, out, took = guest(["sleep", "1000"], timeout=40)
+    assert rc == 124 and took < 60
+
+
+def test_inspect_sees_two_packages_and_two_nodes_with_their_cpus_and_memory(guest):
+    rc, out, _ = guest([".venv/bin/orchestrator", "inspect", "--json"], timeout=240)
+    assert rc == 0, out[-3000:]
+    doc = json.loads(out[out.index("{"):])             # the JSON document is the whole output
+    assert doc["summary"]["packages"] == 2 and doc["summary"]["numa_nodes"] == 2
+    nodes = {n["id"]: n for n in doc["numa_nodes"]}
+    assert parse_cpulist(nodes[0]["cpus"]) == (0,) and parse_cpulist(nodes[1]["cpus"]) == (1,)
+    assert all(n["memory_bytes"] > 1 << 30 for n in nodes.values())
+    assert doc["numa_balancing"] == 1
+
+
+def test_balancing_wrapper_turns_the_real_setting_off_and_back(guest):
+    rc, out, _ = guest([PY, "tests/vm/guest_checks.py", "balancing"], timeout=480)
+    assert rc == 0, out[-3000:]
+    r = last_json(out)
+    assert r["start"] == "1" and r["dev_fd"] is False          # no /dev/fd in the guest, as on a minimal root
+    for case, rc_expected in (("exit", 0), ("failure", 3), ("sigint", 8), ("sigterm", 7)):
+        assert (r[case]["during"], r[case]["after"], r[case]["rc"]) == ("0", "1", rc_expected), (case, r[case])
+    assert (r["killed"]["during"], r["killed"]["after"]) == ("0", "1")        # SIGKILL, then --cleanup
+    # 0 (off) and 2 (memory tiering) are left as they were
+    assert (r["start0"]["during"], r["start0"]["after"]) == ("0", "0")
+    assert (r["start2"]["during"], r["start2"]["after"]) == ("0", "2")
+    assert r["two_holders"] == {"during": ["0", "0"], "after_first": "0", "after_both": "1"}
+
+
+def test_bind_socket_binds_every_thread_and_the_memory_it_touches(guest):
+    rc, out, _ = guest([PY, "tests/vm/guest_checks.py", "bind-socket"], timeout=480)
+    assert rc == 0, out[-3000:]
+    report = last_json(out)
+    for interleave, mem, policy in (("off", "--membind=1", "bind:1"), ("on", "--interleave=1", "interleave:1")):
+        r = report[interleave]
+        assert r["dry_run"].startswith(f"numactl --physcpubind=1 {mem} -- "), r["dry_run"]
+        assert set(r["threads"].values()) == {"1"} and len(r["threads"]) >= 2, r["threads"]  # every thread
+        assert r["policy"] == policy and r["touched"]["policy"] == policy
+        assert set(r["touched"]["pages"]) == {"1"}, r["touched"]                            # node 1 only
+        assert r["touched"]["pages"]["1"] >= 64 * 256, r["maps"]                 # the 64 MiB it wrote
