@@ -79,3 +79,17 @@ def test_no_private_name_crosses_packages():
                     if a.name.startswith("_") and not a.name.startswith("__"):
                         found.add((mod, f"{node.module}.{a.name}"))
     assert found <= KNOWN_PRIVATE_CROSSINGS, sorted(found - KNOWN_PRIVATE_CROSSINGS)
+
+
+def test_every_topology_key_says_where_it_is_decided():
+    """docs/where-keys-are-decided.md names every key of the schema and only modules that exist."""
+    import re
+
+    from orchestrator.config.reference import keys
+
+    text = (ROOT / "docs" / "where-keys-are-decided.md").read_text()
+    named = set(re.findall(r"`([a-z_]+(?:\[\])?\.[a-z_]+)`", text))
+    missing = [k.key for k in keys() if k.key not in named]
+    assert not missing, f"docs/where-keys-are-decided.md does not say where these are decided: {missing}"
+    paths = set(re.findall(r"`(orchestrator/[a-z_/]+\.py)`", text))
+    assert paths and all((ROOT / p).is_file() for p in paths), sorted(p for p in paths if not (ROOT / p).is_file())
