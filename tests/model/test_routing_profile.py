@@ -90,7 +90,8 @@ def test_default_curve_and_interpolation():
     # Qwen3-30B-A3B's public points, as shares of a layer's 128 experts (24 / 73 / 146 / 244 slots of one matrix)
     for experts, h in ((8, 0.366), (73 / 3, 0.741), (146 / 3, 0.894), (244 / 3, 0.962)):
         assert R.hit_rate(c, experts / 128) == pytest.approx(h)
-    assert R.hit_rate(c, 0.19) == pytest.approx(0.741, abs=1e-3) and R.hit_rate(c, 0.38) == pytest.approx(0.894, abs=1e-3)
+    assert R.hit_rate(c, 0.19) == pytest.approx(0.741, abs=1e-3)
+    assert R.hit_rate(c, 0.38) == pytest.approx(0.894, abs=1e-3)
     # a cache smaller than one token's 8 picks hits less than one that holds them
     assert R.hit_rate(c, 0.05) < 0.366
     grid = np.linspace(0, 1, 401)

@@ -188,7 +188,8 @@ def test_generated_models_trace_random_ids_and_others_text(tmp_path, write_model
     assert text["input"] == "text" and text["sample"] == 0.8
     assert text["prompts"]["path"] == str(routing.CORPUS) and "built-in corpus" in text["prompts"]["name"]
     assert routing.describe_input(text).startswith("the text of the built-in corpus (chat turns, prose, code")
-    assert routing.describe_input(text).endswith(", then past its end the model's own tokens sampled at temperature 0.8")
+    assert routing.describe_input(text).endswith(
+        ", then past its end the model's own tokens sampled at temperature 0.8")
     assert routing.describe_input(routing.trace_input(gen)) == "random token ids"
     # asked for, either way round
     assert routing.trace_input(gen, "text")["input"] == "text"
