@@ -34,7 +34,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from orchestrator.errors import ModelError
 from orchestrator.model.info import ModelInfo
-from orchestrator.model.reader import GgufFile, MissingFile, read_gguf_source, read_model, shard_paths
+from orchestrator.model.reader import GgufFile, MissingFile, read_gguf, read_gguf_source, read_model, shard_paths
 from orchestrator.paths import cache_dir
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -309,7 +309,7 @@ class HttpRangeSource:
             if r.status_code == 200:
                 raise ModelError(f"{self.name}: the server ignores HTTP range requests (it answered 200 with the "
                                  f"whole {self.size / 2**30:.1f} GiB file); reading the header would download it "
-                                 f"all: download the file and give its local path")
+                                 f"all: `orchestrator pull {self.name}` downloads it once, then this URL works")
             if r.status_code != 206:
                 raise _status_error(self.name, r.status_code)
             data = bytearray()
@@ -364,6 +364,10 @@ def read_remote_model(text: str) -> RemoteModel:
             nonlocal fetched
             f = file_metadata(u, client)
             files[u] = f
+            if is_downloaded(f):
+                # this very version is already in the cache (`pull`, or an earlier `up`): read it there, which
+                # also serves a server that ignores range requests, and costs no request beyond the HEAD
+                return dataclasses.replace(read_gguf(f.cache_path), path=u)
             cache = _header_cache(f)
             cached = b""
             if cache is not None:

@@ -112,7 +112,7 @@ def test_pull_a_topology_then_plan_and_pull_again(hub, env, tmp_path, tiny_model
     assert "to download" not in r.stderr
 
 
-def test_pull_of_a_local_file_and_errors(env, tmp_path, tiny_models):
+def test_pull_of_a_local_file_and_errors(env, tmp_path, tiny_models, llama_server_path):
     r = orch("pull", str(tiny_models["llama"]), env=env)
     assert r.returncode == 0 and "is a local file: nothing to download" in r.stderr
     r = orch("pull", str(tmp_path / "none.gguf"), env=env)
@@ -125,7 +125,14 @@ def test_pull_of_a_local_file_and_errors(env, tmp_path, tiny_models):
         r = orch("plan", str(topo), env=env)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
         assert f"{s.url('/m.gguf')}: the server ignores HTTP range requests" in r.stderr
+        assert f"`orchestrator pull {s.url('/m.gguf')}` downloads it once" in r.stderr
         # pull needs no ranges: it takes the whole body
         r = orch("pull", s.url("/m.gguf"), env=env)
         assert r.returncode == 0, r.stderr
         assert Path(r.stdout.strip()).read_bytes() == tiny_models["llama"].read_bytes()
+        # ... and then the same URL plans from the finished copy, asking the server for nothing but its HEAD
+        sent = s.stats.sent
+        for cmd in (("plan", str(topo)), ("model", s.url("/m.gguf"))):
+            r = orch(*cmd, env={**env, "LLAMA_SERVER": llama_server_path})
+            assert r.returncode == 0, r.stderr
+        assert s.stats.sent == sent
