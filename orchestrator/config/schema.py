@@ -372,8 +372,8 @@ class RayConfig(Section):
     """How long a local Ray head may take to start. The same scale sets how long an actor may wait to be placed
     (half of it) and Ray's own waits for its agents and raylet (a quarter each, through
     RAY_agent_register_timeout_ms and RAY_raylet_start_wait_time_s unless they are set). auto: 120s on an idle
-    machine, longer in proportion to its load (the 1-minute load average per CPU, up to 10x): loaded hosts,
-    emulated guests and slow disks start Ray slowly."""
+    machine, longer in proportion to its load (the 1-minute load average per CPU, up to 10x). An emulated
+    guest or a slow disk starts Ray slowly without a high load: give it a duration there, e.g. 10m."""
 
     @model_validator(mode="after")
     def _check(self) -> "RayConfig":
