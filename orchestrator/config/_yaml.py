@@ -37,10 +37,15 @@ class Locations:
     """Line (1-based) of each key path in the document; ``()`` is the document itself."""
 
     lines: dict[tuple, int] = field(default_factory=dict)
+    # key paths whose value no longer comes from the document (changed by `--set`): they and what lies under them
+    # have no line, so an error about them points at no line of the file rather than at a wrong one
+    replaced: tuple[tuple, ...] = ()
 
     def line_of(self, path: tuple) -> int | None:
-        """The line of ``path`` or of its nearest ancestor that the file spells out."""
+        """The line of ``path`` or of its nearest ancestor that the file spells out (None for a replaced key)."""
         path = tuple(path)
+        if any(path[:len(r)] == r for r in self.replaced):
+            return None
         while True:
             if path in self.lines:
                 return self.lines[path]
@@ -49,7 +54,14 @@ class Locations:
             path = path[:-1]
 
     def exact(self, path: tuple) -> int | None:
-        return self.lines.get(tuple(path))
+        path = tuple(path)
+        if any(path[:len(r)] == r for r in self.replaced):
+            return None
+        return self.lines.get(path)
+
+    def replacing(self, paths) -> "Locations":
+        """These locations with ``paths`` (key paths) replaced from elsewhere."""
+        return Locations(dict(self.lines), self.replaced + tuple(tuple(p) for p in paths))
 
 
 def load_yaml(text: str) -> tuple[Any, Locations]:

@@ -164,7 +164,8 @@ def validate_changes(topo: Any, changes: dict[str, Any]) -> Any:
     except ValidationError as err:
         raise ConfigError(first_error(type(topo), err, "override", Locations())) from None
     new._source = topo._source
-    new._locations = topo._locations
+    if topo._locations is not None:
+        new._locations = topo._locations.replacing(split_key(k) for k in changes)
     return new
 
 

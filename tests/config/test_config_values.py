@@ -197,11 +197,29 @@ def test_override_revalidates_and_keeps_what_the_plan_decides(tmp_path):
     budgets = [t.override(parse_overrides([f"nodes.0.vram_limit={gib}GiB"])) for gib in (8, 12, 16)]
     assert [b.nodes[0].vram_limit for b in budgets] == [8 * GiB, 12 * GiB, 16 * GiB]
     assert all(is_auto(b.workers.batch) and not b.workers.explicit("batch") for b in budgets)
-    assert budgets[0].where("nodes.0.vram_limit") == f"{f}:4"
+    # the value now comes from the command line, not from line 4 of the file: no line is named for it
+    assert budgets[0].where("nodes.0.vram_limit") == str(f)
+    assert budgets[0].where("nodes.0.gpus") == f"{f}:3" and budgets[0].where("model") == f"{f}:1"
     assert t.nodes[0].vram_limit == 12 * GiB  # the original is unchanged
     u = t.override({"workers.threads": 8, "nodes.1.name": "b", "nodes.1.address": "10.0.0.2",
                     "nodes.0.address": "10.0.0.1", "ray.address": "auto"})
     assert u.workers.threads == 8 and [n.name for n in u.nodes] == ["local", "b"]
+
+
+def test_an_error_about_a_set_key_names_no_line_of_the_file(tmp_path):
+    """`--set backend.binary=...` of a file without a backend section was reported at the first line of the
+    file (its `model:`): a key given on the command line has no line there. A relative path given there is taken
+    from the current directory, as the shell completes it."""
+    from orchestrator.config import parse_overrides
+
+    f = tmp_path / "t.yaml"
+    f.write_text("# a comment\n\nmodel: m.gguf\n")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    t = load_topology(f).override(parse_overrides(["backend.binary=no-such-llama-server"]))
+    with pytest.raises(ConfigError) as info:
+        t.check_files()
+    missing = os.path.join(os.getcwd(), "no-such-llama-server")
+    assert str(info.value) == f"{f}: backend.binary: llama-server binary {missing} does not exist"
 
 
 @pytest.mark.parametrize("items,expected", [
