@@ -8,11 +8,12 @@ import json
 import tempfile
 from pathlib import Path
 
-HELP = "Build llama-server/llama-bench/llama-fit-params from a pinned llama.cpp source (cached)"
+HELP = "Build llama-server/llama-bench/llama-fit-params/ggml-rpc-server from a pinned llama.cpp source (cached)"
 DESCRIPTION = """\
-Build llama.cpp's llama-server, llama-bench and llama-fit-params from a pinned source obtained through PyPI
-(the llama.cpp tree vendored in the llama-cpp-python sdist; ik_llama.cpp from ik-llama-cpp-python), or from a
-local archive/tree with --source. CPU by default, CUDA when nvcc is found (architectures from the GPUs present).
+Build llama.cpp's llama-server, llama-bench, llama-fit-params and ggml-rpc-server (ggml's RPC backend: it serves
+this machine's CPU or GPU as a device for llama-server's --rpc) from a pinned source obtained through PyPI (the
+llama.cpp tree vendored in the llama-cpp-python sdist; ik_llama.cpp from ik-llama-cpp-python: llama-server,
+llama-bench and llama-sweep-bench), or from a local archive/tree with --source. CPU by default, CUDA when nvcc is found (architectures from the GPUs present).
 Builds are cached under the user's cache dir, keyed by source and options: a valid cache is never rebuilt.
 Prints the path of llama-server on stdout."""
 

@@ -9,6 +9,7 @@ import resource
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 HELP = "Check llama-server, numactl, NUMA balancing, GPUs/driver, Ray and permissions; say how to fix what is missing"
 
@@ -50,9 +51,13 @@ def _llama_checks(binary: str | None) -> list[Check]:
         out.append(Check("expert cache", "warn", "this llama-server has no --moe-cache-mib: generation reads every "
                          "host-resident expert from host memory",
                          "orchestrator build   (the pinned llama.cpp with orchestrator's patches has it)"))
-    for tool, p in (("llama-bench", info.bench), ("llama-fit-params", info.fit_params)):
+    rpc = Path(info.server).resolve().parent / "ggml-rpc-server"
+    tools = [("llama-bench", info.bench), ("llama-fit-params", info.fit_params)]
+    if not info.ik:   # ik_llama.cpp's build has no RPC server
+        tools.append(("ggml-rpc-server", str(rpc) if os.access(rpc, os.X_OK) else None))
+    for tool, p in tools:
         out.append(Check(tool, "ok" if p else "warn", p or "not next to llama-server",
-                         "" if p else "orchestrator build (builds all three)"))
+                         "" if p else f"orchestrator build (builds all {len(tools) + 1})"))
     return out
 
 
