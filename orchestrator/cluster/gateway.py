@@ -61,6 +61,7 @@ SEND_TIMEOUT_S = 60.0        # a client that reads nothing of its answer for thi
 UPSTREAM_IDLE_S = 600.0      # a replica that sends nothing for this long (no head, no token) is given up on
 LINGER_S = 2.0               # after a close, what the client still sends is read and dropped this long
 MAX_UPSTREAM_HEAD = 64 * 2**10   # the head of a replica's answer (llama-server's are a few hundred bytes)
+SMALL_BODY = 256 * 2**10     # a body up to this size goes upstream in one write with its head (copying it is cheap)
 MAX_SHOWN_NAME = 64          # characters of a client's unknown model name repeated in the error
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
@@ -1073,9 +1074,14 @@ class Gateway:
                 if conn.closed:
                     ex.abort()
                     return
-                up.transport.write(b"POST " + req.url + b" HTTP/1.1\r\nHost: " + up.pool.host_header + b"\r\n" + tail)
-                for piece in req.body:             # as it arrived: a big body is not copied into one
-                    up.transport.write(piece)
+                head = b"POST " + req.url + b" HTTP/1.1\r\nHost: " + up.pool.host_header + b"\r\n" + tail
+                if req.size <= SMALL_BODY:
+                    # one write, one segment: the replica wakes once for the whole request
+                    up.transport.write(head + req.body_bytes())
+                else:
+                    up.transport.write(head)
+                    for piece in req.body:         # as it arrived: a big body is not copied into one
+                        up.transport.write(piece)
                 try:
                     await self._progress(ex, ex.head)
                 except _Disconnected:

@@ -434,10 +434,11 @@ class Bystander:
     """Another client asking ``GET /health`` on fresh connections in a loop, from a thread of its own: the longest
     wait it saw is how long the gateway's event loop was blocked for everyone."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, source: str | None = None) -> None:
         import threading
 
         self.port, self.worst, self.answers, self.errors = port, 0.0, 0, []
+        self.source = (source, 0) if source else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -445,7 +446,7 @@ class Bystander:
         while not self._stop.is_set():
             t = time.monotonic()
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=10, source_address=self.source) as s:
                     s.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
                     got = b""
                     while chunk := s.recv(4096):
@@ -493,8 +494,9 @@ def test_a_json_body_nested_too_deep_is_400_not_silence():
         try:
             body = b'{"model": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
             t = time.monotonic()
-            got = await exchange(port, POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
-                                 timeout=10)
+            async with Bystander(port):
+                got = await exchange(port, POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                                     + body, timeout=10)
             assert got.startswith(b"HTTP/1.1 400") and b"not a JSON object" in got
             assert time.monotonic() - t < 3 and up.n == 0
             got = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
@@ -591,8 +593,9 @@ def test_an_unknown_model_name_is_not_echoed_whole():
         gw, port = await gateway(two_models(up))
         try:
             body = json.dumps({"model": "x" * (10 << 20)}).encode()
-            got = await exchange(port, POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
-                                 timeout=20)
+            async with Bystander(port):
+                got = await exchange(port, POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                                     + body, timeout=20)
             assert got.startswith(b"HTTP/1.1 404") and len(got) < 1024, len(got)
             message = json.loads(got.partition(b"\r\n\r\n")[2])["error"]["message"]
             assert message.startswith("model 'xxxx") and "…" in message and "available: m, other" in message
@@ -631,15 +634,16 @@ def test_a_body_that_trickles_expires_and_one_address_cannot_take_every_connecti
 
             held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
             trickling = asyncio.ensure_future(trickle())
-            await asyncio.sleep(0.2)
-            # a fourth connection from 127.0.0.1 is refused; another address is served
-            got = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
-            assert got.startswith(b"HTTP/1.1 503") and b"too many connections from 127.0.0.1" in got
-            r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
-            w.write(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
-            assert (await asyncio.wait_for(r.read(4096), 5)).startswith(b"HTTP/1.1 200")
-            w.close()
-            got, took = await trickling
+            async with Bystander(port, source="127.0.0.2"):      # another address: served throughout
+                await asyncio.sleep(0.2)
+                # a fourth connection from 127.0.0.1 is refused; another address is served
+                got = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+                assert got.startswith(b"HTTP/1.1 503") and b"too many connections from 127.0.0.1" in got
+                r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+                w.write(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+                assert (await asyncio.wait_for(r.read(4096), 5)).startswith(b"HTTP/1.1 200")
+                w.close()
+                got, took = await trickling
             assert got.startswith(b"HTTP/1.1 408") and b"body not received" in got, got
             assert took < 3, took
             for _, w in held:
