@@ -2,7 +2,7 @@
 
 Where the scripts are: ``scripts/numa/`` of the repository checkout (:data:`orchestrator.paths.REPO_ROOT`, which is
 what an editable or source install runs from); when that folder is absent (a wheel install), the copy shipped
-as package data in ``orchestrator/data/numa/``. Nothing else is searched: a missing script is a
+as package data in ``orchestrator/_data/numa/``. Nothing else is searched: a missing script is a
 :class:`LaunchError` that names both places.
 
 An argv is built on one machine (the planner's) and may run on another Ray node where the package lives under
@@ -76,13 +76,14 @@ def wrap(argv: Sequence[str], *, disable_numa_balancing: bool, numactl: Sequence
 def localize_argv(argv: Sequence[str]) -> tuple[str, ...]:
     """Replace a NUMA-script path in ``argv`` that does not exist on this machine by this machine's copy.
 
-    Only whole arguments whose file name is one of the two scripts and whose folder ends in ``scripts/numa`` or
-    ``data/numa`` are touched; everything else is returned unchanged.
+    Only whole arguments whose file name is one of the two scripts and whose folder ends in ``scripts/numa`` (a
+    checkout) or ``_data/numa`` (the package data of an installed wheel) are touched; everything else is returned
+    unchanged.
     """
     out = []
     for arg in argv:
         p = Path(arg)
-        if (p.name in SCRIPTS and p.parent.name == "numa" and p.parent.parent.name in ("scripts", "data")
+        if (p.name in SCRIPTS and p.parent.name == "numa" and p.parent.parent.name in ("scripts", "_data")
                 and not os.path.isfile(arg)):
             out.append(script_path(p.name))
         else:

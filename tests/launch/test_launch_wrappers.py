@@ -27,9 +27,9 @@ def test_scripts_come_from_the_checkout():
 
 
 def test_package_data_fallback_and_clear_error(tmp_path, monkeypatch):
-    """Without a checkout the scripts come from orchestrator/data/numa; without either: a LaunchError."""
+    """Without a checkout the scripts come from orchestrator/_data/numa; without either: a LaunchError."""
     monkeypatch.setattr(wrap_mod, "REPO_ROOT", tmp_path / "no-checkout")
-    data = tmp_path / "pkg" / "orchestrator" / "data" / "numa"
+    data = tmp_path / "pkg" / "orchestrator" / "_data" / "numa"
     monkeypatch.setattr(wrap_mod, "_candidates", lambda: [tmp_path / "no-checkout" / "scripts" / "numa", data])
     with pytest.raises(LaunchError, match="cannot find disable-numa-balancing.sh and numactl-bind-socket.sh"):
         wrap_mod.scripts_dir()
@@ -63,6 +63,17 @@ def test_localize_argv_swaps_only_missing_script_paths():
     argv = (foreign, "numactl", "--interleave=0", "--", "/x/llama-server", "-m", "/m/scripts/numa/model.gguf")
     assert wrap_mod.localize_argv(argv) == (BAL,) + argv[1:]
     assert wrap_mod.localize_argv((BAL, "true")) == (BAL, "true")
+    # a wheel's copy, installed under another prefix on the machine that planned
+    wheel = "/usr/lib/python3/site-packages/orchestrator/_data/numa/numactl-bind-socket.sh"
+    assert wrap_mod.localize_argv((wheel, "--socket", "0")) == (wrap_mod.script_path("numactl-bind-socket.sh"),
+                                                                 "--socket", "0")
+
+
+def test_the_package_data_folder_holds_the_scripts_themselves():
+    """What a wheel ships under orchestrator/_data/numa is the scripts of scripts/numa, byte for byte."""
+    data = REPO_ROOT / "orchestrator" / "_data" / "numa"
+    for name in wrap_mod.SCRIPTS:
+        assert (data / name).read_bytes() == (REPO_ROOT / "scripts" / "numa" / name).read_bytes()
 
 
 def test_worker_spec():

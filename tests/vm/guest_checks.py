@@ -3,6 +3,7 @@
     python tests/vm/guest_checks.py balancing          # the balancing wrapper on the real /proc file
     python tests/vm/guest_checks.py bind-socket        # numactl-bind-socket.sh --socket 1 on a real process
     python tests/vm/guest_checks.py workers TOPOLOGY MODEL   # the plan's workers started as `up` starts them
+    python tests/vm/guest_checks.py up TOPOLOGY MODEL        # the whole `up`, a completion, Ctrl-C
 
 They report what the kernel shows (``/proc/sys/kernel/numa_balancing``, every thread's ``Cpus_allowed_list``,
 the memory policy and the pages' nodes in ``/proc/PID/numa_maps``); the tests on the host compare that with what
@@ -31,11 +32,14 @@ MIB = 1 << 20
 TOUCHER = r"""
 import mmap, os, sys, threading
 n = int(sys.argv[1]) << 20
-a = mmap.mmap(-1, n)
+a = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)   # private anonymous memory (shared would be shmem)
 a.write(b"x" * n)
 done = threading.Event()
 def other():
-    b = mmap.mmap(-1, 1 << 20); b.write(b"y" * (1 << 20)); done.set(); threading.Event().wait()
+    b = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE)
+    b.write(b"y" * (1 << 20))
+    done.set()
+    threading.Event().wait()
 threading.Thread(target=other, daemon=True).start()
 done.wait()
 print(hex(id(a)), flush=True)
@@ -164,8 +168,8 @@ def bind_socket(touch_mib: int = 64) -> dict:
         p.stdout.readline()                 # touched
         maps = [m for m in numa_maps(p.pid) if m["kind"].startswith("anon")]
         biggest = max(maps, key=lambda m: sum(m["pages"].values()))
-        res[interleave] = {"maps": maps, "dry_run": dry.stdout.strip(), "threads": threads(p.pid), "policy": mempolicy(p.pid),
-                           "touched": biggest}
+        res[interleave] = {"maps": maps, "dry_run": dry.stdout.strip(), "threads": threads(p.pid),
+                           "policy": mempolicy(p.pid), "touched": biggest}
         p.stdin.close()
         p.wait(60)
     return res
@@ -203,8 +207,12 @@ def workers(topology: str, model: str, prompt: str = "Hello") -> dict:
             body = json.dumps({"prompt": prompt, "n_predict": 8}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{w.port}/completion", data=body,
                                          headers={"Content-Type": "application/json"})
+            t0 = time.monotonic()
             with urllib.request.urlopen(req, timeout=600) as r:
-                entry["completion"] = json.loads(r.read()).get("content", "")
+                answer = json.loads(r.read())
+            entry["completion"] = {"content": answer.get("content", ""),
+                                   "tokens_predicted": answer.get("tokens_predicted"),
+                                   "seconds": round(time.monotonic() - t0, 1)}
             entry["threads_after"] = threads(server)      # after computing: llama.cpp must not have widened them
         out["balancing_during"] = read(BALANCING)
     finally:
@@ -212,6 +220,60 @@ def workers(topology: str, model: str, prompt: str = "Hello") -> dict:
             proc.stop()
     out["balancing_after"] = read(BALANCING)
     return out
+
+
+def up(topology: str, model: str, ready_timeout: str = "1500") -> dict:
+    """``orchestrator up`` in the foreground, as a user runs it: a completion through the gateway, then Ctrl-C
+    (SIGINT to its process group, as a terminal sends it) must leave no llama-server or Ray process behind and
+    NUMA balancing as it was."""
+    import urllib.request
+
+    out: dict = {"balancing_before": read(BALANCING)}
+    t0 = time.monotonic()
+    log = open("/run/up.log", "wb")
+    p = subprocess.Popen([str(REPO / ".venv" / "bin" / "orchestrator"), "up", topology, "--set",
+                          f"model.path={model}", "--ready-timeout", ready_timeout],
+                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        body = json.dumps({"model": "demo-moe", "max_tokens": 8,
+                           "messages": [{"role": "user", "content": "Hello"}]}).encode()
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"orchestrator up exited {p.returncode}: " + read("/run/up.log")[-2000:])
+            try:
+                req = urllib.request.Request("http://127.0.0.1:8080/v1/chat/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    answer = json.loads(r.read())
+                break
+            except OSError:
+                time.sleep(5)
+        out["ready_s"] = round(time.monotonic() - t0, 1)
+        out["completion_tokens"] = answer.get("usage", {}).get("completion_tokens")
+        out["balancing_during"] = read(BALANCING)
+        servers = [pid for pid in _pids() if _comm(pid).startswith("llama-server")]
+        out["servers"] = {str(pid): threads(pid) for pid in servers}
+    finally:
+        t1 = time.monotonic()
+        os.killpg(p.pid, signal.SIGINT)
+        out["up_rc"] = p.wait(900)
+        out["stop_s"] = round(time.monotonic() - t1, 1)
+    time.sleep(2)
+    ours = ("llama-server", "raylet", "gcs_server", "ray::")
+    out["left"] = sorted({_comm(pid) for pid in _pids() if _comm(pid).startswith(ours)})
+    out["balancing_after"] = read(BALANCING)
+    return out
+
+
+def _pids() -> list[int]:
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _server_pid(wrapper_pid: int) -> int:
@@ -231,7 +293,7 @@ def _server_pid(wrapper_pid: int) -> int:
 
 def main(argv: list[str]) -> int:
     what, *rest = argv
-    doc = {"balancing": balancing, "bind-socket": bind_socket, "workers": workers}[what](*rest)
+    doc = {"balancing": balancing, "bind-socket": bind_socket, "workers": workers, "up": up}[what](*rest)
     print(json.dumps(doc))
     return 0
 
