@@ -35,6 +35,9 @@ if ! "$PY" -c 'import ray' 2>/dev/null; then
   source "$BUNDLE/on-device.sh" "$BUNDLE"
   "$PY" -c 'import ray' 2>/dev/null || die "Ray is still not importable after sourcing $BUNDLE/on-device.sh"
 fi
+"$PY" -c 'import httptools, aiohttp, psutil' 2>/dev/null ||
+  die "the gateway and the load generator need httptools, aiohttp and psutil (make-bundle.sh DIR httptools adds the first)"
+"$PY" -c 'import orchestrator' 2>/dev/null || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 
 {
