@@ -207,3 +207,45 @@ def test_a_driver_reuses_its_connection_only_to_the_same_endpoint():
     assert _same_endpoint("127.0.0.1:6379", "localhost:6379")
     assert not _same_endpoint("127.0.0.1:6379", "127.0.0.1:6380")
     assert not _same_endpoint("10.0.0.1:6379", "10.0.0.2:6379")
+
+
+def test_status_reads_the_latency_from_a_real_metrics_endpoint_or_says_why_not():
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from orchestrator.commands.status import add_recent_latency
+
+    page = ('ray_orchestrator_gateway_recent_time_to_first_token{WorkerId="a",le="0.05",replica="w0"} 3.0\n'
+            'ray_orchestrator_gateway_recent_time_to_first_token{WorkerId="a",le="+Inf",replica="w0"} 4.0\n').encode()
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        st = {"metrics_url": f"http://127.0.0.1:{server.server_address[1]}/metrics",
+              "workers": [{"name": "w0"}, {"name": "w1"}]}
+        add_recent_latency(st)
+        assert "latency_error" not in st and st["workers"][0]["latency"]["streams"] == 4.0
+        assert st["workers"][1]["latency"] == {}
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as s:                     # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    st = {"metrics_url": f"http://127.0.0.1:{closed}/metrics", "workers": [{"name": "w0"}]}
+    add_recent_latency(st, timeout=2)
+    assert "did not answer" in st["latency_error"] and "latency" not in st["workers"][0]
+    st = {"metrics_url": None, "workers": []}
+    add_recent_latency(st)
+    assert "no metrics endpoint recorded" in st["latency_error"]
