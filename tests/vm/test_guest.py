@@ -67,3 +67,31 @@ def test_bind_socket_binds_every_thread_and_the_memory_it_touches(guest):
         assert r["policy"] == policy and r["touched"]["policy"] == policy
         assert set(r["touched"]["pages"]) == {"1"}, r["touched"]                            # node 1 only
         assert r["touched"]["pages"]["1"] >= 64 * 256, r["maps"]                 # the 64 MiB it wrote
+
+
+def test_demo_workers_run_where_the_plan_says(guest, tmp_path):
+    """The demo's plan made inside the guest, each worker started as `up` starts it (its LaunchSpec: wrappers
+    and argv from the plan): every thread of each llama-server on the planned CPUs, before and after it
+    computes, its memory policy and its anonymous pages on the planned node, and a completion answers."""
+    from orchestrator.model.synth import write_model
+
+    model = tmp_path / "demo-moe.gguf"         # the demo's model (scripts/demo.sh writes the same)
+    write_model(model, "qwen3-30b-a3b", scale=0.125, quant="q8_0", fsync=False)
+    rc, out, _ = guest([PY, "tests/vm/guest_checks.py", "workers", "topologies/demo.yaml", model], timeout=900)
+    assert rc == 0, out[-4000:]
+    r = last_json(out)
+    assert len(r["workers"]) == 2
+    for k, w in enumerate(r["workers"]):
+        # one replica per node: worker k on CPU k and node k
+        assert (w["plan"]["mode"], w["plan"]["cpus"], w["plan"]["mem_nodes"]) == ("bind", [k], [k]), w["plan"]
+        a = w["argv"]
+        assert a[a.index("numactl") + 1:a.index("numactl") + 3] == [f"--physcpubind={k}", f"--membind={k}"]
+        assert "--numa" not in a
+        for when in ("threads", "threads_after"):
+            assert set(w[when].values()) == {str(k)}, (w["name"], when, w[when])
+        assert w["policy"] == f"bind:{k}"
+        anon = [m for m in w["maps"] if m["kind"].startswith("anon")]
+        assert anon and all(set(m["pages"]) == {str(k)} for m in anon), anon
+        assert sum(m["pages"][str(k)] for m in anon) * 4096 >= 64 << 20       # the weights, read under bind
+        assert w["completion"]["tokens_predicted"] and w["completion"]["tokens_predicted"] > 0
+    assert (r["balancing_during"], r["balancing_after"]) == ("0", "1")
