@@ -1,0 +1,356 @@
+"""The CPU speed model against llama-bench: measure generation and prompt speed of CPU-only runs, then fit the
+constants of :mod:`orchestrator.plan.rates` that the CPU path of the prediction uses.
+
+    python -m lab.cpu_speed measure --bench PATH/llama-bench --model A.gguf [--model B.gguf] \\
+        --threads 1,2 --rounds 3 --out runs.json
+    python -m lab.cpu_speed fit runs.json [more.json]
+
+``measure`` records, in one JSON file: the machine (CPU model, cores), host memory read bandwidth measured by the
+project's probe (``native/membw.c``) as ``orchestrator probe`` measures it (every physical core of the node: the
+figure the plan predicts from) and with as many threads as each run uses, before and after the runs, and for each
+model what the prediction needs (bytes read per generated token, layers, parameters per token), read from its
+GGUF header. Then ``--rounds`` rounds, each running every (model, threads) once through ``llama-bench -o jsonl``
+(generation ``-n``, prompts ``-p``, ``-r`` repetitions), in an order that rotates from round to round so a slow
+moment of a shared machine does not fall on one configuration only. Every llama-bench row is kept with its argv.
+
+``fit`` evaluates the product's own predict_tg / predict_pp on a CPU-only placement. It takes the fastest of each
+configuration's samples (on a shared machine the least disturbed one: other work only ever slows a run down; the
+median is printed beside it) and fits, by least squares on the relative error: for generation, time per token =
+CPU bytes / (bandwidth x CPU_ONLY_TG_EFFICIENCY) + layers x CPU_LAYER_OVERHEAD_S + CPU_TOKEN_OVERHEAD_S (the
+bandwidth-bound and the overhead-bound regime in one line); for prompts, CPU_ONLY_PP_FLOPS_FACTOR (the share of
+rates.py's per-core FLOP/s the CPU-only path reaches) and CPU_PP_LAYER_TOKEN_S (per layer and token: what a token
+costs beyond its matrix products). It prints the
+constants and every configuration's predicted / measured speed with the constants in rates.py.
+
+Standard library plus the orchestrator package (its GGUF reader and probe): on the GPU machine
+``PYTHONPATH=. python3 -m lab.cpu_speed ...`` needs nothing installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import lzma
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = "orchestrator.cpu-speed/1"
+
+
+# ---- what the prediction needs of a model ----------------------------------------------------------------------
+
+
+def model_summary(path: str) -> dict:
+    """The model as the prediction sees it (:class:`orchestrator.plan.costs.ModelCosts`: bytes and parameters
+    per layer), read from its GGUF header, so that a record can be predicted again without the file."""
+    from orchestrator.model.reader import read_model
+    from orchestrator.plan.costs import model_costs
+
+    c = model_costs(read_model(path))
+    return {"path": path, "name": Path(path).name, "file_bytes": os.path.getsize(path), "arch": c.arch,
+            "n_layers": c.n_compute_layers, "costs": dataclasses.asdict(c)}
+
+
+def costs_of(summary: dict):
+    from orchestrator.plan.costs import ModelCosts
+
+    return ModelCosts(**{k: tuple(v) if isinstance(v, list) else v for k, v in summary["costs"].items()})
+
+
+# ---- measuring -------------------------------------------------------------------------------------------------
+
+
+def _physical_cpus() -> list[int]:
+    from orchestrator.hardware import read_machine
+
+    m = read_machine("/")
+    return list(m.physical_cpus(m.allowed_cpus))
+
+
+def host_bandwidth(threads: list[int], reps: int = 5) -> dict[str, float]:
+    """Best read bandwidth of the first ``t`` physical cores of node 0, for each t in ``threads`` (bytes/s)."""
+    from orchestrator.hardware import read_machine
+    from orchestrator.hardware.probe import build_native, find_cc, host_plan
+    from orchestrator.units import format_cpulist
+
+    cc = find_cc()
+    if cc is None:
+        raise SystemExit("lab.cpu_speed: no C compiler (cc/gcc/clang) to build native/membw.c")
+    exe = build_native("membw", cc)
+    m = read_machine("/")
+    mem_nodes, sets, nbytes = host_plan(m)
+    node, cpus = sets[0]
+    out = {}
+    for t in threads:
+        mine = list(cpus)[:t]
+        res = subprocess.run([str(exe), "--mem-nodes", str(mem_nodes[0]), "--bytes", str(nbytes), "--reps", str(reps),
+                              "--set", f"{node}:{format_cpulist(mine)}"], capture_output=True, text=True, timeout=600)
+        recs = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+        best = [r["best_bytes_per_s"] for r in recs if "best_bytes_per_s" in r]
+        if not best:
+            raise SystemExit(f"lab.cpu_speed: membw failed with {t} thread(s): {res.stderr.strip() or res.stdout}")
+        out[str(t)] = float(best[0])
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def bench_once(bench: str, model: str, threads: int, cpus: list[int], *, gen: int, prompts: str, reps: int,
+               timeout: float, ubatch: int = 512, flash_attn: str = "on") -> tuple[list[str], list[dict]]:
+    """One llama-bench run on the first ``threads`` physical cores (``-C`` mask, strict placement)."""
+    mask = sum(1 << c for c in cpus[:threads])
+    argv = [bench, "-m", model, "-t", str(threads), "-C", f"0x{mask:x}", "--cpu-strict", "1", "-ngl", "0",
+            "-fa", flash_attn, "-ub", str(ubatch), "-p", prompts, "-n", str(gen), "-r", str(reps), "-o", "jsonl"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    rows = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    if res.returncode != 0 or not rows:
+        tail = " | ".join(res.stderr.strip().splitlines()[-3:])
+        raise SystemExit(f"lab.cpu_speed: {' '.join(argv)} failed (exit {res.returncode}): {tail}")
+    return argv, rows
+
+
+def measure(args) -> int:
+    threads = [int(t) for t in args.threads.split(",") if t]
+    cpus = _physical_cpus()
+    if max(threads) > len(cpus):
+        raise SystemExit(f"lab.cpu_speed: --threads {max(threads)} > the {len(cpus)} physical cores allowed here")
+    models = [model_summary(m) for m in args.model]
+    doc = {"schema": SCHEMA, "machine": {"cpu_model": _cpu_model(), "physical_cpus": len(cpus),
+                                         "host": platform.node()},
+           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "bench": os.path.basename(args.bench),
+           "node_threads": len(cpus), "host_bw": host_bandwidth(sorted(set(threads) | {len(cpus)})),
+           "models": models, "runs": []}
+    configs = [(m, t) for m in models for t in threads]
+    out = Path(args.out)
+    for rnd in range(args.rounds):
+        k = rnd % len(configs)
+        for m, t in configs[k:] + configs[:k]:
+            argv, rows = bench_once(args.bench, m["path"], t, cpus, gen=args.gen, prompts=args.prompts,
+                                    reps=args.reps, timeout=args.timeout, ubatch=args.ubatch,
+                                    flash_attn=args.flash_attn)
+            for r in rows:
+                doc["runs"].append({"round": rnd, "model": m["name"], "threads": t,
+                                    "argv": [os.path.basename(argv[0]), *argv[1:]],
+                                    "n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "n_ubatch": r.get("n_ubatch"),
+                                    "samples_ts": r["samples_ts"], "avg_ts": r["avg_ts"]})
+                what = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+                print(f"round {rnd} {m['name']:24s} t={t:<3d} {what:7s} {r['avg_ts']:9.1f} t/s", flush=True)
+        doc["host_bw_after"] = host_bandwidth(sorted(set(threads) | {len(cpus)}))
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(out)
+    return 0
+
+
+# ---- fitting ---------------------------------------------------------------------------------------------------
+
+
+def load(path: str | Path) -> dict:
+    raw = Path(path).read_bytes()
+    if str(path).endswith(".xz"):
+        raw = lzma.decompress(raw)
+    doc = json.loads(raw)
+    if doc.get("schema") != SCHEMA:
+        raise SystemExit(f"{path}: not a lab.cpu_speed record (schema {doc.get('schema')!r})")
+    return doc
+
+
+def points(docs: list[dict]) -> list[dict]:
+    """One point per (file, model, threads, test): the fastest and the median of every sample of every round;
+    the bandwidth is the best the probe measured before and after the rounds on every core of the node, the
+    figure `orchestrator probe` gives the plan."""
+    out = []
+    for i, doc in enumerate(docs):
+        models = {m["name"]: m for m in doc["models"]}
+        groups: dict[tuple, list[float]] = {}
+        for r in doc["runs"]:
+            key = (r["model"], r["threads"], r["n_prompt"], r["n_gen"], r.get("n_ubatch") or 512)
+            groups.setdefault(key, []).extend(r["samples_ts"])
+        for (name, t, n_p, n_g, ub), ts in sorted(groups.items()):
+            node = str(doc["node_threads"])
+            bw = max(doc["host_bw"].get(node, 0.0), doc.get("host_bw_after", {}).get(node, 0.0))
+            out.append({"set": i, "machine": doc["machine"]["cpu_model"], "model": models[name], "threads": t,
+                        "n_prompt": n_p, "n_gen": n_g, "n_ubatch": ub, "host_bw": bw,
+                        "ts": max(ts), "median": statistics.median(ts), "spread": (min(ts), max(ts)),
+                        "n": len(ts)})
+    return out
+
+
+def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares by the normal equations (a handful of unknowns; Gauss-Jordan with partial pivoting)."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(n)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda k: abs(a[k][c]))
+        a[c], a[p] = a[p], a[c]
+        if abs(a[c][c]) < 1e-30:
+            raise SystemExit("lab.cpu_speed: the points do not determine the constants (too few kinds of runs)")
+        for k in range(n):
+            if k != c:
+                f = a[k][c] / a[c][c]
+                a[k] = [x - f * y for x, y in zip(a[k], a[c])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def _inputs(p: dict, per_core: float):
+    from orchestrator.plan.placement import place_cpu_only
+    from orchestrator.plan.predict import SpeedInputs
+
+    costs = costs_of(p["model"])
+    return costs, place_cpu_only(costs, [0] * costs.n_layers), SpeedInputs((), (), 1.0, p["host_bw"],
+                                                                           per_core * p["threads"])
+
+
+@contextlib.contextmanager
+def constants(**values):
+    """rates.py's constants set to ``values`` for a moment (the fit evaluates the product's own formulas)."""
+    from orchestrator.plan import rates as R
+
+    old = {k: getattr(R, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(R, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(R, k, v)
+
+
+def predict(p: dict) -> float:
+    """Tokens/s the product predicts for a point with the constants in rates.py (predict_tg / predict_pp on a
+    CPU-only placement, at the point's measured bandwidth and thread count)."""
+    from orchestrator.plan import rates as R
+    from orchestrator.plan.predict import predict_pp, predict_tg
+
+    per_core, _ = R.cpu_flops_per_core(p["machine"])
+    costs, placement, sp = _inputs(p, per_core)
+    if p["n_prompt"]:
+        return predict_pp(costs, placement, sp, p["n_ubatch"], None, lengths=(p["n_prompt"],))[p["n_prompt"]]
+    return predict_tg(costs, placement, sp)[0]
+
+
+def fit_tg(pts: list[dict]) -> dict:
+    """CPU_ONLY_TG_EFFICIENCY, CPU_LAYER_OVERHEAD_S, CPU_TOKEN_OVERHEAD_S from the generation points: the time per
+    token is linear in (1 / efficiency, per layer, per token), least squares on the relative error."""
+    from orchestrator.plan.predict import predict_tg
+
+    tg = [p for p in pts if p["n_gen"] and not p["n_prompt"]]
+    rows, ys = [], []
+    for p in tg:
+        costs, placement, sp = _inputs(p, 1.0)
+        cpu_bytes = predict_tg(costs, placement, sp)[1]["CPU"]      # the bytes the product counts per token
+        t = 1.0 / p["ts"]
+        rows.append([cpu_bytes / p["host_bw"] / t, costs.n_compute_layers / t, 1.0 / t])
+        ys.append(1.0)
+    inv_eff, layer, fixed = _lstsq(rows, ys)
+    if fixed < 0:   # a cost cannot be negative: the points say it is nil, fit the other two alone
+        (inv_eff, layer), fixed = _lstsq([r[:2] for r in rows], ys), 0.0
+    return {"CPU_ONLY_TG_EFFICIENCY": 1.0 / inv_eff, "CPU_LAYER_OVERHEAD_S": layer, "CPU_TOKEN_OVERHEAD_S": fixed,
+            "points": len(tg)}
+
+
+def fit_pp(pts: list[dict]) -> dict:
+    """CPU_ONLY_PP_FLOPS_FACTOR (the share of rates.py's per-core FLOP/s table llama.cpp's CPU-only prompt path
+    reaches) and CPU_PP_LAYER_TOKEN_S that make predict_pp closest to the prompt points (least squares on the
+    relative error; a grid, refined twice: predict_pp is not linear in them, since reading and computing the
+    experts overlap)."""
+    from orchestrator.plan import rates as R
+    from orchestrator.plan.predict import predict_pp
+
+    pp = [p for p in pts if p["n_prompt"]]
+    if not pp:
+        return {}
+    inputs = [(p, _inputs(p, R.cpu_flops_per_core(p["machine"])[0])) for p in pp]
+
+    def err(factor: float, layer: float) -> float:
+        with constants(CPU_ONLY_PP_FLOPS_FACTOR=factor, CPU_PP_LAYER_TOKEN_S=layer):
+            tot = 0.0
+            for p, (costs, placement, sp) in inputs:
+                pred = predict_pp(costs, placement, sp, p["n_ubatch"], None, lengths=(p["n_prompt"],))
+                tot += (pred[p["n_prompt"]] / p["ts"] - 1.0) ** 2
+            return tot
+
+    lo_f, hi_f, lo_l, hi_l = 0.1, 10.0, 0.0, 200e-6
+    best = (float("inf"), 0.0, 0.0)
+    for _ in range(3):
+        for i in range(21):
+            for j in range(21):
+                f = lo_f + (hi_f - lo_f) * i / 20
+                layer = lo_l + (hi_l - lo_l) * j / 20
+                e = err(f, layer)
+                if e < best[0]:
+                    best = (e, f, layer)
+        _, f, layer = best
+        df, dl = (hi_f - lo_f) / 10, (hi_l - lo_l) / 10
+        lo_f, hi_f, lo_l, hi_l = max(0.01, f - df), f + df, max(0.0, layer - dl), layer + dl
+    return {"CPU_ONLY_PP_FLOPS_FACTOR": best[1], "CPU_PP_LAYER_TOKEN_S": best[2], "points": len(pp)}
+
+
+def fit(args) -> int:
+    docs = [load(f) for f in args.files]
+    pts = points(docs)
+    tg = fit_tg(pts)
+    print(f"fitted on {tg['points']} generation points: CPU_ONLY_TG_EFFICIENCY {tg['CPU_ONLY_TG_EFFICIENCY']:.3f}, "
+          f"CPU_LAYER_OVERHEAD_S {tg['CPU_LAYER_OVERHEAD_S'] * 1e6:.1f} us, "
+          f"CPU_TOKEN_OVERHEAD_S {tg['CPU_TOKEN_OVERHEAD_S'] * 1e6:.1f} us")
+    pp = fit_pp(pts)
+    if pp:
+        print(f"fitted on {pp['points']} prompt points: CPU_ONLY_PP_FLOPS_FACTOR {pp['CPU_ONLY_PP_FLOPS_FACTOR']:.2f}, "
+              f"CPU_PP_LAYER_TOKEN_S {pp['CPU_PP_LAYER_TOKEN_S'] * 1e6:.1f} us")
+    print()
+    print(f"{'set':>3s} {'model':24s} {'thr':>3s} {'test':7s} {'GB/s':>6s} {'fastest':>9s} {'median':>9s} "
+          f"{'slowest':>9s} {'predicted':>9s} {'ratio':>6s}")
+    worst = {"tg": 0.0, "pp": 0.0}
+    for p in pts:
+        pred = predict(p)
+        ratio = pred / p["ts"]
+        kind = "pp" if p["n_prompt"] else "tg"
+        worst[kind] = max(worst[kind], abs(ratio - 1.0))
+        what = f"pp{p['n_prompt']}" if p["n_prompt"] else f"tg{p['n_gen']}"
+        print(f"{p['set']:3d} {p['model']['name']:24s} {p['threads']:3d} {what:7s} {p['host_bw'] / 1e9:6.1f} "
+              f"{p['ts']:9.1f} {p['median']:9.1f} {p['spread'][0]:9.1f} {pred:9.1f} {ratio:6.2f}")
+    print(f"\nwith rates.py's constants: generation within {worst['tg'] * 100:.0f}%, prompts within "
+          f"{worst['pp'] * 100:.0f}% of the fastest runs")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lab.cpu_speed", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("measure")
+    p.add_argument("--bench", required=True, help="llama-bench binary (a CPU build)")
+    p.add_argument("--model", action="append", required=True, help="a GGUF model (repeat for several)")
+    p.add_argument("--threads", default="1", help="comma-separated thread counts (first N physical cores)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="llama-bench -r")
+    p.add_argument("--gen", type=int, default=64, help="llama-bench -n")
+    p.add_argument("--prompts", default="32,512", help="llama-bench -p")
+    p.add_argument("--ubatch", type=int, default=512, help="llama-bench -ub")
+    p.add_argument("--flash-attn", default="on", choices=("on", "off", "auto"), help="llama-bench -fa")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("fit")
+    p.add_argument("files", nargs="+")
+    args = ap.parse_args(argv)
+    return measure(args) if args.cmd == "measure" else fit(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
