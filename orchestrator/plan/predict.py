@@ -9,7 +9,7 @@ batch uses are copied). The threshold is the smallest batch from which copying w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts
@@ -127,6 +127,15 @@ def _gpu_layer_bytes(costs: ModelCosts, placement: Placement) -> list[float]:
     return out
 
 
+def cpu_token_seconds(cpu_bytes: float, n_layers: int, host_bw: float) -> float:
+    """Time per generated token of a worker without GPUs: the bytes it reads at the share of the measured host
+    bandwidth llama.cpp's CPU backend reaches (the bandwidth-bound regime: big models), plus a cost per layer and
+    per token that do not shrink with the model (the overhead-bound regime: small models, where thread
+    synchronisation, many small operations and the graph's set-up dominate)."""
+    t = cpu_bytes / (host_bw * R.CPU_ONLY_TG_EFFICIENCY) if cpu_bytes else 0.0
+    return t + n_layers * R.CPU_LAYER_OVERHEAD_S + R.CPU_TOKEN_OVERHEAD_S
+
+
 def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read_per_token: float = 0.0) -> tuple[float, dict]:
     """Tokens/s for generation at short depth, and the bytes read per token per device."""
     gpu_bytes = _gpu_layer_bytes(costs, placement)
@@ -147,8 +156,9 @@ def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read
         cpu_bytes += costs.output_bytes
     if not gpu_bytes:
         cpu_bytes += kv_read_per_token
-    t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
-    if gpu_bytes:
+        t = cpu_token_seconds(cpu_bytes, costs.n_compute_layers, sp.host_bw)
+    else:
+        t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
         times = [b / (bw * R.GPU_TG_EFFICIENCY) for b, bw in zip(gpu_bytes, sp.gpu_mem_bw)]
         t += max(times) if placement.split_mode in ("tensor", "graph") else sum(times)
         t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S + n_cross * R.CROSS_DEVICE_LAYER_OVERHEAD_S
@@ -163,6 +173,8 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
     as in :func:`offload_expert_time`."""
     cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
     gpu_flops_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 0.0
+    if not gpu_flops_eff:   # CPU only: the rate llama.cpp's CPU backend reaches there, measured (rates.py)
+        sp = replace(sp, cpu_flops=sp.cpu_flops * R.CPU_ONLY_PP_FLOPS_FACTOR)
     gpu_params = 0.0
     cpu_params = 0.0
     for i in range(costs.n_compute_layers):
@@ -189,6 +201,8 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
                 t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S
             if cpu_params:
                 t += max(2.0 * cpu_params * b / sp.cpu_flops, 0.0)
+            if not gpu_flops_eff:   # CPU only: what every token costs in every layer beyond its matrix products
+                t += b * costs.n_compute_layers * R.CPU_PP_LAYER_TOKEN_S
             if cpu_layers:
                 if threshold is not None and b >= threshold and sp.gpu_mem_bw:
                     t += offload_expert_time(costs, cpu_layers, b, sp, sums, cached_fraction)
@@ -243,8 +257,10 @@ def predict_tg_streams(costs: ModelCosts, placement: Placement, sp: SpeedInputs,
         gpu_bytes[0] += kv_read_per_token * n
     else:
         cpu_bytes += kv_read_per_token * n
-    t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
-    if gpu_bytes:
+    if not gpu_bytes:   # one step of the batch pays the per-layer and per-token costs once
+        t = cpu_token_seconds(cpu_bytes, costs.n_compute_layers, sp.host_bw)
+    else:
+        t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
         times = [b / (bw * R.GPU_TG_EFFICIENCY) for b, bw in zip(gpu_bytes, sp.gpu_mem_bw)]
         t += max(times) if graph else sum(times)
         t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S + n_cross * R.CROSS_DEVICE_LAYER_OVERHEAD_S
