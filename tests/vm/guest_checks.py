@@ -2,7 +2,7 @@
 
     python tests/vm/guest_checks.py balancing          # the balancing wrapper on the real /proc file
     python tests/vm/guest_checks.py bind-socket        # numactl-bind-socket.sh --socket 1 on a real process
-    python tests/vm/guest_checks.py workers TOPOLOGY MODEL   # the plan's workers started as `up` starts them
+    python tests/vm/guest_checks.py workers TOPOLOGY MODEL [FLAG...]   # the plan's workers, started as `up` does
     python tests/vm/guest_checks.py up TOPOLOGY MODEL        # the whole `up`, a completion, Ctrl-C
 
 They report what the kernel shows (``/proc/sys/kernel/numa_balancing``, every thread's ``Cpus_allowed_list``,
@@ -177,7 +177,10 @@ def bind_socket(touch_mib: int = 64) -> dict:
 
 # -- the plan's workers ------------------------------------------------------------------------------------------
 
-def workers(topology: str, model: str, prompt: str = "Hello") -> dict:
+def workers(topology: str, model: str, *extra: str, prompt: str = "Hello") -> dict:
+    """``extra``: flags appended to each llama-server's argv, for a control run (``--numa numactl`` shows the
+    binding that the plan avoids leaking)."""
+    import dataclasses
     import urllib.request
 
     from orchestrator.launch import process
@@ -190,6 +193,8 @@ def workers(topology: str, model: str, prompt: str = "Hello") -> dict:
     started = []
     try:
         for w, spec in zip(res.plan.workers, res.specs):
+            if extra:
+                spec = dataclasses.replace(spec, argv=tuple(spec.argv) + tuple(extra))
             t0 = time.monotonic()
             proc = process.start(spec, logs / f"{w.name}.log")
             started.append(proc)
