@@ -204,19 +204,24 @@ class WorkersConfig(Section):
 
     layout: Choice(AUTO, "machine", "socket", "gpu-group") = AUTO
     """One worker per machine, per CPU socket, or per group of GPUs (`gpu_group_size`). auto: the plan
-    chooses from the machine and the model's size."""
+    chooses from the machine and the model's size; CPU only, one replica per NUMA node or one per socket over
+    its nodes, whichever gives the machine more memory bandwidth, when each holds the model."""
 
     gpu_group_size: AutoInt(1, 64) = AUTO
     """GPUs per worker with layout gpu-group. auto: the GPUs of one socket (by NUMA affinity) per worker."""
 
     replicas: AutoInt(1, 256) = AUTO
     """How many copies of the layout to run (data parallel; the gateway balances between them). Replicas on
-    one machine share no CPU cores (each gets its own slice) and cannot share GPUs. auto: 1."""
+    one machine are spread over its NUMA nodes: each gets its own nodes, their cores and memory, or, with more
+    replicas than nodes, its own cores of a node; with fewer cores than replicas they share cores (the plan
+    says so). They cannot share GPUs. auto: 1."""
 
     numa: Choice(AUTO, "bind", "interleave", "none") = AUTO
-    """NUMA memory and CPU policy of each worker: bind (numactl --cpunodebind + --membind to the node nearest
-    its GPU), interleave (numactl --interleave over the socket's nodes, with llama.cpp --numa distribute), or
-    none. auto: bind when the CPU-resident weights fit the nearest node's free memory, else interleave."""
+    """NUMA memory and CPU policy of each worker: bind (numactl --physcpubind to its CPUs + --membind to its
+    node: the node nearest its GPU, or a CPU worker's own), interleave (numactl --physcpubind + --interleave over
+    its nodes, or over every node when they cannot hold it), or none (no numactl at all: threads and pages
+    where the kernel puts them). llama.cpp's --numa is never passed: it resets its threads' CPU affinity.
+    auto: bind when the CPU-resident weights fit the node's free memory, else interleave."""
 
     smt: Choice(AUTO, "on", "off", bools=("on", "off")) = AUTO
     """Use the second hardware thread of each core: on, off (one thread per physical core). auto: off for
