@@ -568,6 +568,10 @@ def _stopped_elsewhere(ns: str, st: statemod.ClusterState, say: Callable[[str], 
             st = statemod.read(ns)
         except statemod.StateError:
             continue
+    try:
+        st = statemod.read(ns)          # as it is now: that `down` may have finished just as it exited
+    except statemod.StateError:
+        pass
     if st is None or st.up_pid != os.getpid():
         say("stopped by `orchestrator down`")
         return True

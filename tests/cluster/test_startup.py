@@ -77,3 +77,35 @@ def test_a_head_given_too_little_time_is_stopped_with_the_key_to_change(tmp_path
     assert b"RAY_agent_register_timeout_ms=10000" in seen["env"] and b"RAY_raylet_start_wait_time_s=10" in seen["env"]
     info = seen["info"]
     assert headmod.head_tree(info.pid, info.started) == []
+
+
+def test_a_down_in_progress_is_told_apart_from_a_lost_head(tmp_path, monkeypatch):
+    """The foreground `up` reads `down`'s mark in the state record: a `down` that still runs means "being
+    stopped" (exit 0 once it is done), one that died does not (the lost head is then reported)."""
+    import os
+    import subprocess
+    import sys
+
+    from orchestrator.cluster import runner, state
+
+    monkeypatch.setenv("ORCHESTRATOR_STATE", str(tmp_path / "state"))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        st = state.ClusterState(namespace="ns", ray_address="127.0.0.1:1", embedded=True, up_pid=os.getpid(),
+                                started_at=time.time(), phase="stopping", stopping_pid=other.pid)
+        assert runner._down_running(st)
+        assert not runner._down_running(state.ClusterState(**{**st.__dict__, "stopping_pid": os.getpid()}))
+        assert not runner._down_running(state.ClusterState(**{**st.__dict__, "phase": "running"}))
+        said = []
+        state.write(st)
+        other.kill()
+        other.wait()
+        assert not runner._down_running(st)                   # that `down` died before it finished
+        assert runner._stopped_elsewhere("ns", st, said.append) is False and said == []
+        state.remove("ns")
+        assert runner._stopped_elsewhere("ns", st, said.append) is True
+        assert said == ["stopped by `orchestrator down`"]
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
