@@ -214,9 +214,13 @@ def _choose_shared(machine: Machine, *, host_bytes: int, ram_reserve: int, polic
         why = (f"memory interleaved page by page over its {len(own)} nodes, so that each node's memory channels "
                f"serve its threads ({fmt_bytes(_avail(own))} free for {fmt_bytes(need)})")
     else:
-        mode, chosen = "interleave", nodes
-        why = (f"{fmt_bytes(need)} exceed {where}'s free {fmt_bytes(_avail(own))}: memory interleaved over every "
-               f"node ({fmt_bytes(_avail(nodes))} free); the threads stay on its own CPUs")
+        pkgs = {p for x in own for p in x.packages}
+        socket = [x for x in nodes if set(x.packages) & pkgs]
+        chosen = socket if len(socket) > len(own) and need <= _avail(socket) else nodes
+        mode = "interleave"
+        over = f"its socket's nodes {format_cpulist(x.id for x in chosen)}" if chosen is socket else "every node"
+        why = (f"{fmt_bytes(need)} exceed {where}'s free {fmt_bytes(_avail(own))}: memory interleaved over {over} "
+               f"({fmt_bytes(_avail(chosen))} free); the threads stay on its own CPUs")
     decisions.append(_numa_decision(mode, chosen, why))
     return _finish(machine, mode, cpus, [x.id for x in chosen], decisions, smt=smt, threads=threads,
                    threads_batch=threads_batch)

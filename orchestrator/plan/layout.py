@@ -147,6 +147,34 @@ def _group_shares(machine: Machine, groups: list[list[int]], why: str) -> list[C
     return out
 
 
+def _split_crowded_nodes(machine: Machine, slots: list[WorkerSlot]) -> list[WorkerSlot]:
+    """GPU workers whose GPUs hang off the same NUMA node would each bind to all of that node's CPUs: split
+    its cores between them instead (its memory they share)."""
+    by_node: dict[int, list[int]] = {}
+    for i, slot in enumerate(slots):
+        if slot.share is None and slot.gpus:
+            node = machine.nearest_cpu_node(machine.gpu(slot.gpus[0]))
+            if node is not None:
+                by_node.setdefault(node, []).append(i)
+    out = list(slots)
+    for node, idxs in by_node.items():
+        if len(idxs) < 2:
+            continue
+        cores, c = _node_cores(machine, node), len(idxs)
+        if not cores:
+            continue
+        if len(cores) >= c:
+            cpus = [tuple(sorted(p for core in cores[lo:hi] for p in core)) for lo, hi in _chunks(len(cores), c)]
+            why = (f"{c} GPU workers nearest node {node}: its {len(cores)} cores split between them (no "
+                   f"oversubscription); they share its memory")
+        else:
+            cpus = [tuple(sorted(cores[j % len(cores)])) for j in range(c)]
+            why = f"{c} GPU workers nearest node {node} but {len(cores)} cores: workers share cores"
+        for j, i in enumerate(idxs):
+            out[i] = out[i]._replace(share=CpuShare(j, c, (node,), cpus[j], len(cores) < c, why))
+    return out
+
+
 def _package_of(machine: Machine, share: CpuShare | None) -> int | None:
     """The socket a share lies in, when it lies in one."""
     if share is None:
@@ -271,6 +299,7 @@ def worker_layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: t
             node = machine.nearest_cpu_node(next(g for g in machine.gpus if g.index == grp[0]))
             pkg = next((p.id for p in packages if node in p.nodes), None)
             out.append(WorkerSlot(grp, pkg, None))
+        out = _split_crowded_nodes(machine, out)
         return out, Decision("layout", f"gpu-group x{len(out)}", why + f" ({size} GPUs per worker)")
     if layout == "gpu-group":
         groups: dict[int | None, list[int]] = {}

@@ -161,3 +161,18 @@ def test_cpuset_restricted_machine_spreads_over_what_it_may_use(small):
     shares = spread(m, 4)
     assert {i for s in shares for i in s.nodes} <= set(m.allowed_nodes)
     assert {c for s in shares for c in s.cpus} <= set(m.allowed_cpus)
+
+
+def test_gpu_workers_on_one_node_split_its_cores(model_dir):
+    from planfixtures import shape_model
+    m = machine("2socket-8gpu")                                             # two GPUs per NUMA node
+    req = PlanRequest(nodes=(NodeRequest(name="n"),), layout="gpu-group", gpu_group_size=1)
+    p = make_plan(machines={"n": m}, model=shape_model(model_dir, "qwen3-235b-a22b", "q4_0"), request=req,
+                  backend=backend())
+    assert len(p.workers) == 8
+    for a, b in combinations(p.workers, 2):
+        assert not set(a.numa.cpus) & set(b.numa.cpus), (a.name, b.name)
+    for w in p.workers:
+        node = m.nearest_cpu_node(m.gpu(w.gpus[0]))
+        assert set(w.numa.cpus) <= set(m.node(node).cpus) and w.numa.mem_nodes == (node,)
+        assert "cores split between them" in decision(w, "cpus").why
