@@ -282,8 +282,13 @@ def worker_layout(machine: Machine, costs: ModelCosts, req: PlanRequest, gpus: t
             pg = tuple(g.index for g in machine.gpus if g.index in gpus and machine.nearest_cpu_node(g) in node_ids)
             share = None
             if not pg and ids:   # a CPU worker keeps to its socket's nodes and cores
-                share = _group_shares(machine, [ids], f"one worker per socket: socket {p.id}'s nodes and cores")[0]
-                share = CpuShare(len(out), len(packages), share.nodes, share.cpus, False, share.why)
+                allowed = set(machine.allowed_cpus or machine.pus)
+                cpus = tuple(sorted(c for c in p.cpus if c in allowed))
+                shared = len(socket_groups) > 1 and any(set(ids) & set(o) for o in socket_groups if o is not ids)
+                why = f"one worker per socket: socket {p.id}'s cores" + (
+                    f" (its node{'s' if len(ids) > 1 else ''} {format_cpulist(ids)} shared with another socket: "
+                    f"memory shared)" if shared else " and memory")
+                share = CpuShare(len(out), len(packages), tuple(ids), cpus, False, why)
             out.append(WorkerSlot(pg, p.id, share))
         return out, Decision("layout", f"socket x{len(out)}", why)
     if layout == "gpu-group" and req.gpu_group_size:

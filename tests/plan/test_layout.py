@@ -176,3 +176,11 @@ def test_gpu_workers_on_one_node_split_its_cores(model_dir):
         node = m.nearest_cpu_node(m.gpu(w.gpus[0]))
         assert set(w.numa.cpus) <= set(m.node(node).cpus) and w.numa.mem_nodes == (node,)
         assert "cores split between them" in decision(w, "cpus").why
+
+
+def test_socket_layout_on_one_node_gives_each_socket_its_own_cores(small):
+    m = recorded("8em64t-2s2ca2c")                                          # 2 sockets, one NUMA node (UMA)
+    p = plan_cpu(m, small, layout="socket")
+    a, b = p.workers
+    assert set(a.numa.cpus) == set(m.package(0).cpus) and set(b.numa.cpus) == set(m.package(1).cpus)
+    assert not set(a.numa.cpus) & set(b.numa.cpus)
