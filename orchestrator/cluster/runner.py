@@ -140,8 +140,8 @@ class EarlyHead:
     """The embedded Ray head, started in a background thread once the plan is made (the head takes seconds to
     start; pulling and reading the model, the warm-up and the early llama-servers run meanwhile).
     :func:`start_early_head` makes one only when ``up`` will surely need it; ``up(..., early=...)`` takes it
-    over, and :meth:`abandon` stops it when a later phase fails. It records itself in the state file as soon as the head runs,
-    so ``down`` finds it whatever happens next."""
+    over, and :meth:`abandon` stops it when a later phase fails. It records itself in the state file as soon as
+    the head runs, so ``down`` finds it whatever happens next."""
 
     def __init__(self, namespace: str, node_name: str, *, dashboard_host: str, dashboard_port: int,
                  metrics_port: int | None, log_dir: Path, gateway_url: str,

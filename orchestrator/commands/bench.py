@@ -16,7 +16,8 @@ and writes bench.json, bench.txt and PNG charts. The plan comes from topology.ya
 would, under --vram-budget as vram_limit), --plan-json (the output of `orchestrator plan --json`) or
 --config plan='FLAGS'; the alternatives (fit, fit-pinned, cpu-moe, ncmoe-sweep, offload-sweep, cache-grid) are
 derived from it; a plan that runs on the CPU only gets CPU alternatives instead (llama.cpp's defaults, threads,
--ub, NUMA policy, one replica over the machine) and no GPU targets. More configurations: --config NAME='FLAGS' (leading VAR=value words are environment).
+-ub, NUMA policy, one replica over the machine) and no GPU targets. More configurations: --config NAME='FLAGS'
+(leading VAR=value words are environment).
 Generation samples (temperature 1, a seed per request, llama-server's default top_k/top_p); with an expert
 cache the table shows its hit rate during generation (llama-server's /metrics). Example:
 
