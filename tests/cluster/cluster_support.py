@@ -21,8 +21,8 @@ if str(HERE.parent) not in sys.path:
 
 from tiny_llama import write_tiny_llama  # noqa: E402
 
-__all__ = ["write_tiny_llama", "reset_stop_signals", "stop_signals_at_defaults", "free_port", "llama_spec", "http_json", "post_json", "stream_completion",
-           "llama_servers", "ray_processes_of", "wait_for"]
+__all__ = ["write_tiny_llama", "with_stop_signals_reset", "stop_signals_at_defaults", "free_port", "llama_spec",
+           "http_json", "post_json", "stream_completion", "llama_servers", "ray_processes_of", "wait_for"]
 
 
 # What a program started from an interactive shell gets: these tests rely on it, whatever the test run inherited
@@ -32,11 +32,16 @@ _STOP_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: sig
                   signal.SIGHUP: signal.SIG_DFL}
 
 
-def reset_stop_signals() -> None:
-    """For ``preexec_fn``: a child starts with SIGINT, SIGTERM and SIGHUP at their defaults (an ignored signal
-    stays ignored across exec; a handler does not)."""
-    for sig in _STOP_DEFAULTS:
-        signal.signal(sig, signal.SIG_DFL)
+_RESET_AND_EXEC = ("import os, signal, sys\n"
+                   "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+                   "    signal.signal(s, signal.SIG_DFL)\n"
+                   "os.execv(sys.argv[1], sys.argv[1:])\n")
+
+
+def with_stop_signals_reset(argv: list[str]) -> list[str]:
+    """``argv`` started with SIGINT, SIGTERM and SIGHUP at their defaults (an ignored signal stays ignored across
+    exec, a handler does not): a small Python resets them and execs ``argv[0]`` (a path) in the same process."""
+    return [sys.executable, "-c", _RESET_AND_EXEC, *argv]
 
 
 @contextlib.contextmanager

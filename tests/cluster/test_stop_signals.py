@@ -78,8 +78,8 @@ with StopSignals() as sigs:
     print("signals seen", sigs.count)
 """
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         preexec_fn=S.reset_stop_signals)
+    res = subprocess.run(S.with_stop_signals_reset([sys.executable, "-c", code]), env=env, capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-2:] == ["stop requested", "signals seen 2"]
 
@@ -123,7 +123,26 @@ with StopSignals() as sigs:
         ray.shutdown()
 """
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         preexec_fn=S.reset_stop_signals)
+    res = subprocess.run(S.with_stop_signals_reset([sys.executable, "-c", code]), env=env, capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-2:] == ["init done True", "stop requested after init True"]
+
+
+def test_a_child_is_started_with_the_stop_signals_a_terminal_gives():
+    """What a test run inherited (`nohup`: SIGHUP ignored; a background job: SIGINT ignored) is not what the
+    `up` these tests start gets: with_stop_signals_reset gives it the defaults, in the same process (pid)."""
+    code = ("import os, signal; print(os.getpid(), [getattr(signal.getsignal(s), 'name', 'KeyboardInterrupt') "
+            "for s in (1, 2, 15)])")
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGHUP, signal.SIGINT)}
+    try:
+        inherited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+        p = subprocess.Popen(S.with_stop_signals_reset([sys.executable, "-c", code]), stdout=subprocess.PIPE,
+                             text=True)
+        reset = p.communicate(timeout=60)[0]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert inherited.split(" ", 1)[1].strip() == "['SIG_IGN', 'SIG_IGN', 'SIG_DFL']"
+    pid, seen = reset.split(" ", 1)
+    assert int(pid) == p.pid and seen.strip() == "['SIG_DFL', 'KeyboardInterrupt', 'SIG_DFL']"

@@ -130,9 +130,8 @@ def test_foreground_up_with_api_key_and_ctrl_c(iso):
     f = iso["tmp"] / "dep.json"
     f.write_text(json.dumps(dep.to_dict()))
     env = {**os.environ, "PYTHONPATH": str(REPO), "ORCH_TEST_GATEWAY_KEY": "k-123"}
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cluster", "up", str(f)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=S.reset_stop_signals)
+    proc = subprocess.Popen(S.with_stop_signals_reset([sys.executable, "-m", "orchestrator.cluster", "up", str(f)]),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     gw = f"http://127.0.0.1:{dep.gateway_port}"
     try:
         def running():
@@ -426,9 +425,8 @@ def test_cli_up_interrupted_before_the_handover_stops_the_early_llama_server(iso
     get to serve), and neither that server, its keeper nor the Ray head is left."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLAMA_SERVER": iso["binary"]}
     topo = _one_worker_topology(iso, tmp_path / "int.yaml", "early-int")
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(topo)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         preexec_fn=S.reset_stop_signals)
+    p = subprocess.Popen(S.with_stop_signals_reset([sys.executable, "-m", "orchestrator", "up", str(topo)]), env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []
     for line in p.stdout:
         seen.append(line)
@@ -455,9 +453,8 @@ def test_up_killed_while_the_head_starts_leaves_what_down_can_clean_up(iso, tmp_
     dash = S.free_port()
     topo = _one_worker_topology(iso, tmp_path / "kill.yaml", "early-kill", dashboard_port=dash)
     state = Path(os.environ["ORCHESTRATOR_STATE"]) / "cluster" / "early-kill.json"
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", str(topo)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         preexec_fn=S.reset_stop_signals)
+    p = subprocess.Popen(S.with_stop_signals_reset([sys.executable, "-m", "orchestrator", "up", str(topo)]), env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def gcs_of_our_head():
         for q in _ours("--dashboard-port"):

@@ -58,8 +58,8 @@ class Up:
         for k, v in sets.items():
             argv += ["--set", f"{k}={v}"]
         # from the dispositions a terminal gives (not the ones this test run inherited: `nohup` ignores SIGHUP)
-        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  start_new_session=True, preexec_fn=S.reset_stop_signals)
+        self.p = subprocess.Popen(S.with_stop_signals_reset(argv), env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
         self.fd = self.p.stdout.fileno()
         os.set_blocking(self.fd, False)
         self.data = b""
