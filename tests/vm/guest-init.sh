@@ -5,8 +5,8 @@
 # It mounts what a command expects (/run, /dev/pts, /dev/shm), brings up the loopback interface, runs the
 # command numa_guest.py left in the job folder (orch.job= on the kernel command line: argv, env and cwd as
 # NUL-separated lists) with the console as its stdout and stderr, prints "<orch.token> exit=N" and reboots,
-# which ends QEMU (-no-reboot). /dev/fd is left out on purpose, as on a minimal root: what runs here must not
-# need it.
+# which ends QEMU (-no-reboot). /dev/fd is left out unless asked for (orch.devfd=1), as on a minimal root: the
+# NUMA wrappers must not need it.
 
 set -u
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -26,6 +26,12 @@ mkdir -p /dev/pts /dev/shm
 mount -t devpts -o gid=5,mode=620 devpts /dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 ip link set lo up 2>/dev/null || true
+if [[ $(arg orch.devfd) == 1 ]]; then         # numa_guest.py --dev-fd: the links a udev-managed /dev has
+    ln -sfn /proc/self/fd /dev/fd
+    ln -sfn /proc/self/fd/0 /dev/stdin
+    ln -sfn /proc/self/fd/1 /dev/stdout
+    ln -sfn /proc/self/fd/2 /dev/stderr
+fi
 hostname numa-guest 2>/dev/null || true
 
 rc=2

@@ -3,7 +3,7 @@
     python tests/vm/guest_checks.py balancing          # the balancing wrapper on the real /proc file
     python tests/vm/guest_checks.py bind-socket        # numactl-bind-socket.sh --socket 1 on a real process
     python tests/vm/guest_checks.py workers TOPOLOGY MODEL [FLAG...]   # the plan's workers, started as `up` does
-    python tests/vm/guest_checks.py up TOPOLOGY MODEL        # the whole `up`, a completion, Ctrl-C
+    python tests/vm/guest_checks.py up TOPOLOGY MODEL [KEY=VALUE...]   # the whole `up`, a completion, Ctrl-C
 
 They report what the kernel shows (``/proc/sys/kernel/numa_balancing``, every thread's ``Cpus_allowed_list``,
 the memory policy and the pages' nodes in ``/proc/PID/numa_maps``); the tests on the host compare that with what
@@ -227,7 +227,7 @@ def workers(topology: str, model: str, *extra: str, prompt: str = "Hello") -> di
     return out
 
 
-def up(topology: str, model: str, ready_timeout: str = "1500") -> dict:
+def up(topology: str, model: str, *sets: str, ready_timeout: str = "1500") -> dict:
     """``orchestrator up`` in the foreground, as a user runs it: a completion through the gateway, then Ctrl-C
     (SIGINT to its process group, as a terminal sends it) must leave no llama-server or Ray process behind and
     NUMA balancing as it was."""
@@ -237,7 +237,8 @@ def up(topology: str, model: str, ready_timeout: str = "1500") -> dict:
     t0 = time.monotonic()
     log = open("/run/up.log", "wb")
     p = subprocess.Popen([str(REPO / ".venv" / "bin" / "orchestrator"), "up", topology, "--set",
-                          f"model.path={model}", "--ready-timeout", ready_timeout],
+                          f"model.path={model}", *[a for kv in sets for a in ("--set", kv)],
+                          "--ready-timeout", ready_timeout],
                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         body = json.dumps({"model": "demo-moe", "max_tokens": 8,
@@ -260,7 +261,8 @@ def up(topology: str, model: str, ready_timeout: str = "1500") -> dict:
         out["servers"] = {str(pid): threads(pid) for pid in servers}
     finally:
         t1 = time.monotonic()
-        os.killpg(p.pid, signal.SIGINT)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGINT)
         out["up_rc"] = p.wait(900)
         out["stop_s"] = round(time.monotonic() - t1, 1)
     time.sleep(2)

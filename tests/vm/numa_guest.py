@@ -1,6 +1,7 @@
 """A two-socket, two-NUMA-node Linux guest to test on: boot it, run one command inside, return its status.
 
-    python tests/vm/numa_guest.py [--timeout S] [--memory MIB] [--out DIR] [--env K=V] [--cwd DIR] -- CMD [ARG...]
+    python tests/vm/numa_guest.py [--timeout S] [--memory MIB] [--out DIR] [--env K=V] [--cwd DIR] [--dev-fd]
+                                  -- CMD [ARG...]
 
 The guest is QEMU (Debian's ``qemu-system-x86``) under TCG emulation with ``-smp 2,sockets=2`` and two
 ``-numa node`` memory backends: CPU 0 and the first half of its memory are node 0 on socket 0, CPU 1 and the
@@ -251,9 +252,10 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 
 def run(argv: list[str], *, timeout: float = 300, memory_mib: int = 4096, out: str | None = None,
-        env: dict[str, str] | None = None, cwd: str | None = None, stdout=None) -> int:
+        env: dict[str, str] | None = None, cwd: str | None = None, stdout=None, dev_fd: bool = False) -> int:
     """Boot the guest, run ``argv`` in it, return its exit status (124: timed out). Output goes to ``stdout``
-    (a text stream; default this process's stdout)."""
+    (a text stream; default this process's stdout). ``dev_fd``: give the guest ``/dev/fd`` and
+    ``/dev/std{in,out,err}`` (left out by default, as on a minimal root)."""
     if not argv:
         raise GuestError("no command to run in the guest")
     if (lack := missing()):
@@ -284,7 +286,8 @@ def run(argv: list[str], *, timeout: float = 300, memory_mib: int = 4096, out: s
                 time.sleep(0.05)
             half = memory_mib // NODES
             cmdline = (f"console=ttyS0 quiet loglevel=0 panic=-1 orch.init={GUEST_INIT} orch.job={t} "
-                       f"orch.token={token}" + (f" orch.out={Path(out).resolve()}" if out else ""))
+                       f"orch.token={token}" + (f" orch.out={Path(out).resolve()}" if out else "")
+                       + (" orch.devfd=1" if dev_fd else ""))
             qargv = ["qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max",
                      "-smp", f"{NODES},sockets={NODES},cores=1,threads=1", "-m", f"{half * NODES}M",
                      "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio",
@@ -348,6 +351,7 @@ def main(args: list[str] | None = None) -> int:
     ap.add_argument("--out", help="a host folder the guest writes through to (created)")
     ap.add_argument("--cwd", help="the command's working directory (default: this one)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="set in the command's environment")
+    ap.add_argument("--dev-fd", action="store_true", help="give the guest /dev/fd (absent by default)")
     ap.add_argument("--install", action="store_true", help="apt-get install what is missing first (root)")
     ap.add_argument("--prepare", action="store_true", help="only build the kernel/initramfs cache")
     ap.add_argument("command", nargs="*")
@@ -362,7 +366,7 @@ def main(args: list[str] | None = None) -> int:
             print(prepare())
             return 0
         return run(ns.command, timeout=ns.timeout, memory_mib=ns.memory, out=ns.out, cwd=ns.cwd,
-                   env=dict(e.split("=", 1) for e in ns.env))
+                   env=dict(e.split("=", 1) for e in ns.env), dev_fd=ns.dev_fd)
     except GuestError as e:
         print(f"numa_guest: {e}", file=sys.stderr)
         return 2
