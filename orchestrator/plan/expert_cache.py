@@ -29,8 +29,9 @@ is ``base_seconds``, the same for every candidate. The CPU and GPU parts are sum
 
 Prompt processing is kept as a proxy: time per micro-batch for the expert weights = host-resident expert bytes /
 PCIe bw (copied in for big batches) + GPU-resident expert bytes / GPU bw. A backend whose big batches read the
-cached experts from the slots (``--moe-cache-prefill``) copies only the host-resident share the cache does not hold:
-host bytes x (1 - cached fraction).
+cached experts from the slots (``--moe-cache-prefill``) saves, of the copy of the cached share, ``prefill_read_saving``
+less ``prefill_read_overhead_s`` per cached expert of a layer (measured: the reads and the host copies they split
+cost time of their own).
 
 Several streams (``streams`` = the worker's parallel slots, all busy) decode as one batch per step: each layer
 reads the union of the streams' picks, U(N) = n_expert x (1 - (1 - k / n_expert)^N) distinct experts (independent
@@ -86,6 +87,8 @@ class CacheInputs:
     cpu_miss_fixed_s: float = 0.0        # miss mode "cpu": per token, beyond the bytes and the hops
     min_gpu_layers: int = 0              # fewer whole layers on the GPU would not fit host memory
     prefill_reads_cache: bool = False    # big batches read cached experts from the slots (--moe-cache-prefill)
+    prefill_read_saving: float = 1.0     # the share of a read expert's copy time that reading saves
+    prefill_read_overhead_s: float = 0.0  # per cached expert of a layer read, beyond that
     streams: int = 1                     # busy parallel slots decoding together (aggregate generation)
     stream_share_exponent: float = 1.0   # each stream sees the cached fraction x (k / U(N)) ** this
 
@@ -272,7 +275,9 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     slots = per_layer * h
     fraction = per_layer / inp.n_expert
     if inp.prefill_reads_cache:
-        prompt = h * inp.layer_expert_bytes * (1.0 - fraction) / inp.pcie_bw + k * inp.layer_expert_bytes / inp.gpu_bw
+        copy = h * inp.layer_expert_bytes / inp.pcie_bw
+        reads = fraction * inp.n_expert * h
+        prompt -= max(0.0, fraction * copy * inp.prefill_read_saving - reads * inp.prefill_read_overhead_s)
     hit = hit_rate(inp.curve, fraction)
     agg, agg_hit = _aggregate(inp, k, per_layer, fraction)
     hits, misses = hit * host_picks, (1.0 - hit) * host_picks

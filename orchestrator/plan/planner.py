@@ -476,6 +476,7 @@ def _expert_cache(*, model: ModelInfo, costs: ModelCosts, req: PlanRequest, back
                         cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S,
                         cpu_miss_hop_s=R.CACHE_CPU_MISS_HOP_S, cpu_miss_fixed_s=R.CACHE_CPU_MISS_FIXED_S,
                         min_gpu_layers=min_gpu_layers, prefill_reads_cache=backend.has("moe_cache_prefill"),
+                        prefill_read_saving=R.PREFILL_READ_SAVING, prefill_read_overhead_s=R.PREFILL_READ_OVERHEAD_S,
                         streams=req.parallel, stream_share_exponent=R.STREAM_SHARE_EXPONENT)
     splits, per_gpu_host = None, {}
     if len(gpus) > 1:

@@ -60,13 +60,19 @@ def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, 
                         cached_fraction: float = 0.0) -> float:
     """Time to copy the used experts of ``layers`` to the GPU and run them there. ``cached_fraction``: the share of
     each layer's experts the expert cache holds, which such a batch reads from the slots on the GPU instead of
-    copying (``--moe-cache-prefill``; the router's picks taken as independent of what is cached)."""
+    copying (``--moe-cache-prefill``; the router's picks taken as independent of what is cached): each such read
+    saves part of its copy (``rates.PREFILL_READ_SAVING``, less ``PREFILL_READ_OVERHEAD_S``, never below nothing)."""
     if not layers:
         return 0.0
     bpe, ppe = sums or _expert_sums(costs, layers)
-    used = experts_used(costs.n_expert, costs.n_expert_used, batch) * (1.0 - min(1.0, max(0.0, cached_fraction)))
+    used = experts_used(costs.n_expert, costs.n_expert_used, batch)
     gpu_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 1e12
-    return bpe * used / sp.h2d + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
+    copy = bpe * used / sp.h2d
+    f = min(1.0, max(0.0, cached_fraction))
+    if f:
+        reads = f * used * len(layers)
+        copy -= max(0.0, f * copy * R.PREFILL_READ_SAVING - reads * R.PREFILL_READ_OVERHEAD_S)
+    return copy + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
 
 
 def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInputs, max_batch: int,

@@ -119,3 +119,11 @@ CACHE_CPU_MISS_HOP_S = 105e-6
 # default locality) serving four streams through `up` exported a hit ratio of 0.70 where one stream hits 0.886;
 # the profile's curve gives 0.70 at 0.149 of the experts, half the cached 0.297, and k / U(4) = 8 / 29.1.
 STREAM_SHARE_EXPONENT = 0.54
+# Prompts that read the cached experts from the slots (--moe-cache-prefill read|refresh) instead of copying them over
+# PCIe, measured on the H200 beside the same plan with the prefill reads off (docs/benchmarks.md, "The expert cache
+# for the whole workload"; pp512, one start each): W1 (an expert of a layer 2.65 MB) gained 1-3% at 8, 12 and 16 GiB,
+# W2 (10.6 MB) 24%. Per cached expert of a layer that a batch uses, reading saves PREFILL_READ_SAVING of its copy
+# time less PREFILL_READ_OVERHEAD_S (the copies from the slots and the host copies they split: two unknowns, fitted
+# on the two expert sizes).
+PREFILL_READ_SAVING = 0.586
+PREFILL_READ_OVERHEAD_S = 35.9e-6

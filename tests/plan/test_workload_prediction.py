@@ -34,14 +34,29 @@ def _worker(models, h200, budget: int, back, **kw):
     return plan.workers[0]
 
 
-def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placement(models, h200):
-    fixed = dict(expert_layers_on_cpu=tuple(range(28)), expert_cache=2714 * MiB, ubatch=2048)
-    without = _worker(models, h200, 12 * GiB, _backend(), **fixed)
-    reads = _worker(models, h200, 12 * GiB, _backend("moe_cache_prefill"), **fixed)
-    assert without.settings.moe_cache_mib == reads.settings.moe_cache_mib == 2714
+@pytest.mark.parametrize("shape, host, mib, low, high", [
+    # as the H200 measured: W1's small experts gain a little (1-3%), W2's four times larger ones a quarter
+    (("qwen3-30b-a3b", None), tuple(range(26)), 2277, 1.0, 1.06),
+    (("qwen3-235b-a22b", 24), tuple(range(13)), 6221, 1.15, 1.40),
+])
+def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placement(models, h200, shape, host, mib,
+                                                                                  low, high):
+    like, layers = shape
+    fixed = dict(expert_layers_on_cpu=host, expert_cache=mib * MiB, ubatch=1024)
+    budget = 12 * GiB if layers is None else 24 * GiB
+    model = models(like, layers=layers) if layers else models(like)
+
+    def worker(back):
+        req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=budget, vram_reserve=256 * MiB),), **fixed)
+        return make_plan(machines={"h200": with_gpu_free(h200, budget)}, model=model, request=req,
+                         backend=back).workers[0]
+
+    without, reads = worker(_backend()), worker(_backend("moe_cache_prefill"))
+    assert without.settings.moe_cache_mib == reads.settings.moe_cache_mib == mib
     assert reads.predicted.tg == pytest.approx(without.predicted.tg)
-    for n in (512, 4096):
-        assert reads.predicted.pp[n] > 1.15 * without.predicted.pp[n], n
+    gain = reads.predicted.pp[512] / without.predicted.pp[512]
+    assert low < gain < high, gain
+    assert reads.predicted.pp[4096] > without.predicted.pp[4096]
     assert reads.predicted.pp[8] == pytest.approx(without.predicted.pp[8])   # small batches stay on the CPU
 
 
