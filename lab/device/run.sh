@@ -43,6 +43,13 @@
 #                     "12 8 16") and W1_CACHE_CONFIGS (default: all of them) narrow it
 #   w2-cache[=L]      the same for W2 written at routing locality L, at W2_CACHE_BUDGETS (default 24 GiB; A/A at
 #                     the first), W2_CACHE_CONFIGS; both take CACHE_ROUNDS (default 1) interleaved rounds
+#   workload[=L]      the expert cache for the whole workload, W1 written at routing locality L (default: default)
+#                     and its profile measured: at each of WORKLOAD_BUDGETS (GiB, default "12 8 16") the plan /
+#                     the plan with --moe-cache-prefill off (prompts copy every expert) / fit-pinned (/ the plan
+#                     again, A/A, at the first), pp512, pp4096, tg128 and the cache's prefill counters; then at
+#                     WORKLOAD_STREAMS_BUDGET (default 12; 0: none) the plan for 4 streams (model.parallel=4)
+#                     against fit-pinned with -np 4: aggregate generation of 1, 2 and 4 streams; then W2 (locality
+#                     L) at 24 GiB: plan / plan with prefill off / fit-pinned, unless WORKLOAD_W2=0
 #
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
@@ -71,7 +78,7 @@ cd "$(dirname "$0")/../.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 STEPS=(build gpu-tests routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
-       w1-cpu-flags w1-load-modes w2 w1-cache w2-cache w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
+       w1-cpu-flags w1-load-modes w2 w1-cache w2-cache workload w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
        gateway-cpu sampler-cost)
 known() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -162,6 +169,22 @@ cache_runs() {   # cache_runs w1|w2 LOCALITY "BUDGETS" CONFIGS: the plan's choic
       --ttft-requests 6 --max-minutes "$(mins 10)" --out "$O/$model-${b}g" > "$O/$model-${b}g.log" 2>&1
     log "${b} GiB rc=$?"; tail -25 "$O/$model-${b}g.log"
   done
+}
+
+workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: plan (and its prefill-off variant),
+                   # fit-pinned, ... at one budget
+  local mdl=$1 b=$2 name=$3 cfg=$4; shift 4
+  orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" > "$O/plan-$name.txt" 2>&1
+  orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" --json \
+    > "$O/plan-$name.json" 2>&1
+  local V=()
+  grep -q -- '--moe-cache-mib' "$O/plan-$name.json" && [ -z "${NO_PREFILL_OFF:-}" ] && \
+    V=(--config "$(python3 lab/device/plan-config.py plan-prefill-off "$O/plan-$name.json" \
+                    --add='--moe-cache-prefill off')")
+  timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \
+    --configs "$cfg" "${V[@]}" --rounds "${CACHE_ROUNDS:-1}" --max-minutes "$(mins 10)" --out "$O/$name" "$@" \
+    > "$O/$name.log" 2>&1
+  log "$name rc=$?"; tail -22 "$O/$name.log"
 }
 
 step() {   # step NAME [ARG]
@@ -290,6 +313,29 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     ;;
   w2-cache)
     cache_runs w2 "${arg:-default}" "${W2_CACHE_BUDGETS:-24}" "${W2_CACHE_CONFIGS:-}"
+    ;;
+  workload)
+    need_server
+    local loc=${arg:-default} b first SETS=()
+    routing_profile "$loc" w1
+    first=${WORKLOAD_BUDGETS:-12 8 16}; first=${first%% *}
+    for b in ${WORKLOAD_BUDGETS:-12 8 16}; do
+      [ "$(left)" -gt 150 ] || { log "no time left for ${b} GiB"; break; }
+      workload_run "$M/w1-loc-$loc.gguf" "$b" "w1-${b}g" "plan,fit-pinned$([ "$b" = "$first" ] && echo ,control)" \
+        --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 4
+    done
+    b=${WORKLOAD_STREAMS_BUDGET:-12}
+    if [ "$b" != 0 ] && [ "$(left)" -gt 150 ]; then
+      SETS=(--set model.parallel=4)
+      NO_PREFILL_OFF=1 workload_run "$M/w1-loc-$loc.gguf" "$b" "w1-${b}g-4streams" plan,fit-pinned \
+        --pp 512 --pp-reps 1 --tg-depths none --tg-reps 2 --tg-streams 1,2,4 --concurrency 4 --ttft-requests 4
+      SETS=()
+    fi
+    if [ "${WORKLOAD_W2:-1}" != 0 ] && [ "$(left)" -gt 200 ]; then
+      routing_profile "$loc" w2
+      workload_run "$M/w2-loc-$loc.gguf" 24 "w2-24g" plan,fit-pinned --pp 512,4096 --pp-reps 1 --tg-depths 0 \
+        --tg-reps 2 --concurrency 1 --ttft-requests 4
+    fi
     ;;
   w2)
     need_server; synth q235
