@@ -16,7 +16,7 @@ from orchestrator.plan.costs import ModelCosts, model_costs
 from orchestrator.plan.layout import worker_layout
 from orchestrator.plan.cpu import CpuChoice, choose_cpu, node_available
 from orchestrator.model.memory import MOE_CACHE_MAX_BATCH, moe_cache_bank_bytes, moe_cache_size
-from orchestrator.model.routing_profile import DEFAULT_CURVE, HitCurve
+from orchestrator.model.routing_profile import DEFAULT_CURVE, HitCurve, default_curve
 from orchestrator.plan import expert_cache as X
 from orchestrator.plan.placement import (
     GpuBudget, Placement, _DoesNotFit, cpu_expert_override, layer_split_placement, place_cpu_only,
@@ -740,7 +740,8 @@ def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pla
     to the plan and an f16 cache does not fit, the plan uses q8_0 (with flash attention) and says so.
 
     ``routing``: the model's measured hit-rate curve (its routing profile); None = the stated default curve."""
-    curve = routing or DEFAULT_CURVE
+    # without a measured profile: the stated default for the model's shape (expert count, top-k)
+    curve = routing or default_curve(model.n_expert, model.n_expert_used)
     try:
         return _make_plan(machines=machines, model=model, request=request, backend=backend, curve=curve)
     except PlanError as first:
