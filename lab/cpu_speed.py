@@ -172,8 +172,8 @@ def load(path: str | Path) -> dict:
 
 def points(docs: list[dict]) -> list[dict]:
     """One point per (file, model, threads, test): the fastest and the median of every sample of every round;
-    the bandwidth is the best the probe measured before and after the rounds on every core of the node, the
-    figure `orchestrator probe` gives the plan."""
+    the bandwidth is the median of what the probe measured before and after the rounds on every core of the
+    node (the figure `orchestrator probe` gives the plan; it moves too on a shared machine)."""
     out = []
     for i, doc in enumerate(docs):
         models = {m["name"]: m for m in doc["models"]}
@@ -183,7 +183,7 @@ def points(docs: list[dict]) -> list[dict]:
             groups.setdefault(key, []).extend(r["samples_ts"])
         for (name, t, n_p, n_g, ub), ts in sorted(groups.items()):
             node = str(doc["node_threads"])
-            bw = max(doc["host_bw"].get(node, 0.0), doc.get("host_bw_after", {}).get(node, 0.0))
+            bw = statistics.median([d[node] for d in (doc["host_bw"], doc.get("host_bw_after", {})) if node in d])
             out.append({"set": i, "machine": doc["machine"]["cpu_model"], "model": models[name], "threads": t,
                         "n_prompt": n_p, "n_gen": n_g, "n_ubatch": ub, "host_bw": bw,
                         "ts": max(ts), "median": statistics.median(ts), "spread": (min(ts), max(ts)),

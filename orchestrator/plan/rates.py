@@ -79,18 +79,20 @@ GPU_TG_EFFICIENCY = 0.6
 CPU_TG_EFFICIENCY = 0.53
 GPU_LAYER_OVERHEAD_S = 49e-6
 CROSS_DEVICE_LAYER_OVERHEAD_S = 96e-6
-# Without GPUs (lab/cpu_speed.py; docs/benchmarks.md, "Predictions"): generation time per token = the bytes read at
-# CPU_ONLY_TG_EFFICIENCY of the probe's host bandwidth + CPU_LAYER_OVERHEAD_S per layer + CPU_TOKEN_OVERHEAD_S
+# Without GPUs (lab/cpu_speed.py; docs/benchmarks.md, "Without a GPU"): generation time per token = the bytes read
+# at CPU_ONLY_TG_EFFICIENCY of the probe's host bandwidth + CPU_LAYER_OVERHEAD_S per layer + CPU_TOKEN_OVERHEAD_S
 # (least squares on the relative error over llama-bench runs of small and large models: the overhead-bound and
-# the bandwidth-bound regimes); prompts: the matrix products at CPU_ONLY_PP_FLOPS_FACTOR x cpu_flops_per_core per
-# thread + CPU_PP_LAYER_TOKEN_S per layer and token (norms, RoPE, routing, the gathering of each token's experts:
-# what dominates small models). Kept apart from CPU_TG_EFFICIENCY and the per-core table as the GPU path uses
-# them, which were fitted with the GPU's costs beside them.
-CPU_ONLY_TG_EFFICIENCY = 0.53
-CPU_LAYER_OVERHEAD_S = 0.0
+# the bandwidth-bound regimes; the fit leaves nothing per token); prompts: the matrix products at
+# CPU_ONLY_PP_FLOPS_FACTOR x cpu_flops_per_core per thread + CPU_PP_LAYER_TOKEN_S per layer and token (norms, RoPE,
+# routing, the gathering of each token's experts: what dominates small models). Fitted on one thread of a 2-core
+# VM (tests/fixtures/calibration/cpu/speed-*.json.xz); the 16-core check is lab/device/cpu-calib.sh. Kept apart
+# from CPU_TG_EFFICIENCY and from the per-core table as the GPU path uses them, which were fitted with the GPU's
+# costs beside them.
+CPU_ONLY_TG_EFFICIENCY = 0.745
+CPU_LAYER_OVERHEAD_S = 55.7e-6
 CPU_TOKEN_OVERHEAD_S = 0.0
-CPU_ONLY_PP_FLOPS_FACTOR = 1.0
-CPU_PP_LAYER_TOKEN_S = 0.0
+CPU_ONLY_PP_FLOPS_FACTOR = 3.29
+CPU_PP_LAYER_TOKEN_S = 34.4e-6
 # Op offload of host-resident experts during prompt processing reached 66% of the probe's pinned bandwidth
 # (36.6 of 55.4 GB/s: per-layer synchronisation, expert-id reads); from mmap'd pages it ran at PAGEABLE_FRACTION.
 PINNED_COPY_EFFICIENCY = 0.66
