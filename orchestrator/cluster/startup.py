@@ -120,6 +120,11 @@ class Startup:
         with contextlib.ExitStack() as stack:
             stack.enter_context(statemod.NamespaceLock.acquire(self.topo.ray.namespace))
             sigs = stack.enter_context(StopSignals())
+            with stop_signals_blocked():
+                # numpy starts its BLAS threads on import; started here they keep the stop signals blocked, so
+                # one that comes while the main thread blocks them (around ray.init) waits for it instead of
+                # landing in such a thread under Ray's handler, which aborts the process
+                import numpy  # noqa: F401
             try:
                 return self._phases(stack)
             finally:

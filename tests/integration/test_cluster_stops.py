@@ -101,6 +101,14 @@ class Up:
         ports = [start[0][i + 1] for i, a in enumerate(start[0][:-1]) if a.endswith("-port")]
         assert len(ports) >= 9 and len(set(ports)) == len(ports), ports
         assert len(self.servers()) == 2, self.out
+        # every thread but the main one blocks the stop signals, so a signal always reaches up's own handler (one
+        # that lands in another thread while Ray's handler is in place aborts up: seen with numpy's BLAS threads)
+        stop = (1 << signal.SIGHUP - 1) | (1 << signal.SIGINT - 1) | (1 << signal.SIGTERM - 1)
+        for task in Path(f"/proc/{self.p.pid}/task").iterdir():
+            if int(task.name) != self.p.pid:
+                blocked = int(next(ln for ln in (task / "status").read_text().splitlines()
+                                   if ln.startswith("SigBlk:")).split()[1], 16)
+                assert blocked & stop == stop, f"thread {task.name} of up takes stop signals"
 
     def servers(self) -> list[psutil.Process]:
         return [q for q in _ours(str(self.iso["model"])) if q.name() == "llama-server"]
