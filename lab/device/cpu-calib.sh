@@ -12,7 +12,8 @@
 # Writes: $OUT/plan-w1-cpu.json (the plan, `plan --json`), $OUT/cpu-speed.json (lab.cpu_speed's record: the probe's
 # host bandwidth by thread count, every llama-bench row with its argv), $OUT/fit.txt (lab.cpu_speed fit on it),
 # $OUT/summary.json (predicted and measured tg and pp512 of the plan), $OUT/log.txt. CPU_CALIB_ROUNDS (default 3)
-# interleaved rounds; the whole stays under RUN_SECONDS (default 570).
+# interleaved rounds. CPU_CALIB_W1=FILE plans and measures that model instead of writing W1 (a small one tries the
+# script out on another machine), CPU_CALIB_SMALL_THREADS (default 1,4) the thread counts of the small models.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/cpu-calib-out}
@@ -26,7 +27,7 @@ die() { log "cpu-calib.sh: $*"; exit 2; }
 for t in llama-server llama-bench; do [ -f ".devcpu/$t.xz" ] || die ".devcpu/$t.xz is missing (see the head of this script)"; done
 source .devbundle/on-device.sh .devbundle >/dev/null
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-W=/root/work/cpu-calib
+W=${CPU_CALIB_WORK:-/root/work/cpu-calib}
 mkdir -p "$W/bin" "$W/models"
 export ORCHESTRATOR_CACHE=$W/cache ORCHESTRATOR_STATE=$W/state
 for t in llama-server llama-bench; do
@@ -35,7 +36,7 @@ done
 export LLAMA_SERVER=$W/bin/llama-server
 orch() { python3 -m orchestrator "$@"; }
 
-W1=$W/models/qwen3-30b-a3b-q4_0.gguf
+W1=${CPU_CALIB_W1:-$W/models/qwen3-30b-a3b-q4_0.gguf}
 DEMO=$W/models/demo-moe.gguf
 DEMO24=$W/models/demo-moe-24l.gguf
 log "models"
@@ -46,9 +47,9 @@ log "models"
 lscpu > "$OUT/lscpu.txt" 2>&1
 
 log "plan of W1 without the GPU (the probe runs at first use)"
-orch plan topologies/h200.yaml --set "model.path=$W1" --set nodes.0.gpus=none --json > "$OUT/plan-w1-cpu.json" \
-  || die "plan failed"
-orch plan topologies/h200.yaml --set "model.path=$W1" --set nodes.0.gpus=none > "$OUT/plan-w1-cpu.txt" 2>&1
+CPU_ONLY=(--set "model.path=$W1" --set nodes.0.gpus=none --set nodes.0.vram_limit=auto)
+orch plan topologies/h200.yaml "${CPU_ONLY[@]}" --json > "$OUT/plan-w1-cpu.json" || die "plan failed"
+orch plan topologies/h200.yaml "${CPU_ONLY[@]}" > "$OUT/plan-w1-cpu.txt" 2>&1
 # the plan's threads, micro-batch and flash attention, as llama-bench flags
 read -r T UB FA < <(python3 - "$OUT/plan-w1-cpu.json" <<'EOF'
 import json, sys
@@ -64,8 +65,9 @@ log "the plan's configuration: llama-bench -t $T -ub $UB -fa $FA, $ROUNDS rounds
 python3 -m lab.cpu_speed measure --bench "$W/bin/llama-bench" --model "$W1" --model "$DEMO" --model "$DEMO24" \
   --threads "$T" --rounds "$ROUNDS" --reps 3 --gen 64 --prompts 32,512 --ubatch "$UB" --flash-attn "$FA" \
   --out "$OUT/cpu-speed.json" || die "measure failed"
-log "small models at 1 and 4 threads (the overhead-bound regime)"
-python3 -m lab.cpu_speed measure --bench "$W/bin/llama-bench" --model "$DEMO" --model "$DEMO24" --threads 1,4 \
+SMALL_THREADS=${CPU_CALIB_SMALL_THREADS:-1,4}
+log "small models at $SMALL_THREADS threads (the overhead-bound regime)"
+python3 -m lab.cpu_speed measure --bench "$W/bin/llama-bench" --model "$DEMO" --model "$DEMO24" --threads "$SMALL_THREADS" \
   --rounds "$ROUNDS" --reps 3 --gen 64 --prompts 32,512 --out "$OUT/cpu-speed-small.json" || die "measure failed"
 python3 -m lab.cpu_speed fit "$OUT/cpu-speed.json" "$OUT/cpu-speed-small.json" > "$OUT/fit.txt" 2>&1
 cat "$OUT/fit.txt"
