@@ -74,7 +74,9 @@ def parse_topology(text: str, *, source: str = "<topology>", base_dir: str | os.
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``["workers.threads=8", "nodes.0.gpus=[0,1]"]`` → ``{"workers.threads": 8, "nodes.0.gpus": [0, 1]}``;
-    each value is read as YAML, so it is typed as it would be in the file."""
+    each value is read as YAML, so it is typed as it would be in the file. A relative path given this way is taken
+    from the current directory (as the shell completes it), not from the topology's folder as the file's own
+    paths are; an error about a key given this way names the file but no line of it."""
     import yaml
 
     out: dict[str, Any] = {}

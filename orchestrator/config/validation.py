@@ -160,6 +160,8 @@ def validate_changes(topo: Any, changes: dict[str, Any]) -> Any:
             raise ConfigError(f"override {display_key(path)}: expected a key of a mapping")
         node[last] = value
     try:
+        # the file's own relative paths are absolute already; a relative path typed on the command line is the
+        # shell's: from the current directory
         new = type(topo).model_validate(data, context={"base_dir": os.getcwd()})
     except ValidationError as err:
         raise ConfigError(first_error(type(topo), err, "override", Locations())) from None
