@@ -85,16 +85,26 @@ def _physical(machine: Machine, cpus: list[int]) -> list[int]:
     return sorted(out)
 
 
+@dataclass(frozen=True)
+class CpuWants:
+    """What the topology asks of the CPU side (``workers.numa``, ``smt``, ``threads``, ``threads_batch``)."""
+
+    policy: str = "auto"
+    smt: str = "auto"
+    threads: int | None = None
+    threads_batch: int | None = None
+
+
 def choose_cpu(machine: Machine, *, host_bytes: int, ram_reserve: int, anchor_node: int | None,
-               package: int | None = None, policy: str = "auto", smt: str = "auto",
-               threads: int | None = None, threads_batch: int | None = None,
-               share: CpuShare | None = None) -> CpuChoice:
+               package: int | None = None, share: CpuShare | None = None,
+               wants: CpuWants = CpuWants()) -> CpuChoice:
     """Bind when the CPU-resident bytes fit the anchor node's free memory; else interleave over the anchor's
     socket, else over every node. ``anchor_node`` = the node nearest the main GPU (or the socket's first).
 
     With a ``share`` (the worker is not alone on the machine) the worker stays on the share's nodes and CPUs:
     bound to its node, or interleaved over its nodes when it has several, and over every node only when its own
     cannot hold it."""
+    policy, smt, threads, threads_batch = wants.policy, wants.smt, wants.threads, wants.threads_batch
     if share is not None:
         return _choose_shared(machine, host_bytes=host_bytes, ram_reserve=ram_reserve, policy=policy, smt=smt,
                               threads=threads, threads_batch=threads_batch, share=share)

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from orchestrator.backend.info import Flavor
 from orchestrator.model import memory as mm
 from orchestrator.model.classes import TensorClass
 from orchestrator.model.info import ModelInfo
 
 
-def kv_by_layer(model: ModelInfo, *, n_ctx: int, n_parallel: int, type_k: str, type_v: str, n_ubatch: int,
-                n_batch: int, flash_attn: bool, flavor: Flavor) -> list[int]:
+@dataclass(frozen=True)
+class BufferShape:
+    """What sizes llama-server's KV cache and compute buffers: ``-c``, ``-np``, ``-ub``, ``-b``, the KV cache types,
+    flash attention and the flavor."""
+
+    n_ctx: int
+    n_parallel: int
+    n_ubatch: int
+    n_batch: int
+    type_k: str
+    type_v: str
+    flash_attn: bool
+    flavor: Flavor = Flavor.MAINLINE
+
+
+def kv_by_layer(model: ModelInfo, shape: BufferShape) -> list[int]:
     """KV cache bytes of every layer (0 for layers without a cache) for llama-server's ``-c n_ctx -np n``."""
-    by = mm.kv_cache_bytes_by_layer(model, n_ctx, n_parallel, type_k, type_v, None, n_ubatch=n_ubatch,
-                                    n_batch=n_batch, flash_attn=flash_attn, flavor=flavor)
+    by = mm.kv_cache_bytes_by_layer(model, shape.n_ctx, shape.n_parallel, shape.type_k, shape.type_v, None,
+                                    n_ubatch=shape.n_ubatch, n_batch=shape.n_batch, flash_attn=shape.flash_attn,
+                                    flavor=shape.flavor)
     return [by.get(i, 0) for i in range(model.n_layers)]
 
 
@@ -23,20 +40,18 @@ def staging_bytes(model: ModelInfo, cpu_expert_layers) -> int:
                                      if t.cls is TensorClass.ROUTED_EXPERT and t.layer in layers)
 
 
-def gpu_compute_bytes(model: ModelInfo, *, n_ubatch: int, n_batch: int, n_ctx: int, n_parallel: int,
-                      flash_attn: bool, type_k: str, type_v: str, has_output: bool, staging: int, flavor: Flavor) -> int:
-    return mm.compute_buffer_bytes(model, n_ubatch=n_ubatch, n_ctx=n_ctx, device="cuda", flash_attn=flash_attn,
-                                   n_parallel=n_parallel, n_batch=n_batch, type_k=type_k, type_v=type_v,
-                                   has_layers=True, has_output=has_output, offloaded_weight_bytes=staging,
-                                   flavor=flavor)
+def gpu_compute_bytes(model: ModelInfo, shape: BufferShape, *, has_output: bool, staging: int) -> int:
+    return mm.compute_buffer_bytes(model, n_ubatch=shape.n_ubatch, n_ctx=shape.n_ctx, device="cuda",
+                                   flash_attn=shape.flash_attn, n_parallel=shape.n_parallel, n_batch=shape.n_batch,
+                                   type_k=shape.type_k, type_v=shape.type_v, has_layers=True, has_output=has_output,
+                                   offloaded_weight_bytes=staging, flavor=shape.flavor)
 
 
-def cpu_compute_bytes(model: ModelInfo, *, n_ubatch: int, n_batch: int, n_ctx: int, n_parallel: int,
-                      flash_attn: bool, type_k: str, type_v: str, has_layers: bool, has_output: bool,
-                      flavor: Flavor) -> int:
-    return mm.compute_buffer_bytes(model, n_ubatch=n_ubatch, n_ctx=n_ctx, device="cpu", flash_attn=flash_attn,
-                                   n_parallel=n_parallel, n_batch=n_batch, type_k=type_k, type_v=type_v,
-                                   has_layers=has_layers, has_output=has_output, flavor=flavor)
+def cpu_compute_bytes(model: ModelInfo, shape: BufferShape, *, has_layers: bool, has_output: bool) -> int:
+    return mm.compute_buffer_bytes(model, n_ubatch=shape.n_ubatch, n_ctx=shape.n_ctx, device="cpu",
+                                   flash_attn=shape.flash_attn, n_parallel=shape.n_parallel, n_batch=shape.n_batch,
+                                   type_k=shape.type_k, type_v=shape.type_v, has_layers=has_layers,
+                                   has_output=has_output, flavor=shape.flavor)
 
 
 def cuda_overhead(model: ModelInfo, n_ubatch: int) -> int:

@@ -241,7 +241,7 @@ def test_small_experts_get_no_more_slots_than_the_room_holds():
     MiB, read as our patch reads it, must fit every GPU."""
     from types import SimpleNamespace
 
-    from orchestrator.plan.planner import _layer_split_cache_splits
+    from orchestrator.plan.cache_choice import layer_split_cache_splits as _layer_split_cache_splits
 
     e, n_expert, n_layers = 4096, 128, 8                     # 4 KiB experts: 8 layers x one slot = 32 KiB
     L = e * n_expert

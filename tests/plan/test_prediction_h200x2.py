@@ -23,7 +23,7 @@ from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 from orchestrator.plan import memory as M
 from orchestrator.plan.costs import model_costs
 from orchestrator.plan.placement import layer_split_placement
-from orchestrator.plan.planner import gpu_computes
+from orchestrator.plan.candidates import gpu_computes
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 BENCH = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "h200x2-2026-11-29-bench"
@@ -65,9 +65,9 @@ def _recorded_placement(model, args: list[str]):
 
 
 def _kv(model, args):
-    return M.kv_by_layer(model, n_ctx=int(_arg(args, "-c")), n_parallel=int(_arg(args, "-np")), type_k="f16",
-                         type_v="f16", n_ubatch=int(_arg(args, "-ub")), n_batch=int(_arg(args, "-b")),
-                         flash_attn=True, flavor="mainline")
+    return M.kv_by_layer(model, M.BufferShape(n_ctx=int(_arg(args, "-c")), n_parallel=int(_arg(args, "-np")),
+                                              n_ubatch=int(_arg(args, "-ub")), n_batch=int(_arg(args, "-b")),
+                                              type_k="f16", type_v="f16", flash_attn=True, flavor="mainline"))
 
 
 @pytest.mark.parametrize("stem", ["w1-6g", "w2-12g"])
