@@ -244,3 +244,13 @@ def test_a_refreshing_prompt_leaves_its_last_experts_in_the_slots_for_decode(set
     assert fresh2["moe_cache_prefill_hits_total"] > 0
     print(f"after the first prompt: decode hits {fresh1['moe_cache_hits_total']:.0f} refreshed against "
           f"{read1['moe_cache_hits_total']:.0f} read-only, of {fresh1['moe_cache_lookups_total']:.0f} lookups")
+
+
+def test_fit_leaves_room_for_the_cache_and_serves(setup, llama_server_path, rpc_server, tmp_path):
+    """--fit on with --moe-cache-mib: the slots are allocated after --fit placed the model, so --fit fits the model
+    around them (its target grows by the cache on every device), and the server serves with the cache."""
+    flags = ["--fit", "on", "--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4"]
+    answers, log = completions_in_turn(llama_server_path, rpc_server, setup.model, tmp_path, "fit", flags, [{}])
+    assert f"fitting with {setup.mib} MiB more free per device for the expert cache" in log, log[-3000:]
+    (out, m), = answers
+    assert m.get("moe_cache_active") == 1 and len(out["tokens"]) == N_PREDICT
