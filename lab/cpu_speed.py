@@ -4,6 +4,7 @@ constants of :mod:`orchestrator.plan.rates` that the CPU path of the prediction 
     python -m lab.cpu_speed measure --bench PATH/llama-bench --model A.gguf [--model B.gguf] \\
         --threads 1,2 --rounds 3 --out runs.json
     python -m lab.cpu_speed fit runs.json [more.json]
+    python -m lab.cpu_speed serve plan.json [--worker 0] [--rounds 5] [--tokens 64] [--out serve.json]
 
 ``measure`` records, in one JSON file: the machine (CPU model, cores), host memory read bandwidth measured by the
 project's probe (``native/membw.c``) as ``orchestrator probe`` measures it (every physical core of the node: the
@@ -21,6 +22,11 @@ bandwidth-bound and the overhead-bound regime in one line); for prompts, CPU_ONL
 rates.py's per-core FLOP/s the CPU-only path reaches) and CPU_PP_LAYER_TOKEN_S (per layer and token: what a token
 costs beyond its matrix products). It prints the
 constants and every configuration's predicted / measured speed with the constants in rates.py.
+
+``serve`` checks a plan's own prediction where the plan runs: it starts the worker's exact argv and environment
+from ``orchestrator plan --json`` (numactl binding included), asks llama-server for ``--tokens`` tokens
+``--rounds`` times (greedy, the prompt cache off) and prints llama-server's own timings against the plan's
+predicted tg and pp.
 
 Standard library plus the orchestrator package (its GGUF reader and probe): on the GPU machine
 ``PYTHONPATH=. python3 -m lab.cpu_speed ...`` needs nothing installed.
@@ -330,6 +336,70 @@ def fit(args) -> int:
     return 0
 
 
+def _get(url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def serve(args) -> int:
+    """The plan's worker started as the plan says, timed by llama-server itself."""
+    import urllib.error
+
+    doc = json.loads(Path(args.plan).read_text())
+    w = doc["workers"][args.worker]
+    base = f"http://{w['host']}:{w['port']}"
+    log = Path(args.out).with_suffix(".server.log") if args.out else Path(os.devnull)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(w["argv"], env={**os.environ, **w["env"]}, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + args.timeout
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"lab.cpu_speed: llama-server exited ({proc.returncode}) before it was ready")
+                try:
+                    _get(base + "/health", timeout=5)
+                    break
+                except (urllib.error.URLError, OSError, ValueError):
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"lab.cpu_speed: llama-server not ready after {args.timeout:.0f} s")
+                    time.sleep(0.5)
+            prompt = " ".join(f"word{i}" for i in range(args.prompt_words))
+            rounds = []
+            for i in range(args.rounds + 1):          # the first round warms the server up: not counted
+                r = _get(base + "/completion", {"prompt": prompt, "n_predict": args.tokens, "temperature": 0,
+                                                "cache_prompt": False, "ignore_eos": True})
+                t = r.get("timings", {})
+                if i:
+                    rounds.append({"predicted_n": t.get("predicted_n"), "tg": t.get("predicted_per_second"),
+                                   "prompt_n": t.get("prompt_n"), "pp": t.get("prompt_per_second")})
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    tg = [r["tg"] for r in rounds]
+    pp = [r["pp"] for r in rounds]
+    pred = w["predicted"]
+    out = {"schema": SCHEMA + "+serve", "worker": w["name"], "argv": w["argv"], "env": w["env"], "rounds": rounds,
+           "predicted": pred, "machine": {"cpu_model": _cpu_model(), "host": platform.node()},
+           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    n_prompt = rounds[0]["prompt_n"]
+    print(f"{w['name']}: {' '.join(w['argv'])}")
+    print(f"tg over {args.tokens} tokens, {len(tg)} rounds: median {statistics.median(tg):.1f} t/s "
+          f"[{min(tg):.1f}-{max(tg):.1f}], predicted {pred['tg']:.1f}: ratio to the median "
+          f"{pred['tg'] / statistics.median(tg):.2f}, to the fastest {pred['tg'] / max(tg):.2f}")
+    print(f"prompt of {n_prompt} tokens: median {statistics.median(pp):.1f} t/s [{min(pp):.1f}-{max(pp):.1f}]")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lab.cpu_speed", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -348,8 +418,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p = sub.add_parser("fit")
     p.add_argument("files", nargs="+")
+    p = sub.add_parser("serve")
+    p.add_argument("plan", help="`orchestrator plan --json` output")
+    p.add_argument("--worker", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    return measure(args) if args.cmd == "measure" else fit(args)
+    return {"measure": measure, "fit": fit, "serve": serve}[args.cmd](args)
 
 
 if __name__ == "__main__":

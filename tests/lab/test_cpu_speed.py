@@ -69,3 +69,28 @@ def test_device_script_parses_and_refuses_without_its_bundle(tmp_path):
     res = subprocess.run(["bash", str(tmp_path / "lab" / "device" / "cpu-calib.sh")], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "OUT": str(out)}, timeout=60)
     assert res.returncode == 2 and ".devcpu/llama-server.xz is missing" in res.stdout
+
+
+@pytest.mark.integration
+def test_serve_runs_the_plans_own_argv_and_reads_its_timings(tmp_path, llama_server_path):
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_llama import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    topo = tmp_path / "t.yaml"
+    topo.write_text(f"model: {{path: {model}, context: 512}}\nnodes: [{{name: here, gpus: none}}]\n"
+                    "gateway: {port: 18580}\nworkers: {port_base: 18581}\n")
+    env = {**ENV, "LLAMA_SERVER": llama_server_path}
+    plan = subprocess.run([sys.executable, "-m", "orchestrator", "plan", str(topo), "--json"], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    (tmp_path / "plan.json").write_text(plan.stdout)
+    out = tmp_path / "serve.json"
+    res = subprocess.run([sys.executable, "-m", "lab.cpu_speed", "serve", str(tmp_path / "plan.json"), "--rounds", "2",
+                          "--tokens", "8", "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    assert doc["argv"] == json.loads(plan.stdout)["workers"][0]["argv"]
+    assert len(doc["rounds"]) == 2 and all(r["predicted_n"] == 8 and r["tg"] > 0 for r in doc["rounds"])
+    assert "tg over 8 tokens, 2 rounds: median" in res.stdout
