@@ -47,6 +47,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "orchestrator_worker_expert_cache_cpu_misses": ("counter", "expert cache: misses computed on the CPU instead of "
                                                     "uploaded (--moe-cache-cpu-misses)"),
     "orchestrator_worker_expert_cache_uploaded_bytes": ("counter", "expert cache: bytes uploaded from host memory"),
+    "orchestrator_worker_expert_cache_prompt_saved_bytes": ("counter", "expert cache: bytes prompts read from its "
+                                                            "slots instead of copying them from host memory"),
+    "orchestrator_worker_expert_cache_prompt_copied_bytes": ("counter", "expert cache: bytes prompts on the GPU "
+                                                             "copied from host memory"),
     "orchestrator_worker_expert_cache_bytes": ("gauge", "expert cache: GPU memory held by its slots"),
     "orchestrator_node_numa_balancing": ("gauge", "kernel.numa_balancing on the worker's node (0 = off)"),
     "orchestrator_gateway_requests": ("counter", "requests the gateway answered, by model and HTTP status"),
@@ -186,7 +190,9 @@ class ExpertCacheCounters:
 
     KEYS = {"lookups": "llamacpp:moe_cache_lookups_total", "hits": "llamacpp:moe_cache_hits_total",
             "misses": "llamacpp:moe_cache_misses_total", "uploaded": "llamacpp:moe_cache_uploaded_bytes_total",
-            "cpu_misses": "llamacpp:moe_cache_cpu_misses_total"}
+            "cpu_misses": "llamacpp:moe_cache_cpu_misses_total",
+            "prompt_saved": "llamacpp:moe_cache_prefill_saved_bytes_total",
+            "prompt_copied": "llamacpp:moe_cache_prefill_copied_bytes_total"}
 
     def update(self, sample: Mapping[str, float]) -> dict[str, float] | None:
         """Increments since the last page (all since the start on the first one), or None when the page has no
@@ -347,6 +353,8 @@ class WorkerSampler:
                 s.inc("orchestrator_worker_expert_cache_misses", delta["misses"], tags)
                 s.inc("orchestrator_worker_expert_cache_uploaded_bytes", delta["uploaded"], tags)
                 s.inc("orchestrator_worker_expert_cache_cpu_misses", delta["cpu_misses"], tags)
+                s.inc("orchestrator_worker_expert_cache_prompt_saved_bytes", delta["prompt_saved"], tags)
+                s.inc("orchestrator_worker_expert_cache_prompt_copied_bytes", delta["prompt_copied"], tags)
                 s.set("orchestrator_worker_expert_cache_bytes", m.get("llamacpp:moe_cache_bytes", 0.0), tags)
                 if self.cache.hit_ratio is not None:
                     s.set("orchestrator_worker_expert_cache_hit_ratio", self.cache.hit_ratio, tags)

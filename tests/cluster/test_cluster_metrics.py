@@ -210,7 +210,8 @@ def test_sampler_exports_the_expert_cache_counters():
         "llamacpp:moe_cache_uploaded_bytes_total 8.8e+07\n",
         "llamacpp:moe_cache_active 1\nllamacpp:moe_cache_bytes 2.5e+09\nllamacpp:moe_cache_lookups_total 1500\n"
         "llamacpp:moe_cache_hits_total 1300\nllamacpp:moe_cache_misses_total 200\n"
-        "llamacpp:moe_cache_uploaded_bytes_total 1.76e+08\nllamacpp:moe_cache_cpu_misses_total 30\n",
+        "llamacpp:moe_cache_uploaded_bytes_total 1.76e+08\nllamacpp:moe_cache_cpu_misses_total 30\n"
+        "llamacpp:moe_cache_prefill_saved_bytes_total 3.5e+08\nllamacpp:moe_cache_prefill_copied_bytes_total 9e+08\n",
         "llamacpp:moe_cache_active 1\nllamacpp:moe_cache_bytes 2.5e+09\nllamacpp:moe_cache_lookups_total 10\n"
         "llamacpp:moe_cache_hits_total 5\nllamacpp:moe_cache_misses_total 5\n"
         "llamacpp:moe_cache_uploaded_bytes_total 4.4e+06\n",
@@ -232,6 +233,9 @@ def test_sampler_exports_the_expert_cache_counters():
     assert sink.get("orchestrator_worker_expert_cache_misses", **tags) == 200
     assert sink.get("orchestrator_worker_expert_cache_uploaded_bytes", **tags) == 1.76e8
     assert sink.get("orchestrator_worker_expert_cache_cpu_misses", **tags) == 30   # a build that counts them
+    # what prompts read from the slots instead of copying (a build whose prompts read them)
+    assert sink.get("orchestrator_worker_expert_cache_prompt_saved_bytes", **tags) == 3.5e8
+    assert sink.get("orchestrator_worker_expert_cache_prompt_copied_bytes", **tags) == 9e8
     out = s.sample({"healthy": True, "pid": None, "restarts": 0}, 4.0)   # restarted: counting starts again
     assert out["expert_cache_hit_ratio"] == 0.5
     assert sink.get("orchestrator_worker_expert_cache_lookups", **tags) == 1510
