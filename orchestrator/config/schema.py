@@ -260,10 +260,14 @@ class WorkersConfig(Section):
     fastest GPU copies), mlock (mmap locked in RAM). auto: pinned when RAM allows, else mmap."""
 
     objective: Choice("generation", "balanced", "prompt") = "generation"
-    """What the split of VRAM between whole expert layers and the expert cache favours: generation (the fastest
-    predicted generation within 3% of the best, then the most whole layers), prompt (the most whole layers:
-    big batches run on the GPU without copies), or balanced (the best geometric mean of the two, each relative
-    to its best)."""
+    """What the split of VRAM between whole expert layers and the expert cache, and the micro-batch, favour:
+    generation (the fastest predicted generation within 3% of the best, then the most whole layers), prompt (the
+    fastest predicted prompts: the most whole layers, unless prompts read the cached experts from the slots, when
+    every split copies about the same and generation decides), or balanced (the best geometric mean of the two,
+    each relative to its best). Generation is that of `model.parallel` streams decoding together: with several
+    parallel slots, their aggregate tokens/s (they share the cache's slots, and a batch needs the union of their
+    experts). `plan` prints one stream's and the streams' generation and the time to first token at 512 and 4096
+    tokens."""
 
     expert_cache: AutoSize(MiB, 4 * TiB, words=("off",)) = AUTO
     """VRAM for the expert cache (`--moe-cache-mib`: GPU slots for the experts of layers whose experts stay in
