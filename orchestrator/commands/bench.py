@@ -135,7 +135,6 @@ class BenchSource:
     configs: tuple
     server: str | None = None
     plan_context: dict | None = None
-    cpu_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,7 +183,7 @@ def _source(args: argparse.Namespace) -> BenchSource:
     clash = [c.name for c in others if c.name in names]
     if clash:
         raise ConfigError(f"--config {clash[0]}: that name is taken by a derived configuration")
-    return BenchSource(tuple(dedupe(derived + others)), server, p.context, cpu_only)
+    return BenchSource(tuple(dedupe(derived + others)), server, p.context)
 
 
 def _plan_from_json(args: argparse.Namespace) -> _Plan:
