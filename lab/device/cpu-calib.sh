@@ -11,6 +11,7 @@
 #                 (the portable CPU build `orchestrator build` makes by default; static binaries)
 # Writes: $OUT/plan-w1-cpu.json (the plan, `plan --json`), $OUT/cpu-speed.json (lab.cpu_speed's record: the probe's
 # host bandwidth by thread count, every llama-bench row with its argv), $OUT/fit.txt (lab.cpu_speed fit on it),
+# $OUT/serve-w1.json (the plan's worker argv through llama-server, timed by the server),
 # $OUT/summary.json (predicted and measured tg and pp512 of the plan), $OUT/log.txt. CPU_CALIB_ROUNDS (default 3)
 # interleaved rounds. CPU_CALIB_W1=FILE plans and measures that model instead of writing W1 (a small one tries the
 # script out on another machine), CPU_CALIB_SMALL_THREADS (default 1,4) the thread counts of the small models.
@@ -71,6 +72,9 @@ python3 -m lab.cpu_speed measure --bench "$W/bin/llama-bench" --model "$DEMO" --
   --rounds "$ROUNDS" --reps 3 --gen 64 --prompts 32,512 --out "$OUT/cpu-speed-small.json" || die "measure failed"
 python3 -m lab.cpu_speed fit "$OUT/cpu-speed.json" "$OUT/cpu-speed-small.json" > "$OUT/fit.txt" 2>&1
 cat "$OUT/fit.txt"
+log "the plan's worker as up starts it, timed by llama-server"
+python3 -m lab.cpu_speed serve "$OUT/plan-w1-cpu.json" --rounds 5 --tokens 64 --out "$OUT/serve-w1.json" \
+  || log "serve failed (the llama-bench numbers above stand)"
 
 python3 - "$OUT" "$W1" <<'EOF'
 import json, statistics, sys
@@ -87,6 +91,10 @@ summary = {"predicted": {"tg": plan["tg"], "pp512": plan["pp"]["512"]},
                         "pp512_median": statistics.median(pp), "pp512_range": [min(pp), max(pp)]}}
 summary["ratio"] = {"tg": plan["tg"] / summary["measured"]["tg_median"],
                     "pp512": plan["pp"]["512"] / summary["measured"]["pp512_median"]}
+if (out / "serve-w1.json").exists():
+    served = [r["tg"] for r in json.loads((out / "serve-w1.json").read_text())["rounds"]]
+    summary["measured"]["server_tg_median"] = statistics.median(served)
+    summary["ratio"]["server_tg"] = plan["tg"] / statistics.median(served)
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps(summary, indent=1))
 EOF
