@@ -200,7 +200,7 @@ def _auto_cpu_layout(machine: Machine, costs: ModelCosts, kv_total: int, node_re
     per_socket = [ids for ids in ([x.id for x in nodes if p.id in x.packages] for p in packages) if ids]
     # a node in two sockets' lists (one node spanning sockets) makes the socket split overlap: not offered
     flat = [i for g in per_socket for i in g]
-    sockets_ok = len(per_socket) > 1 and len(flat) == len(set(flat))
+    sockets_ok = bool(per_socket) and len(flat) == len(set(flat))
     options: list[tuple[str, list[list[int]], float, bool]] = []
 
     def fits(groups):
@@ -236,7 +236,8 @@ def _auto_cpu_layout(machine: Machine, costs: ModelCosts, kv_total: int, node_re
     src = "measured by the probe" if measured else "estimated: probe defaults, SLIT distances for remote reads"
     what = {"node": "one replica per NUMA node, bound to its cores and memory",
             "socket": "one replica per socket over its nodes (memory interleaved)"}
-    why = (f"CPU only, {len(nodes)} NUMA nodes on {len(packages)} socket{'s' if len(packages) > 1 else ''}, each "
+    n_pkgs = len({p for x in nodes for p in x.packages}) or 1
+    why = (f"CPU only, {len(nodes)} NUMA nodes on {n_pkgs} socket{'s' if n_pkgs > 1 else ''}, each "
            f"{'node' if name == 'node' else 'socket'} with room for the model ({fmt_bytes(need)}): "
            f"{what[name]}: {_gb(rate)} of memory bandwidth in all")
     for other, ogroups, orate, _ in options[1:]:

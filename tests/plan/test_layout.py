@@ -184,3 +184,17 @@ def test_socket_layout_on_one_node_gives_each_socket_its_own_cores(small):
     a, b = p.workers
     assert set(a.numa.cpus) == set(m.package(0).cpus) and set(b.numa.cpus) == set(m.package(1).cpus)
     assert not set(a.numa.cpus) & set(b.numa.cpus)
+
+
+def test_one_socket_of_several_nodes_weighs_per_node_against_the_whole_socket(small):
+    m = recorded("fakeheteromemtiers")                  # 1 socket, 3 nodes with CPUs, 4 memory-only nodes
+    p = plan_cpu(m, small, ram_reserve=256 << 20)
+    lay = layout_of(p)
+    cpu_nodes = [n.id for n in m.numa_nodes if n.cpus]
+    if lay.value.startswith("node"):
+        assert [w.numa.mem_nodes for w in p.workers] == [(i,) for i in cpu_nodes]
+    else:                                               # a node too small: the socket's nodes interleaved
+        assert lay.value == "socket x1" and "does not fit" in lay.why
+        assert set(p.workers[0].numa.mem_nodes) == set(cpu_nodes)
+    # memory-only nodes (HBM, NVM here) are never a worker's
+    assert all(set(w.numa.mem_nodes) <= set(cpu_nodes) for w in p.workers)
