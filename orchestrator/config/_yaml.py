@@ -41,10 +41,15 @@ class Locations:
     # have no line, so an error about them points at no line of the file rather than at a wrong one
     replaced: tuple[tuple, ...] = ()
 
+    def is_replaced(self, path: tuple) -> bool:
+        """``path`` or a key above it was replaced from elsewhere (the command line)."""
+        path = tuple(path)
+        return any(path[:len(r)] == r for r in self.replaced)
+
     def line_of(self, path: tuple) -> int | None:
         """The line of ``path`` or of its nearest ancestor that the file spells out (None for a replaced key)."""
         path = tuple(path)
-        if any(path[:len(r)] == r for r in self.replaced):
+        if self.is_replaced(path):
             return None
         while True:
             if path in self.lines:
@@ -55,9 +60,7 @@ class Locations:
 
     def exact(self, path: tuple) -> int | None:
         path = tuple(path)
-        if any(path[:len(r)] == r for r in self.replaced):
-            return None
-        return self.lines.get(path)
+        return None if self.is_replaced(path) else self.lines.get(path)
 
     def replacing(self, paths) -> "Locations":
         """These locations with ``paths`` (key paths) replaced from elsewhere."""
