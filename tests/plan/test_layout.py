@@ -187,14 +187,10 @@ def test_socket_layout_on_one_node_gives_each_socket_its_own_cores(small):
 
 
 def test_one_socket_of_several_nodes_weighs_per_node_against_the_whole_socket(small):
-    m = recorded("fakeheteromemtiers")                  # 1 socket, 3 nodes with CPUs, 4 memory-only nodes
-    p = plan_cpu(m, small, ram_reserve=256 << 20)
+    m = recorded("fakeheteromemtiers")      # 1 socket; CPU nodes 0-2 (2.7 GiB, 0.9, 0.5 free); 4 memory-only
+    p = plan_cpu(m, small, ram_reserve=256 << 20)                           # 2 GiB with its KV cache
     lay = layout_of(p)
-    cpu_nodes = [n.id for n in m.numa_nodes if n.cpus]
-    if lay.value.startswith("node"):
-        assert [w.numa.mem_nodes for w in p.workers] == [(i,) for i in cpu_nodes]
-    else:                                               # a node too small: the socket's nodes interleaved
-        assert lay.value == "socket x1" and "does not fit" in lay.why
-        assert set(p.workers[0].numa.mem_nodes) == set(cpu_nodes)
-    # memory-only nodes (HBM, NVM here) are never a worker's
-    assert all(set(w.numa.mem_nodes) <= set(cpu_nodes) for w in p.workers)
+    assert lay.value == "socket x1" and "one per node does not fit (node 2 has" in lay.why
+    (w,) = p.workers
+    assert w.numa.mode == "interleave" and w.numa.mem_nodes == (0, 1, 2)    # never the HBM/NVM-only nodes
+    assert set(w.numa.cpus) == set(m.pus)
