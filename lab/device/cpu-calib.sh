@@ -8,7 +8,8 @@
 #   .devbundle/   ../shared/device/make-bundle.sh .devbundle   (gguf for synth-model; its on-device.sh)
 #   .devcpu/      mkdir -p .devcpu && for t in llama-server llama-bench; do
 #                   xz -c ~/.cache/orchestrator/llama.cpp/mainline-cpu-*/bin/$t > .devcpu/$t.xz; done
-#                 (the portable CPU build `orchestrator build` makes by default; static binaries)
+#                 (the portable CPU build `orchestrator build` makes by default; static binaries). Without it the
+#                 script builds that CPU build there from .devbundle/llama-src.tar.xz (16 jobs, about a minute).
 # Writes: $OUT/plan-w1-cpu.json (the plan, `plan --json`), $OUT/cpu-speed.json (lab.cpu_speed's record: the probe's
 # host bandwidth by thread count, every llama-bench row with its argv), $OUT/fit.txt (lab.cpu_speed fit on it),
 # $OUT/serve-w1.json (the plan's worker argv through llama-server, timed by the server),
@@ -25,17 +26,26 @@ log() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 die() { log "cpu-calib.sh: $*"; exit 2; }
 
 [ -f .devbundle/on-device.sh ] || die ".devbundle/ is missing (see the head of this script)"
-for t in llama-server llama-bench; do [ -f ".devcpu/$t.xz" ] || die ".devcpu/$t.xz is missing (see the head of this script)"; done
+carried=1
+for t in llama-server llama-bench; do [ -f ".devcpu/$t.xz" ] || carried=0; done
+[ $carried = 1 ] || [ -f .devbundle/llama-src.tar.xz ] \
+  || die ".devcpu/llama-server.xz is missing, and no .devbundle/llama-src.tar.xz to build from (see the head of this script)"
 source .devbundle/on-device.sh .devbundle >/dev/null
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 W=${CPU_CALIB_WORK:-/root/work/cpu-calib}
 mkdir -p "$W/bin" "$W/models"
 export ORCHESTRATOR_CACHE=$W/cache ORCHESTRATOR_STATE=$W/state
-for t in llama-server llama-bench; do
-  [ -x "$W/bin/$t" ] || { xz -dc ".devcpu/$t.xz" > "$W/bin/$t.tmp" && chmod +x "$W/bin/$t.tmp" && mv "$W/bin/$t.tmp" "$W/bin/$t"; }
-done
-export LLAMA_SERVER=$W/bin/llama-server
 orch() { python3 -m orchestrator "$@"; }
+if [ $carried = 1 ]; then
+  for t in llama-server llama-bench; do
+    [ -x "$W/bin/$t" ] || { xz -dc ".devcpu/$t.xz" > "$W/bin/$t.tmp" && chmod +x "$W/bin/$t.tmp" && mv "$W/bin/$t.tmp" "$W/bin/$t"; }
+  done
+else
+  log "building the portable CPU llama.cpp from .devbundle/llama-src.tar.xz"
+  server=$(orch build --source .devbundle/llama-src.tar.xz --cpu -j "$(nproc)" | tail -1) || die "the CPU build failed"
+  for t in llama-server llama-bench; do ln -sf "$(dirname "$server")/$t" "$W/bin/$t"; done
+fi
+export LLAMA_SERVER=$W/bin/llama-server
 
 W1=${CPU_CALIB_W1:-$W/models/qwen3-30b-a3b-q4_0.gguf}
 DEMO=$W/models/demo-moe.gguf
