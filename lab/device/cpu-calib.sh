@@ -9,7 +9,7 @@
 #   .devcpu/      mkdir -p .devcpu && for t in llama-server llama-bench; do
 #                   xz -c ~/.cache/orchestrator/llama.cpp/mainline-cpu-*/bin/$t > .devcpu/$t.xz; done
 #                 (the portable CPU build `orchestrator build` makes by default; static binaries). Without it the
-#                 script builds that CPU build there from .devbundle/llama-src.tar.xz (16 jobs, about a minute).
+#                 script builds that CPU build there from .devbundle/llama-src.tar.xz (16 jobs; 341 s on 2 cores here).
 # Writes: $OUT/plan-w1-cpu.json (the plan, `plan --json`), $OUT/cpu-speed.json (lab.cpu_speed's record: the probe's
 # host bandwidth by thread count, every llama-bench row with its argv), $OUT/fit.txt (lab.cpu_speed fit on it),
 # $OUT/serve-w1.json (the plan's worker argv through llama-server, timed by the server),
