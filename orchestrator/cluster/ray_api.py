@@ -257,17 +257,22 @@ def _first_line(e: BaseException) -> str:
 
 
 class RayMetricsSink:
-    """:class:`orchestrator.cluster.metrics.MetricsSink` on ``ray.util.metrics`` (one Gauge/Counter per name)."""
+    """:class:`orchestrator.cluster.metrics.MetricsSink` on ``ray.util.metrics`` (one Gauge, Counter or Histogram
+    per name)."""
 
     def __init__(self) -> None:
         from ray.util import metrics as rm
 
-        from orchestrator.cluster.metrics import METRICS, TAG_KEYS
+        from orchestrator.cluster.metrics import BUCKETS, METRICS, TAG_KEYS
 
         self._m: dict[str, Any] = {}
         for name, (kind, desc) in METRICS.items():
-            cls = rm.Counter if kind == "counter" else rm.Gauge
-            self._m[name] = cls(name, description=desc, tag_keys=TAG_KEYS.get(name, ()))
+            keys = TAG_KEYS.get(name, ())
+            if kind == "histogram":
+                self._m[name] = rm.Histogram(name, description=desc, boundaries=list(BUCKETS[name]), tag_keys=keys)
+            else:
+                cls = rm.Counter if kind == "counter" else rm.Gauge
+                self._m[name] = cls(name, description=desc, tag_keys=keys)
 
     def set(self, name: str, value: float, tags: Mapping[str, str]) -> None:
         self._m[name].set(float(value), tags=dict(tags))
@@ -275,4 +280,11 @@ class RayMetricsSink:
     def inc(self, name: str, value: float, tags: Mapping[str, str]) -> None:
         if value > 0:
             self._m[name].inc(float(value), tags=dict(tags))
+        elif value == 0:
+            # Counter.inc refuses 0; recording 0 makes the series exist, so a counter is seen at 0 before its
+            # first event
+            self._m[name]._record(0.0, tags=dict(tags))
+
+    def observe(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        self._m[name].observe(float(value), tags=dict(tags))
 
