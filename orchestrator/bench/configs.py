@@ -247,6 +247,8 @@ def _predicted(worker: WorkerPlan) -> dict[str, Any]:
     pred = worker.predicted
     predicted["pp"] = {int(k): float(v) for k, v in dict(pred.pp or {}).items()}
     predicted["tg"] = float(pred.tg or 0.0)
+    if pred.streams > 1 and pred.tg_streams:
+        predicted["tg_streams"] = {int(pred.streams): float(pred.tg_streams)}
     mem = {_device_key(m.device, worker.gpus): int(m.total) for m in worker.memory}
     if mem:
         predicted["memory"] = mem
@@ -285,6 +287,9 @@ def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
         predicted["pp"] = dict(w.predicted_pp)
     if w.predicted_tg:
         predicted["tg"] = w.predicted_tg
+    streams = (w.details.get("predicted") or {}).get("streams")
+    if isinstance(streams, int) and streams > 1 and (w.details.get("predicted") or {}).get("tg_streams"):
+        predicted["tg_streams"] = {streams: float(w.details["predicted"]["tg_streams"])}
     if w.devices:
         predicted["memory"] = {_device_key(k, w.gpus): v for k, v in w.devices.items()}
     c = plan_config(w.server_args, w.env, wrapper=w.wrapper, settings=w.settings if use_settings else None,

@@ -17,6 +17,7 @@ from orchestrator.units import fmt_bytes
 
 _PP = re.compile(r"^pp(\d+)$")
 _TG = re.compile(r"^tg(\d+)@(\d+)$")
+_TGS = re.compile(r"^tg(\d+)x(\d+)$")
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
@@ -39,8 +40,10 @@ def _columns(summary: Mapping[str, Any], part: str) -> list[str]:
     for s in summary.values():
         keys.update(s.get("metrics", {}))
     if part == "speed":
-        speed = sorted((k for k in keys if _PP.match(k) or _TG.match(k)), key=_metric_order)
-        return ["load_s"] * ("load_s" in keys) + speed + ["moe_cache_hit_rate"] * ("moe_cache_hit_rate" in keys)
+        speed = sorted((k for k in keys if _PP.match(k) or _TG.match(k) or _TGS.match(k)), key=_metric_order)
+        streams = sorted((k for k in keys if k.startswith("moe_cache_hit_rate_x")), key=lambda k: int(k.rsplit("x", 1)[1]))
+        return (["load_s"] * ("load_s" in keys) + speed + ["moe_cache_hit_rate"] * ("moe_cache_hit_rate" in keys)
+                + streams)
     ttft = sorted((k for k in keys if k.startswith("ttft_")),
                   key=lambda k: (int(k.rsplit("_c", 1)[1]), k))
     mem = sorted(k for k in keys if k.startswith("vram_peak_gpu")) + (["rss_peak"] if "rss_peak" in keys else [])
@@ -52,6 +55,10 @@ def _header(k: str) -> str:
     if k.startswith("ttft_p"):
         q, c = k[len("ttft_p"):].split("_c")
         return f"ttft p{q} c{c} s"
+    if k.startswith("moe_cache_hit_rate_x"):
+        return f"cache hits x{k.rsplit('x', 1)[1]}"
+    if _TGS.match(k):
+        return f"{k} agg"
     return {"load_s": "load s", "rss_peak": "RSS peak", "moe_cache_hit_rate": "cache hits"}.get(k, k.replace("vram_peak_", "VRAM ")
                                                              .replace("power_mean_w_", "W ")
                                                              .replace("temp_max_c_", "°C "))
@@ -63,7 +70,7 @@ def _cell(k: str, m: Mapping[str, Any] | None) -> str:
     v = m["median"]
     if k.startswith(("vram_peak", "rss_peak")):
         return fmt_bytes(v)
-    if k == "moe_cache_hit_rate":
+    if k == "moe_cache_hit_rate" or k.startswith("moe_cache_hit_rate_x"):
         return f"{v:.1%}"
     if k.startswith("ttft_"):
         s = f"{v:.3f}"
@@ -199,7 +206,7 @@ def _chart_metrics(summary: Mapping[str, Any]) -> list[str]:
     want = [f"pp{n}" for n in (512, 4096) if f"pp{n}" in keys]
     if not want and pp:
         want = [f"pp{pp[-1]}"]
-    tg = sorted((k for k in keys if _TG.match(k)), key=_metric_order)
+    tg = sorted((k for k in keys if _TG.match(k) or _TGS.match(k)), key=_metric_order)
     return want + tg
 
 

@@ -28,6 +28,7 @@ PREDICTION_BAND = (0.85, 1.15)
 
 _PP = re.compile(r"^pp(\d+)$")
 _TG = re.compile(r"^tg(\d+)@(\d+)$")
+_TGS = re.compile(r"^tg(\d+)x(\d+)$")      # aggregate generation of N streams at once: tg<tokens>x<streams>
 
 
 def stat(values: Sequence[float]) -> dict:
@@ -77,6 +78,12 @@ def run_metrics(run: Mapping[str, Any]) -> dict[str, list[float]]:
     cache = s.get("moe_cache") or {}
     if cache.get("lookups"):
         out["moe_cache_hit_rate"] = [cache["hits"] / cache["lookups"]]
+    for n, entry in (s.get("tg_streams") or {}).items():
+        for r in entry.get("runs", ()):
+            out.setdefault(f"tg{round(r['predicted_n'] / int(n))}x{n}", []).append(r["tps"])
+        c = entry.get("moe_cache") or {}
+        if c.get("lookups"):
+            out[f"moe_cache_hit_rate_x{n}"] = [c["hits"] / c["lookups"]]
     res = run.get("resources") or {}
     for g, d in (res.get("gpus") or {}).items():
         out[f"vram_peak_gpu{g}"] = [d.get("peak_process") or d.get("peak_delta", 0)]
@@ -146,7 +153,7 @@ def _best(summary: Mapping[str, Any], names: Sequence[str], metric: str) -> tupl
 
 def _speed_metrics(summary: Mapping[str, Any], config: str) -> list[str]:
     ms = (summary.get(config) or {}).get("metrics", {})
-    return sorted((k for k in ms if _PP.match(k) or _TG.match(k)), key=_metric_order)
+    return sorted((k for k in ms if _PP.match(k) or _TG.match(k) or _TGS.match(k)), key=_metric_order)
 
 
 def _metric_order(k: str) -> tuple:
@@ -156,7 +163,10 @@ def _metric_order(k: str) -> tuple:
     m = _TG.match(k)
     if m:
         return (1, int(m.group(2)), int(m.group(1)))
-    return (2, 0, 0)
+    m = _TGS.match(k)
+    if m:
+        return (2, int(m.group(2)), int(m.group(1)))
+    return (3, 0, 0)
 
 
 def _entry(kind: str, metric: str, plan: float, other: float, other_config: str, target: float | None,
@@ -263,6 +273,14 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
         meas = _med(summary, plan, tg0) if tg0 else None
         if meas:
             e = _entry("predicted/measured", tg0, float(pred["tg"]), meas, plan, None)
+            e["ok"] = lo <= e["value"] <= hi
+            e["target"] = [lo, hi]
+            out.append(e)
+    for streams, v in sorted((int(k), float(v)) for k, v in (pred.get("tg_streams") or {}).items()):
+        metric = next((m for m in plan_metrics if (g := _TGS.match(m)) and int(g.group(2)) == streams), None)
+        meas = _med(summary, plan, metric) if metric else None
+        if meas:
+            e = _entry("predicted/measured", metric, v, meas, plan, None)
             e["ok"] = lo <= e["value"] <= hi
             e["target"] = [lo, hi]
             out.append(e)

@@ -245,3 +245,22 @@ def test_tables_piped_into_another_program_keep_every_column(tmp_path):
                            env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "COLUMNS": "80"}).stdout
     assert max(len(ln) for ln in piped.splitlines()) > 80
     assert "\n".join(ln.rstrip() for ln in piped.splitlines()).strip("\n") == render_text(data)
+
+
+def test_several_streams_give_an_aggregate_metric_a_hit_rate_and_a_prediction_check():
+    from orchestrator.bench.summary import run_metrics
+
+    streams = {"4": {"runs": [{"streams": 4, "predicted_n": 512, "window_ms": 2500.0, "tps": 204.8},
+                              {"streams": 4, "predicted_n": 512, "window_ms": 2600.0, "tps": 196.9}],
+                     "moe_cache": {"hits": 82.0, "lookups": 100.0}}}
+    run = {"loaded": True, "samples": {"pp": [], "tg": [], "tg_streams": streams}}
+    m = run_metrics(run)
+    assert m["tg128x4"] == [204.8, 196.9] and m["moe_cache_hit_rate_x4"] == [0.82]
+    plan = {**_cfg("plan", "plan"), "predicted": {"tg_streams": {4: 220.0}}}
+    runs = [{**_run("plan", 1), "samples": run["samples"]}, _run("fit-pinned", 1, tg={0: [70.0]})]
+    summary = summarize([plan, _cfg("fit-pinned", "fit-pinned")], runs)
+    entry = next(e for e in ratios(summary, [plan, _cfg("fit-pinned", "fit-pinned")])
+                 if e["kind"] == "predicted/measured" and e["metric"] == "tg128x4")
+    assert entry["value"] == pytest.approx(220.0 / 200.85) and entry["ok"]
+    text = render_text({"summary": summary, "ratios": [entry]})
+    assert "tg128x4 agg" in text and "cache hits x4" in text and "82.0%" in text
