@@ -188,9 +188,12 @@ class Startup:
             self.prefetch.stop()
 
     def _print_plan(self, res) -> None:
+        for note in res.notes:
+            if "not measured" in note:     # the speeds below rest on an assumption: say which
+                self.say(f"note: {note}")
         for w, spec in zip(res.plan.workers, res.specs):
-            self.say(f"worker {w.name}: GPUs {','.join(map(str, w.gpus)) or 'none'}; predicted tg "
-                     f"{w.predicted.tg:.1f} t/s")
+            self.say(f"worker {w.name}: GPUs {','.join(map(str, w.gpus)) or 'none'}; predicted "
+                     f"{w.predicted.summary()}")
             self.say(f"  {spec.shell_line()}")
 
     def _stop_unadopted(self) -> None:
