@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable plan (workers[] with argv, env, devices, "
                                                        "predicted)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a topology key, e.g. --set nodes.0.vram_limit=12GiB (repeatable)")
+                   help="override a topology key, e.g. --set nodes.0.vram_limit=12GiB (repeatable; a relative path "
+                        "given this way is taken from the current directory)")
 
 
 def plan_document(res) -> dict:

@@ -18,7 +18,8 @@ the workers."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="TOPOLOGY|MODEL", help="topology.yaml, or a model URL / Hugging Face reference")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a topology key, e.g. --set model.path=org/repo:Q4_K_M (repeatable)")
+                   help="override a topology key, e.g. --set model.path=org/repo:Q4_K_M (repeatable; a relative path "
+                        "given this way is taken from the current directory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -22,7 +22,8 @@ namespace that an `up` holds is refused."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("topology", help="topology.yaml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a topology key, e.g. --set nodes.0.vram_limit=12GiB (repeatable)")
+                   help="override a topology key, e.g. --set nodes.0.vram_limit=12GiB (repeatable; a relative path "
+                        "given this way is taken from the current directory)")
     p.add_argument("--detach", "-d", action="store_true",
                    help="return once every worker is healthy; stop later with `orchestrator down`")
     p.add_argument("--ready-timeout", type=float, default=None, metavar="SECONDS",

@@ -548,8 +548,10 @@ class Topology(Section):
     def where(self, key: str | tuple) -> str:
         """``FILE:LINE`` of a dotted key (``"nodes.0.gpus"``) or of its nearest ancestor the file spells out."""
         path = split_key(key)
-        line = self._locations.line_of(path) if self._locations is not None else None
         src = self._source or "<topology>"
+        if self._locations is not None and self._locations.is_replaced(path):
+            return f"{src} (from --set)"       # the value came from the command line, not from a line of the file
+        line = self._locations.line_of(path) if self._locations is not None else None
         return f"{src}:{line}" if line else src
 
     def error(self, key: str | tuple, message: str):

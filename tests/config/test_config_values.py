@@ -198,7 +198,7 @@ def test_override_revalidates_and_keeps_what_the_plan_decides(tmp_path):
     assert [b.nodes[0].vram_limit for b in budgets] == [8 * GiB, 12 * GiB, 16 * GiB]
     assert all(is_auto(b.workers.batch) and not b.workers.explicit("batch") for b in budgets)
     # the value now comes from the command line, not from line 4 of the file: no line is named for it
-    assert budgets[0].where("nodes.0.vram_limit") == str(f)
+    assert budgets[0].where("nodes.0.vram_limit") == f"{f} (from --set)"
     assert budgets[0].where("nodes.0.gpus") == f"{f}:3" and budgets[0].where("model") == f"{f}:1"
     assert t.nodes[0].vram_limit == 12 * GiB  # the original is unchanged
     u = t.override({"workers.threads": 8, "nodes.1.name": "b", "nodes.1.address": "10.0.0.2",
@@ -219,7 +219,7 @@ def test_an_error_about_a_set_key_names_no_line_of_the_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         t.check_files()
     missing = os.path.join(os.getcwd(), "no-such-llama-server")
-    assert str(info.value) == f"{f}: backend.binary: llama-server binary {missing} does not exist"
+    assert str(info.value) == f"{f} (from --set): backend.binary: llama-server binary {missing} does not exist"
 
 
 @pytest.mark.parametrize("items,expected", [
