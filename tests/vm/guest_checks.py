@@ -243,22 +243,24 @@ def up(topology: str, model: str, *sets: str, ready_timeout: str = "1500") -> di
     try:
         body = json.dumps({"model": "demo-moe", "max_tokens": 8,
                            "messages": [{"role": "user", "content": "Hello"}]}).encode()
-        while True:
-            if p.poll() is not None:
-                raise RuntimeError(f"orchestrator up exited {p.returncode}: " + read("/run/up.log")[-2000:])
+        answer = None
+        while answer is None:
+            if p.poll() is not None:            # up gave up: still report what it left behind
+                out["error"] = read("/run/up.log")[-2000:]
+                break
             try:
                 req = urllib.request.Request("http://127.0.0.1:8080/v1/chat/completions", data=body,
                                              headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=600) as r:
                     answer = json.loads(r.read())
-                break
             except OSError:
                 time.sleep(5)
-        out["ready_s"] = round(time.monotonic() - t0, 1)
-        out["completion_tokens"] = answer.get("usage", {}).get("completion_tokens")
-        out["balancing_during"] = read(BALANCING)
-        servers = [pid for pid in _pids() if _comm(pid).startswith("llama-server")]
-        out["servers"] = {str(pid): threads(pid) for pid in servers}
+        if answer is not None:
+            out["ready_s"] = round(time.monotonic() - t0, 1)
+            out["completion_tokens"] = answer.get("usage", {}).get("completion_tokens")
+            out["balancing_during"] = read(BALANCING)
+            servers = [pid for pid in _pids() if _comm(pid).startswith("llama-server")]
+            out["servers"] = {str(pid): threads(pid) for pid in servers}
     finally:
         t1 = time.monotonic()
         if p.poll() is None:
@@ -302,7 +304,7 @@ def main(argv: list[str]) -> int:
     what, *rest = argv
     doc = {"balancing": balancing, "bind-socket": bind_socket, "workers": workers, "up": up}[what](*rest)
     print(json.dumps(doc))
-    return 0
+    return 1 if doc.get("error") else 0
 
 
 if __name__ == "__main__":
