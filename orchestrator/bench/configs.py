@@ -385,7 +385,8 @@ def numa_sweep(plan: BenchConfig, nodes: Sequence[int] = ()) -> list[BenchConfig
     policies = {
         "none": (NumaPolicy.none(p.cpus), ""),
         "bind": (NumaPolicy("bind", p.cpus, () if p.cpus else (mine or every)[:1], (mine or every)[:1]), ""),
-        "interleave": (NumaPolicy("interleave", p.cpus, p.cpu_nodes, every), "distribute"),
+        # never llama.cpp's --numa: it would reset the threads' CPUs that numactl bound (plan/cpu.py)
+        "interleave": (NumaPolicy("interleave", p.cpus, p.cpu_nodes, every), ""),
     }
     out = []
     for mode, (policy, flag) in policies.items():

@@ -100,7 +100,9 @@ class StartLimits:
     def ray_env(self) -> dict[str, str]:
         """Ray's own start-up waits, in the variables its raylet reads."""
         return {"RAY_agent_register_timeout_ms": str(int(self.ray_wait_s * 1000)),
-                "RAY_raylet_start_wait_time_s": str(max(1, round(self.ray_wait_s)))}
+                "RAY_raylet_start_wait_time_s": str(max(1, round(self.ray_wait_s))),
+                # the dashboard's own start-up wait (60 s in Ray): an emulated guest took 11 minutes
+                "RAY_DASHBOARD_STARTUP_TIMEOUT_S": str(max(60, round(self.head_s)))}
 
     def to_dict(self) -> dict:
         return {"head_s": self.head_s, "actor_s": self.actor_s, "ray_wait_s": self.ray_wait_s}

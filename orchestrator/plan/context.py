@@ -9,6 +9,7 @@ from orchestrator.hardware.topology import Machine
 from orchestrator.model.info import ModelInfo
 from orchestrator.model.routing_profile import HitCurve
 from orchestrator.plan.costs import ModelCosts
+from orchestrator.plan.cpu import CpuShare
 from orchestrator.plan.memory import BufferShape
 from orchestrator.plan.request import NodeRequest, PlanRequest
 
@@ -28,7 +29,7 @@ class PlanContext:
     backend: BackendInfo
     curve: HitCurve
     package: int | None = None
-    share: tuple[int, int] | None = None
+    share: CpuShare | None = None
     fa: str = "on"
 
     @property

@@ -21,7 +21,8 @@ def test_start_timeout_scales_every_limit_together(value, load, head):
     assert (lim.head_s, lim.actor_s, lim.ray_wait_s) == (head, head / 2, head / 4)
     env = lim.ray_env()
     assert env == {"RAY_agent_register_timeout_ms": str(int(head / 4 * 1000)),
-                   "RAY_raylet_start_wait_time_s": str(round(head / 4))}
+                   "RAY_raylet_start_wait_time_s": str(round(head / 4)),
+                   "RAY_DASHBOARD_STARTUP_TIMEOUT_S": str(round(head))}
 
 
 def test_the_defaults_are_the_limits_up_always_had():
