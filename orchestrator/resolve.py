@@ -13,7 +13,7 @@ from orchestrator.backend.info import BackendInfo, nominal_backend
 from orchestrator.config import Topology, load_topology
 from orchestrator.errors import BackendError, ConfigError, PlanError
 from orchestrator.hardware import Machine
-from orchestrator.launch.build import spec_for_worker
+from orchestrator.launch.worker_spec import spec_for_worker
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.model import ModelInfo
 from orchestrator.plan import Plan

@@ -10,7 +10,7 @@ from orchestrator.backend.info import Flavor
 from orchestrator.errors import PlanError
 from orchestrator.hardware.topology import Gpu, Machine
 from orchestrator.model.info import ModelInfo
-from orchestrator.plan import memory as M
+from orchestrator.plan import buffers as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.context import PlanContext, buffer_shape
 from orchestrator.plan.costs import ModelCosts

@@ -10,7 +10,7 @@ from orchestrator.model.info import ModelInfo
 from orchestrator.model.routing_profile import HitCurve
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.cpu import CpuShare
-from orchestrator.plan.memory import BufferShape
+from orchestrator.plan.buffers import BufferShape
 from orchestrator.plan.request import NodeRequest, PlanRequest
 
 

@@ -13,7 +13,7 @@ from orchestrator.model.info import ModelInfo
 from orchestrator.model.memory import MOE_CACHE_MAX_BATCH
 from orchestrator.model.routing_profile import HitCurve, default_curve
 from orchestrator.plan import expert_cache as X
-from orchestrator.plan import memory as M
+from orchestrator.plan import buffers as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.cache_choice import cache_max_batch, worker_cache
 from orchestrator.plan.candidates import choose, evaluate, gpu_free, kv_layers, speed_inputs

@@ -20,7 +20,7 @@ from planfixtures import backend, with_gpu_free
 
 from orchestrator.hardware.dump import load_machine
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
-from orchestrator.plan import memory as M
+from orchestrator.plan import buffers as M
 from orchestrator.plan.costs import model_costs
 from orchestrator.plan.placement import layer_split_placement
 from orchestrator.plan.candidates import gpu_computes

@@ -1,4 +1,4 @@
-"""The memory model as the planner calls it (thin names over orchestrator.model.memory)."""
+"""Buffer and KV sizes as the planner asks for them (thin names over orchestrator.model.memory, the memory model)."""
 
 from __future__ import annotations
 
