@@ -168,7 +168,7 @@ DEFAULT_CURVE = HitCurve(
 
 # Models of other families, measured in public, hit less at the same number of experts held per token picked
 # (t = experts a layer's cache holds / top-k: how many tokens' picks it holds):
-#   t =  1.0 -> 22.8%  OLMoE-1B-7B (64 experts, top 8), 8 experts per layer (JustVugg/colibri issue #1441)
+#   t =  1.0 -> 22.8%  OLMoE-1B-7B (64 experts, top 8), 8 experts per layer (JustVugg/colibri, issues/1441)
 #   t =  3.1 -> 43.5%  Qwen3.8-Flash-Next (512 experts, top 10), 300 tokens of generated text, LRU per layer at
 #   t =  6.2 -> 62.0%  93 / 186 / 279 / 372 / 512 slots per layer, a slot being one expert matrix as above
 #   t =  9.3 -> 72.0%  (kekzl/imp PR #2061; the same model's per-layer LRU over a 54k-record mixed workload:
