@@ -88,41 +88,12 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=30)
 
 
-def serve_one_completion(argv: list[str], log: Path, url: str, body: dict, env: dict | None = None):
-    """Start llama-server (``argv``, listening at ``url``), wait until healthy, ask for one greedy completion of
-    PROMPT (``body`` adds or overrides request fields), read /metrics, stop it. Returns (answer, metrics, log)."""
-    with open(log, "w") as lf:
-        proc = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        _wait(lambda: _healthy(url), 300, "llama-server", log, proc)
-        req_body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0, "n_probs": 4, "ignore_eos": True,
-                    "cache_prompt": False, "return_tokens": True, **body}
-        req = urllib.request.Request(url + "/completion", data=json.dumps(req_body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            metrics = {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}
-    finally:
-        _stop(proc)
-    return out, metrics, log.read_text()
-
-
 def one_completion(server: str, rpc_server: str, model: Path, tmp: Path, name: str, extra: list[str],
                    sampling=None):
     """One llama-server whose 'GPU' is a fresh ggml-rpc-server: a completion (greedy, or ``sampling``'s request
     fields) and the /metrics values."""
-    rpc_port, port = _port(), _port()
-    rpc = _start([rpc_server, "-H", "127.0.0.1", "-p", str(rpc_port), "-t", "1"], tmp / f"{name}-rpc.log")
-    try:
-        _wait(lambda: _listening(rpc_port), 60, "ggml-rpc-server", tmp / f"{name}-rpc.log", rpc)
-        argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
-                "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "999", "--cpu-moe", "--no-repack", "--metrics",
-                "--no-warmup", "-t", "1", *extra]
-        return serve_one_completion(argv, tmp / f"{name}.log", f"http://127.0.0.1:{port}", sampling or {})
-    finally:
-        _stop(rpc)
+    ((out, metrics),), text = completions_in_turn(server, rpc_server, model, tmp, name, extra, [sampling or {}])
+    return out, metrics, text
 
 
 def metrics_of(url: str) -> dict[str, float]:

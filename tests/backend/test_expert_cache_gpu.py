@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.model import synth
-from tests.backend.expert_cache_support import PROMPT, agreement, probs, serve_in_turn, serve_one_completion
+from tests.backend.expert_cache_support import PROMPT, agreement, probs, serve_in_turn
 
 pytestmark = pytest.mark.gpu
 
@@ -40,13 +40,20 @@ def _server_path() -> str:
     return path
 
 
-def _run(server: str, model: Path, log: Path, extra: list[str], env: dict[str, str]) -> tuple[dict, dict, str]:
+def _run_in_turn(server: str, model: Path, log: Path, extra: list[str], env: dict[str, str],
+                 bodies: list[dict]) -> tuple[list[tuple[dict, dict]], str]:
+    """Every routed expert in host memory (``-ngl 999 --cpu-moe``): ``bodies`` answered one after another."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
             "-ngl", "999", "--cpu-moe", "-fa", "on", "--metrics", "--no-warmup", "-t", "8", *extra]
-    return serve_one_completion(argv, log, f"http://127.0.0.1:{port}", {"n_predict": N_PREDICT}, env)
+    return serve_in_turn(argv, log, f"http://127.0.0.1:{port}", bodies, env)
+
+
+def _run(server: str, model: Path, log: Path, extra: list[str], env: dict[str, str]) -> tuple[dict, dict, str]:
+    ((out, metrics),), text = _run_in_turn(server, model, log, extra, env, [{"n_predict": N_PREDICT}])
+    return out, metrics, text
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +148,7 @@ def test_prompts_reading_the_slots_give_the_tokens_and_logits_of_the_uncached_gp
     bodies = [{"n_predict": 64}, {"n_predict": 64, "prompt": PROMPT[::-1]}]
 
     def run(name: str, extra: list[str]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
-                "-ngl", "999", "--cpu-moe", "-fa", "on", "--metrics", "--no-warmup", "-t", "8", *extra]
-        return serve_in_turn(argv, tmp_path / f"{name}.log", f"http://127.0.0.1:{port}", bodies, env)
+        return _run_in_turn(server, model, tmp_path / f"{name}.log", extra, env, bodies)
 
     plain, _log = run("offload", [])
     runs = {mode: run(mode, ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-prefill", mode])
