@@ -214,14 +214,7 @@ def pull_model(model_path: str, *, say=_say) -> list[str] | None:
     local model: nothing to do)."""
     from orchestrator.model import remote
 
-    if not remote.is_remote(model_path):
-        return None
-    target = remote.locate(model_path)
-    left = remote.bytes_to_download(target.files)
-    if left:
-        say(f"pull: {target.ref}: {len(target.files)} file(s), {left / 2**30:.2f} GiB to download into "
-            f"{os.path.dirname(target.files[0].cache_path)}")
-    return remote.download(model_path)
+    return remote.download_missing(model_path, say)
 
 
 def start_up(topo, *, detach: bool = False, ready_timeout: float | None = None) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 HELP = "Download a model given by URL or Hugging Face id (or a topology's) into the cache, resumably"
 DESCRIPTION = """\
@@ -43,14 +42,7 @@ def download(model_path: str, *, progress: bool = True) -> list[str] | None:
     """Download a remote model's files not yet in the cache (None for a local model: nothing to do)."""
     from orchestrator.model import remote
 
-    if not remote.is_remote(model_path):
-        return None
-    target = remote.locate(model_path)
-    left = remote.bytes_to_download(target.files)
-    if left:
-        print(f"pull: {target.ref}: {len(target.files)} file(s), {left / 2**30:.2f} GiB to download into "
-              f"{Path(target.files[0].cache_path).parent}", file=sys.stderr)
-    return remote.download(model_path, progress=progress)
+    return remote.download_missing(model_path, lambda line: print(line, file=sys.stderr), progress=progress)
 
 
 def run(args: argparse.Namespace) -> int:

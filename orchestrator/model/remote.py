@@ -470,6 +470,19 @@ def is_downloaded(f: RemoteFile) -> bool:
     return meta.get("url") == f.url and meta.get("etag") == f.etag
 
 
+def download_missing(text: str, say, *, progress: bool = True) -> list[str] | None:
+    """What ``pull`` and ``up`` do with a model path: for a remote model, say how much is left to download
+    (``say`` takes one line) and download it into the cache, returning the local paths; None for a local model."""
+    if not is_remote(text):
+        return None
+    target = locate(text)
+    left = bytes_to_download(target.files)
+    if left:
+        say(f"pull: {target.ref}: {len(target.files)} file(s), {left / 2**30:.2f} GiB to download into "
+            f"{os.path.dirname(target.files[0].cache_path)}")
+    return download(text, progress=progress)
+
+
 def bytes_to_download(files: tuple[RemoteFile, ...]) -> int:
     left = 0
     for f in files:
