@@ -109,14 +109,14 @@ def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInput
     return threshold, why
 
 
-def _gpu_layer_bytes(costs: ModelCosts, placement: Placement) -> list[float]:
-    """Bytes read per generated token on each worker GPU (always-used + active experts + output)."""
+def _gpu_layer_bytes(costs: ModelCosts, placement: Placement, frac: float) -> list[float]:
+    """Bytes read per decode step on each worker GPU (always-used + the share ``frac`` of each GPU layer's routed
+    experts + output)."""
     n_gpus = len(placement.gpu_weights)
     out = [0.0] * n_gpus
     if not n_gpus:
         return out
     graph = placement.split_mode in ("tensor", "graph")
-    frac = costs.n_expert_used / costs.n_expert if costs.n_expert else 0.0
     for i in range(costs.n_compute_layers):
         g = placement.layer_gpu[i]
         if g is None:
@@ -142,12 +142,13 @@ def cpu_token_seconds(cpu_bytes: float, n_layers: int, host_bw: float) -> float:
     return t + n_layers * R.CPU_LAYER_OVERHEAD_S + R.CPU_TOKEN_OVERHEAD_S
 
 
-def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read_per_token: float = 0.0) -> tuple[float, dict]:
-    """Tokens/s for generation at short depth, and the bytes read per token per device."""
-    gpu_bytes = _gpu_layer_bytes(costs, placement)
+def _decode_step(costs: ModelCosts, placement: Placement, sp: SpeedInputs, frac: float,
+                 kv_bytes: float) -> tuple[float, list[float], float]:
+    """(seconds, bytes per GPU, bytes on the CPU) of one decode step that reads the share ``frac`` of every MoE
+    layer's routed experts and ``kv_bytes`` of KV cache."""
+    gpu_bytes = _gpu_layer_bytes(costs, placement, frac)
     if gpu_bytes:
-        gpu_bytes[0] += kv_read_per_token
-    frac = costs.n_expert_used / costs.n_expert if costs.n_expert else 0.0
+        gpu_bytes[0] += kv_bytes
     cpu_bytes = 0.0
     n_cross = 0
     for i in range(costs.n_compute_layers):
@@ -161,13 +162,20 @@ def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read
     if placement.n_gpu_layers <= costs.n_layers:
         cpu_bytes += costs.output_bytes
     if not gpu_bytes:
-        cpu_bytes += kv_read_per_token
+        cpu_bytes += kv_bytes
         t = cpu_token_seconds(cpu_bytes, costs.n_compute_layers, sp.host_bw)
     else:
         t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
         times = [b / (bw * R.GPU_TG_EFFICIENCY) for b, bw in zip(gpu_bytes, sp.gpu_mem_bw)]
         t += max(times) if placement.split_mode in ("tensor", "graph") else sum(times)
         t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S + n_cross * R.CROSS_DEVICE_LAYER_OVERHEAD_S
+    return t, gpu_bytes, cpu_bytes
+
+
+def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read_per_token: float = 0.0) -> tuple[float, dict]:
+    """Tokens/s for generation at short depth, and the bytes read per token per device."""
+    frac = costs.n_expert_used / costs.n_expert if costs.n_expert else 0.0
+    t, gpu_bytes, cpu_bytes = _decode_step(costs, placement, sp, frac, kv_read_per_token)
     per_dev = {f"CUDA{k}": int(b) for k, b in enumerate(gpu_bytes)}
     per_dev["CPU"] = int(cpu_bytes)
     return (1.0 / t if t > 0 else 0.0), per_dev
@@ -221,53 +229,9 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
 def predict_tg_streams(costs: ModelCosts, placement: Placement, sp: SpeedInputs, streams: int,
                        kv_read_per_token: float = 0.0) -> float:
     """Aggregate tokens/s of ``streams`` streams decoding together at short depth, without an expert cache: one
-    batch per step reads every always-used weight once and, in each MoE layer, the union of the streams' picks
-    (independent picks); each stream reads its own KV cache. The same roofline as :func:`predict_tg`, which this
-    equals at one stream."""
+    step reads every always-used weight once and, in each MoE layer, the union of the streams' picks (independent
+    picks); each stream reads its own KV cache. :func:`predict_tg`'s step, which this equals at one stream."""
     n = max(1, int(streams))
-    if n == 1 or not costs.n_expert:
-        tg, _ = predict_tg(costs, placement, sp, kv_read_per_token)
-        return tg * n
-    share = experts_used(costs.n_expert, costs.n_expert_used, n) / costs.n_expert
-    gpu_bytes = [0.0] * len(placement.gpu_weights)
-    graph = placement.split_mode in ("tensor", "graph")
-    cpu_bytes = 0.0
-    n_cross = 0
-    for i in range(costs.n_compute_layers):
-        g = placement.layer_gpu[i]
-        experts = costs.layer_experts[i] * share
-        if g is None:
-            cpu_bytes += costs.layer_always[i]
-        if placement.experts_on_gpu[i] and g is not None:
-            if graph:
-                total = sum(placement.gpu_weights) or 1
-                for k in range(len(gpu_bytes)):
-                    gpu_bytes[k] += (costs.layer_always[i] + experts) * placement.gpu_weights[k] / total
-                continue
-            gpu_bytes[g] += experts
-        elif costs.layer_experts[i]:
-            cpu_bytes += experts
-            n_cross += g is not None
-        if g is not None:
-            if graph:
-                total = sum(placement.gpu_weights) or 1
-                for k in range(len(gpu_bytes)):
-                    gpu_bytes[k] += costs.layer_always[i] * placement.gpu_weights[k] / total
-            else:
-                gpu_bytes[g] += costs.layer_always[i]
-    if placement.n_gpu_layers > costs.n_layers and gpu_bytes:
-        gpu_bytes[-1 if not graph else 0] += costs.output_bytes
-    else:
-        cpu_bytes += costs.output_bytes
-    if gpu_bytes:
-        gpu_bytes[0] += kv_read_per_token * n
-    else:
-        cpu_bytes += kv_read_per_token * n
-    if not gpu_bytes:   # one step of the batch pays the per-layer and per-token costs once
-        t = cpu_token_seconds(cpu_bytes, costs.n_compute_layers, sp.host_bw)
-    else:
-        t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
-        times = [b / (bw * R.GPU_TG_EFFICIENCY) for b, bw in zip(gpu_bytes, sp.gpu_mem_bw)]
-        t += max(times) if graph else sum(times)
-        t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S + n_cross * R.CROSS_DEVICE_LAYER_OVERHEAD_S
+    share = (experts_used(costs.n_expert, costs.n_expert_used, n) / costs.n_expert) if costs.n_expert else 0.0
+    t, _gpu, _cpu = _decode_step(costs, placement, sp, share, kv_read_per_token * n)
     return n / t if t > 0 else 0.0
