@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from lab.calibmodels import PRESETS, ArchSpec, write_model
+from orchestrator.backend import devices as D
 from orchestrator.bench.logparse import parse_load_log
 from orchestrator.model.memory import LayerOffload, ServerSettings, predict_memory
 from orchestrator.model.reader import read_model
@@ -228,6 +229,12 @@ def predict_case(c: Case, model_path: str) -> dict[str, dict]:
     return {d: v.to_json() for d, v in pred.items()}
 
 
+def recorded_by_device(row: dict) -> dict[str, dict]:
+    """A recorded case's bytes per device under today's device names: the records keep the lower-case
+    ``cuda0``/``cpu`` they were written with."""
+    return {D.canonical(k): v for k, v in row["report"]["by_device"].items()}
+
+
 def within(pred: int, meas: int) -> bool:
     return abs(pred - meas) <= max(TOL_ABS, TOL_REL * meas)
 
@@ -248,7 +255,7 @@ def report(dirs: list[Path], *, model_dir: Path) -> tuple[list[dict], bool]:
             if not path.exists():
                 write_model(str(path), spec)
             pred = predict_case(c, str(path))
-            meas = row["report"]["by_device"]
+            meas = recorded_by_device(row)
             for dev in sorted(set(pred) | set(meas)):
                 p = pred.get(dev, {"weights": 0, "kv": 0, "compute": 0, "output": 0, "total": 0})
                 m = meas.get(dev, {"model": 0, "kv": 0, "compute": 0, "output": 0, "total": 0})
@@ -256,8 +263,8 @@ def report(dirs: list[Path], *, model_dir: Path) -> tuple[list[dict], bool]:
                 ok_all &= ok
                 out = {"name": c.name, "device": dev, "pred": p, "meas": m, "ok": ok,
                        "err": (p["total"] - m["total"]) / m["total"] if m["total"] else 0.0}
-                if dev.startswith("cuda") and row.get("nvidia_used_before"):
-                    gi = int(dev[4:])
+                if D.kind_of(dev) == D.CUDA and row.get("nvidia_used_before"):
+                    gi = D.parse(dev).index
                     before = row["nvidia_used_before"][gi]
                     for stage in ("loaded", "batch"):
                         used = row.get(f"nvidia_used_{stage}")

@@ -76,6 +76,15 @@ def parse(name: str) -> Device:
     return Device(m.group(1).upper(), int(m.group(2)))
 
 
+def kind_of(name: str) -> str:
+    """The backend of a device name or of a bare kind: ``"CUDA1"``, ``"cuda"`` -> ``"CUDA"``; ``"RPC0"`` ->
+    ``"RPC"``; ``"CPU"``, ``"cpu"`` -> ``"CPU"``."""
+    s = str(name)
+    if s.upper() in (CPU, CUDA, RPC):
+        return s.upper()
+    return parse(s).kind
+
+
 def canonical(name: str) -> str:
     """The one spelling of a device name (``"cuda0"`` -> ``"CUDA0"``, ``"cpu"`` -> ``"CPU"``)."""
     return parse(name).name

@@ -15,6 +15,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
+from orchestrator.backend.devices import machine_gpu_key
 from orchestrator.backend.info import BackendInfo
 from orchestrator.errors import ConfigError
 from orchestrator.launch.llama_args import (
@@ -249,7 +250,7 @@ def _predicted(worker: WorkerPlan) -> dict[str, Any]:
     predicted["tg"] = float(pred.tg or 0.0)
     if pred.streams > 1 and pred.tg_streams:
         predicted["tg_streams"] = {int(pred.streams): float(pred.tg_streams)}
-    mem = {_device_key(m.device, worker.gpus): int(m.total) for m in worker.memory}
+    mem = {machine_gpu_key(m.device, worker.gpus): int(m.total) for m in worker.memory}
     if mem:
         predicted["memory"] = mem
     return predicted
@@ -291,7 +292,7 @@ def config_from_plan_json(data: Mapping, worker: int = 0) -> BenchConfig:
     if isinstance(streams, int) and streams > 1 and (w.details.get("predicted") or {}).get("tg_streams"):
         predicted["tg_streams"] = {streams: float(w.details["predicted"]["tg_streams"])}
     if w.devices:
-        predicted["memory"] = {_device_key(k, w.gpus): v for k, v in w.devices.items()}
+        predicted["memory"] = {machine_gpu_key(k, w.gpus): v for k, v in w.devices.items()}
     c = plan_config(w.server_args, w.env, wrapper=w.wrapper, settings=w.settings if use_settings else None,
                     backend=doc.backend if use_settings else None, cpu_expert_layers=w.cpu_expert_layers,
                     predicted=predicted)
@@ -310,15 +311,6 @@ def server_from_plan_json(data: Mapping, worker: int = 0) -> str | None:
         return doc.backend.server if doc.backend is not None else doc.worker(worker).server
     except ConfigError:
         return None
-
-
-def _device_key(device: str, gpus: Sequence[int]) -> str:
-    """"CUDA1" of a worker using machine GPUs (4, 5) -> "gpu5"; "CPU" stays."""
-    m = re.fullmatch(r"CUDA(\d+)", str(device))
-    if m:
-        i = int(m.group(1))
-        return f"gpu{gpus[i] if i < len(gpus) else i}"
-    return str(device)
 
 
 # --- the alternatives ----------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ and, from a build with the expert cache (``--moe-cache-mib``), its size as the s
     ggml_backend_sched_moe_cache_init: expert cache: 78 host-resident expert tensors x 34 slots (of 128 experts),
         2237.6 MiB of device memory, batches up to 4 tokens
 
-Buffer names map to devices: ``CUDA<n>`` (and ``CUDA<n>_Split``) is GPU n, everything else (``CPU``,
-``CPU_Mapped``, ``CPU_REPACK``, ``CUDA_Host``, ...) is host memory.
+Buffer names map to devices as :func:`orchestrator.backend.devices.device_of_buffer` says: ``CUDA<n>`` (and
+``CUDA<n>_Split``) is ``CUDA<n>``, ``RPC<i>[HOST:PORT]`` an RPC device, everything else (``CPU``, ``CPU_Mapped``,
+``CPU_REPACK``, ``CUDA_Host``, ...) is host memory, ``CPU``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from orchestrator.backend.devices import device_of_buffer
 
 MiB = 1024 * 1024
 
@@ -45,16 +48,6 @@ _FIT = re.compile(r"(common_params_fit_impl|common_fit_params|llama_params_fit\w
 _MOE_CACHE = re.compile(r"expert cache: (\d+) host-resident expert tensors x (\d+) slots \(of (\d+) experts\), "
                         r"([\d.]+) MiB of device memory, batches up to (\d+) tokens(;.*)?$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_GPU_NAME = re.compile(r"^CUDA(\d+)")
-
-
-def device_of_buffer(name: str) -> str:
-    """``"CUDA0"``/``"CUDA0_Split"`` -> ``"cuda0"``; every host buffer (CPU, CPU_Mapped, CPU_REPACK, CUDA_Host)
-    -> ``"cpu"``."""
-    m = _GPU_NAME.match(name)
-    if m and not name.startswith("CUDA_Host"):
-        return f"cuda{m.group(1)}"
-    return "cpu"
 
 
 @dataclass
@@ -71,11 +64,14 @@ class LoadReport:
     fit: list[str] = field(default_factory=list)                    # what --fit said, whitespace folded
     moe_cache: dict | None = None                                   # the expert cache the server made
 
-    def by_device(self) -> dict[str, dict[str, int]]:
+    def by_device(self, rpc_endpoints: tuple[str, ...] | list[str] = ()) -> dict[str, dict[str, int]]:
+        """Bytes per device (``CUDA0``, ``RPC1``, ``CPU``); ``rpc_endpoints``: the ``--rpc`` list, which tells
+        the RPC devices' buffers apart."""
         out: dict[str, dict[str, int]] = {}
         for part in ("model", "kv", "output", "compute"):
             for buf, n in getattr(self, part).items():
-                d = out.setdefault(device_of_buffer(buf), {"model": 0, "kv": 0, "output": 0, "compute": 0})
+                d = out.setdefault(device_of_buffer(buf, rpc_endpoints),
+                                   {"model": 0, "kv": 0, "output": 0, "compute": 0})
                 d[part] += n
         for d in out.values():
             d["total"] = d["model"] + d["kv"] + d["output"] + d["compute"]

@@ -135,7 +135,7 @@ def _memory(model, args) -> dict:
                          flash_attn=fa, n_batch=s.n_batch)
     kv = kv_cache_bytes(model, s.n_ctx, s.n_parallel, s.type_k, s.type_v, kv_unified=s.kv_unified,
                         n_ubatch=s.n_ubatch, flash_attn=fa, n_batch=s.n_batch)
-    comp = compute_buffer_estimate(model, n_ubatch=s.n_ubatch, n_ctx=s.n_ctx, device="cpu", flash_attn=fa,
+    comp = compute_buffer_estimate(model, n_ubatch=s.n_ubatch, n_ctx=s.n_ctx, device="CPU", flash_attn=fa,
                                    n_parallel=s.n_parallel, kv_unified=s.kv_unified, type_k=s.type_k,
                                    type_v=s.type_v, n_batch=s.n_batch)
     out_b = output_buffer_bytes(model, s.n_parallel)

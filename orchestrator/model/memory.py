@@ -48,6 +48,10 @@ CUDA context (:func:`cuda_overhead_bytes`): the driver context, cuBLAS handles a
 at the first batch, plus ggml's CUDA memory pool, which the first full micro-batch fills (quantized copies of
 activations for the MMQ kernels). None of it appears in llama.cpp's buffer logs; it is measured on the GPU
 machine by ``python -m lab.calibrate gpu`` (nvidia-smi after one full batch minus the buffers).
+
+Devices are named as llama.cpp names them (:mod:`orchestrator.backend.devices`): ``CUDA0``, ``RPC0``, ``CPU``. An
+RPC device (a ``ggml-rpc-server``) is predicted as the CPU backend its server runs here: no row padding, CPU
+alignment, no CUDA context.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from orchestrator.backend import devices as D
 from orchestrator.backend.info import Flavor
 from orchestrator.model.classes import TensorClass
 from orchestrator.model.ggml_types import ggml_type
@@ -256,13 +261,13 @@ def _masks(model: ModelInfo, lay: ContextLayout, T: int, flash_attn: bool) -> in
     return total
 
 
-def compute_buffer_estimate(model: ModelInfo, *, n_ubatch: int, n_ctx: int, device: str = "cpu",
+def compute_buffer_estimate(model: ModelInfo, *, n_ubatch: int, n_ctx: int, device: str = D.CPU,
                             flash_attn: bool = True, n_parallel: int = 1, kv_unified: bool = False,
                             n_outputs: int | None = None, type_k: str = "f16", type_v: str = "f16",
                             has_layers: bool = True, has_output: bool = True, swa_full: bool = False,
                             n_batch: int = 2048, offloaded_weight_bytes: int = 0,
                             flavor: Flavor | str = Flavor.MAINLINE) -> ComputeEstimate:
-    """Compute buffer of one device.
+    """Compute buffer of one device (``device``: its name or kind, ``"CUDA0"``, ``"CUDA"``, ``"RPC0"``, ``"CPU"``).
 
     ``has_layers``: the device computes at least one layer (its activations peak there); a host that only
     feeds GPUs (all layers offloaded) still holds the graph inputs (masks, token embeddings) and, when it keeps
@@ -273,7 +278,7 @@ def compute_buffer_estimate(model: ModelInfo, *, n_ubatch: int, n_ctx: int, devi
     lay = context_layout(model, n_ctx, n_parallel, n_ubatch=n_ubatch, kv_unified=kv_unified, swa_full=swa_full,
                          flash_attn=flash_attn, n_batch=n_batch, flavor=flavor)
     T = lay.n_ubatch
-    cuda = device.startswith("cuda")
+    cuda = D.kind_of(device) == D.CUDA
     E = model.n_embd
     masks = _masks(model, lay, T, flash_attn)
     phases = activation_phases(model, flash_attn=flash_attn)
@@ -320,7 +325,7 @@ def _is_f16(t: str) -> bool:
     return _type_name(t) == "F16"
 
 
-def compute_buffer_bytes(model: ModelInfo, *, n_ubatch: int, n_ctx: int, device: str = "cpu",
+def compute_buffer_bytes(model: ModelInfo, *, n_ubatch: int, n_ctx: int, device: str = D.CPU,
                          flash_attn: bool = True, **kw) -> int:
     """Bytes of one device's compute buffer (see :func:`compute_buffer_estimate` for the keywords)."""
     return compute_buffer_estimate(model, n_ubatch=n_ubatch, n_ctx=n_ctx, device=device, flash_attn=flash_attn,
@@ -403,7 +408,7 @@ class LayerOffload:
     says otherwise."""
 
     gpu_layers: tuple[int, ...] = ()
-    gpu: str = "cuda0"
+    gpu: str = "CUDA0"
     cpu_moe_layers: tuple[int, ...] = ()
     output_on_gpu: bool | None = None
 
@@ -414,18 +419,18 @@ class LayerOffload:
     def device_of(self, model: ModelInfo, t: TensorInfo) -> str:
         gpu_set: frozenset[int] = self._gpu_set  # type: ignore[attr-defined]
         if not gpu_set:
-            return "cpu"
+            return D.CPU
         if t.layer is None:
             if t.cls is TensorClass.EMBEDDINGS:
-                return "cpu"          # llama.cpp keeps the input layer on the host
+                return D.CPU          # llama.cpp keeps the input layer on the host
             out = self.output_on_gpu
             if out is None:
                 out = (model.n_layers - 1) in gpu_set or (model.n_trunk_layers - 1) in gpu_set
-            return self.gpu if out else "cpu"
+            return self.gpu if out else D.CPU
         if t.layer not in gpu_set:
-            return "cpu"
+            return D.CPU
         if t.cls is TensorClass.ROUTED_EXPERT and t.layer in self._cpu_moe_set:  # type: ignore[attr-defined]
-            return "cpu"
+            return D.CPU
         return self.gpu
 
     def on_gpu(self, layer: int) -> bool:
@@ -458,9 +463,9 @@ def predict_memory(model: ModelInfo, settings: ServerSettings, placement: LayerO
         if not s.mtp and model.n_nextn_layers and t.layer is not None and t.layer >= model.n_trunk_layers:
             continue
         dev = placement.device_of(model, t)
-        size = cuda_tensor_bytes(t) if dev.startswith("cuda") else pad(t.bytes, CPU_ALIGN)
+        size = cuda_tensor_bytes(t) if D.kind_of(dev) == D.CUDA else pad(t.bytes, CPU_ALIGN)
         weights[dev] = weights.get(dev, 0) + size
-        if dev == "cpu" and t.layer is not None and placement.on_gpu(t.layer):
+        if dev == D.CPU and t.layer is not None and placement.on_gpu(t.layer):
             host_weights.append(t)
     kv_kw = dict(kv_unified=s.kv_unified, n_ubatch=s.n_ubatch, flash_attn=s.flash_attn, swa_full=s.swa_full,
                  n_batch=s.n_batch, flavor=s.flavor)
@@ -470,7 +475,7 @@ def predict_memory(model: ModelInfo, settings: ServerSettings, placement: LayerO
     common = dict(n_ubatch=s.n_ubatch, n_ctx=s.n_ctx, flash_attn=s.flash_attn, n_parallel=s.n_parallel,
                   kv_unified=s.kv_unified, n_outputs=s.n_outputs, type_k=s.type_k, type_v=s.type_v,
                   swa_full=s.swa_full, n_batch=s.n_batch, flavor=s.flavor)
-    out_dev = "cpu"
+    out_dev = D.CPU
     if placement.gpu_layers:
         probe = next((t for t in model.tensors if t.cls is TensorClass.OUTPUT), None)
         if probe is not None:
@@ -481,11 +486,12 @@ def predict_memory(model: ModelInfo, settings: ServerSettings, placement: LayerO
         comp = compute_buffer_bytes(model, device=g, has_layers=True, has_output=out_dev == g,
                                     offloaded_weight_bytes=offloaded_weight_bytes(host_weights), **common)
         out[g] = DeviceBuffers(g, weights.get(g, 0), kv, comp, 0,
-                              cuda_overhead_bytes(model, n_ubatch=s.n_ubatch))
+                               cuda_overhead_bytes(model, n_ubatch=s.n_ubatch) if D.kind_of(g) == D.CUDA else 0)
     kv_cpu = kv_cache_bytes(model, s.n_ctx, s.n_parallel, s.type_k, s.type_v, cpu_layers, **kv_kw)
-    comp_cpu = compute_buffer_bytes(model, device="cpu", has_layers=bool(cpu_layers), has_output=out_dev == "cpu",
+    comp_cpu = compute_buffer_bytes(model, device=D.CPU, has_layers=bool(cpu_layers), has_output=out_dev == D.CPU,
                                     **common)
-    out["cpu"] = DeviceBuffers("cpu", weights.get("cpu", 0), kv_cpu, comp_cpu, output_buffer_bytes(model, s.n_parallel))
+    out[D.CPU] = DeviceBuffers(D.CPU, weights.get(D.CPU, 0), kv_cpu, comp_cpu,
+                               output_buffer_bytes(model, s.n_parallel))
     return out
 
 

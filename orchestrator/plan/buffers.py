@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.backend import devices as D
 from orchestrator.backend.info import Flavor
 from orchestrator.model import memory as mm
 from orchestrator.model.classes import TensorClass
@@ -41,14 +42,14 @@ def staging_bytes(model: ModelInfo, cpu_expert_layers) -> int:
 
 
 def gpu_compute_bytes(model: ModelInfo, shape: BufferShape, *, has_output: bool, staging: int) -> int:
-    return mm.compute_buffer_bytes(model, n_ubatch=shape.n_ubatch, n_ctx=shape.n_ctx, device="cuda",
+    return mm.compute_buffer_bytes(model, n_ubatch=shape.n_ubatch, n_ctx=shape.n_ctx, device=D.CUDA,
                                    flash_attn=shape.flash_attn, n_parallel=shape.n_parallel, n_batch=shape.n_batch,
                                    type_k=shape.type_k, type_v=shape.type_v, has_layers=True, has_output=has_output,
                                    offloaded_weight_bytes=staging, flavor=shape.flavor)
 
 
 def cpu_compute_bytes(model: ModelInfo, shape: BufferShape, *, has_layers: bool, has_output: bool) -> int:
-    return mm.compute_buffer_bytes(model, n_ubatch=shape.n_ubatch, n_ctx=shape.n_ctx, device="cpu",
+    return mm.compute_buffer_bytes(model, n_ubatch=shape.n_ubatch, n_ctx=shape.n_ctx, device=D.CPU,
                                    flash_attn=shape.flash_attn, n_parallel=shape.n_parallel, n_batch=shape.n_batch,
                                    type_k=shape.type_k, type_v=shape.type_v, has_layers=has_layers,
                                    has_output=has_output, flavor=shape.flavor)

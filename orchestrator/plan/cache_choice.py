@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from orchestrator.backend import devices as D
 from orchestrator.hardware.topology import Gpu
 from orchestrator.model.memory import MOE_CACHE_MAX_BATCH, moe_cache_bank_bytes, moe_cache_size
 from orchestrator.plan import expert_cache as X
@@ -127,7 +128,7 @@ def worker_cache(ctx: PlanContext, gpus: list[Gpu], best: Candidate, *, load_mod
         for share in cplan.per_gpu:         # each GPU reads its own banks (hits and the misses copied in)
             tg_bytes[share.device] = int(tg_bytes.get(share.device, 0) + share.hit_bytes + share.pcie_bytes)
     else:
-        gpu0 = next(iter(k for k in tg_bytes if k.startswith("CUDA")), "CUDA0")
+        gpu0 = next(iter(k for k in tg_bytes if D.is_gpu(k)), D.gpu(0))
         tg_bytes[gpu0] = int(tg_bytes.get(gpu0, 0) + c.cache_hit_bytes + c.pcie_bytes)
     tg_bytes["CPU"] = max(0, int(tg_bytes.get("CPU", 0) - c.host_layers * per_token))
     tg_bytes["PCIe"] = int(c.pcie_bytes)
@@ -149,7 +150,7 @@ def cache_shares(costs: ModelCosts, placement: Placement, host: tuple[int, ...],
         mine = [i for i in costs.moe_layers if placement.layer_gpu[i] == g]
         h = sum(1 for i in mine if i in host)
         picks = h * pick
-        out.append(X.GpuCacheShare(f"CUDA{g}", len(mine) - h, h, slots if h else 0, bank, chosen.hit_rate,
+        out.append(X.GpuCacheShare(D.gpu(g), len(mine) - h, h, slots if h else 0, bank, chosen.hit_rate,
                                    chosen.hit_rate * picks, (1.0 - chosen.hit_rate) * picks))
     return tuple(out)
 

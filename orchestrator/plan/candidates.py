@@ -32,7 +32,7 @@ class Candidate:
     tg: float
     tg_bytes: Mapping[str, int]
     pp: Mapping[int, float]
-    compute_gpu: tuple[int, ...]            # per GPU of the worker (CUDA0, CUDA1, ...)
+    compute_gpu: tuple[int, ...]            # per GPU of the worker (CUDA0, CUDA1, ...: backend/devices.py)
     overhead_gpu: int
     speed: SpeedInputs
     budgets: tuple[GpuBudget, ...] = ()

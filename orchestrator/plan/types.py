@@ -28,7 +28,8 @@ class Decision:
 class DeviceMemory:
     """Predicted memory on one device of one worker (bytes)."""
 
-    device: str                 # "CUDA0" (the worker's own numbering), "CPU"
+    device: str                 # llama.cpp's name (orchestrator.backend.devices): "CUDA0" in the worker's own
+                                # numbering, "CPU"
     weights: int = 0
     kv: int = 0
     compute: int = 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lab.calibmodels import write_model
-from lab.calibrate import Case, grid_spec, predict_case, within
+from lab.calibrate import Case, grid_spec, predict_case, recorded_by_device, within
 from orchestrator.bench.logparse import parse_load_log
 from orchestrator.model.memory import compute_buffer_estimate
 from orchestrator.model.reader import read_model
@@ -59,9 +59,9 @@ def test_cuda_overhead_matches_nvidia_smi_after_a_full_batch(row, model_dir):
     against the prediction with the CUDA context and pool: the overhead part alone within 64 MiB, the whole
     within the target."""
     c = Case(**row["case"])
-    pred = predict_case(c, _model(c, model_dir))["cuda0"]
+    pred = predict_case(c, _model(c, model_dir))["CUDA0"]
     used = row["nvidia_used_batch"][0] - row["nvidia_used_before"][0]
-    buffers = row["report"]["by_device"]["cuda0"]["total"]
+    buffers = recorded_by_device(row)["CUDA0"]["total"]
     assert abs(pred["overhead"] - (used - buffers)) <= 64 << 20, (pred["overhead"] >> 20, (used - buffers) >> 20)
     assert within(pred["total"] + pred["overhead"], used), ((pred["total"] + pred["overhead"]) >> 20, used >> 20)
 
@@ -72,7 +72,7 @@ def test_log_is_the_source_of_the_numbers(where, row):
     first = log.splitlines()[0]
     assert first == "# " + " ".join(row["argv"])
     assert row["argv"][0] == "llama-server"
-    assert parse_load_log(log).to_json()["by_device"] == row["report"]["by_device"]
+    assert parse_load_log(log).to_json()["by_device"] == recorded_by_device(row)
 
 
 @pytest.mark.parametrize("where,row", ROWS, ids=[f"{d}/{r['case']['name']}" for d, r in ROWS])
@@ -80,7 +80,7 @@ def test_prediction_within_target(where, row, model_dir):
     assert row["loaded"], row["error"]
     c = Case(**row["case"])
     pred = predict_case(c, _model(c, model_dir))
-    meas = row["report"]["by_device"]
+    meas = recorded_by_device(row)
     assert set(pred) == set(meas)
     for dev, m in meas.items():
         p = pred[dev]
@@ -88,7 +88,7 @@ def test_prediction_within_target(where, row, model_dir):
         # the exact parts are exact (to the two decimals of MiB llama.cpp logs, per buffer)
         close = 3 * 10486
         assert abs(p["kv"] - m["kv"]) <= close, (dev, "kv", p, m)
-        if dev == "cpu" and c.placement == "cpu":
+        if dev == "CPU" and c.placement == "cpu":
             assert abs(p["weights"] - m["model"]) <= close, (dev, "weights", p, m)
         # compute buffers of CPU-only runs: within 1 % (the calibrated part)
         if c.placement == "cpu":

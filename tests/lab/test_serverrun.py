@@ -52,12 +52,12 @@ def test_parse_fixture_log():
     assert rep.kv["CPU"] == round(19.0 * MiB)
     assert len(rep.kv_cells) == 2
     assert rep.context["n_ctx"] == "4096" and rep.context["flash_attn"] == "enabled"
-    dev = rep.by_device()["cpu"]
+    dev = rep.by_device()["CPU"]
     assert dev["total"] == dev["model"] + dev["kv"] + dev["output"] + dev["compute"]
 
 
 def test_buffer_devices():
-    assert device_of_buffer("CUDA0") == "cuda0"
-    assert device_of_buffer("CUDA1_Split") == "cuda1"
+    assert device_of_buffer("CUDA0") == "CUDA0"
+    assert device_of_buffer("CUDA1_Split") == "CUDA1"
     for host in ("CPU", "CPU_Mapped", "CPU_REPACK", "CUDA_Host"):
-        assert device_of_buffer(host) == "cpu"
+        assert device_of_buffer(host) == "CPU"

@@ -22,9 +22,9 @@ def test_loads_and_matches_prediction(llama_server_path, tiny_models, arch, ctx,
     run = run_server(llama_server_path, str(path), args, timeout=120, batch_tokens=ub if arch == "qwen3moe" else None,
                      n_vocab=320)
     assert run.loaded, run.error + "\n" + run.log[-3000:]
-    rep = parse_load_log(run.log).by_device()["cpu"]
+    rep = parse_load_log(run.log).by_device()["CPU"]
     m = read_model(path)
-    pred = predict_memory(m, ServerSettings(n_ctx=ctx, n_parallel=np_, n_ubatch=ub))["cpu"]
+    pred = predict_memory(m, ServerSettings(n_ctx=ctx, n_parallel=np_, n_ubatch=ub))["CPU"]
     # llama.cpp logs MiB with two decimals: equal to within 0.01 MiB per buffer
     close = 3 * 10486
     assert abs(pred.kv - rep["kv"]) <= close

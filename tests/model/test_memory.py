@@ -115,15 +115,15 @@ def test_compute_masks_scores_and_outputs(models, write_model, tiny_specs):
 
 def test_cuda_extras(models):
     m = models["qwen3moe"]
-    plain = compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="cuda0")
-    q8 = compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="cuda0", type_k="q8_0", type_v="q8_0")
+    plain = compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="CUDA0")
+    q8 = compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="CUDA0", type_k="q8_0", type_v="q8_0")
     assert plain.fa_f16_kv == 0
     assert q8.fa_f16_kv == 4096 * (64 + 64) * 2      # f16 K and V of one layer for the FA kernels
-    w = compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="cuda0", offloaded_weight_bytes=10 * MiB)
+    w = compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="CUDA0", offloaded_weight_bytes=10 * MiB)
     assert w.weight_copy == 10 * MiB
-    small = compute_buffer_estimate(m, n_ubatch=16, n_ctx=4096, device="cuda0", offloaded_weight_bytes=10 * MiB)
+    small = compute_buffer_estimate(m, n_ubatch=16, n_ctx=4096, device="CUDA0", offloaded_weight_bytes=10 * MiB)
     assert small.weight_copy == 0                    # below GGML_OP_OFFLOAD_MIN_BATCH nothing is offloaded
-    assert compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="cpu",
+    assert compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="CPU",
                                    offloaded_weight_bytes=10 * MiB).weight_copy == 0
 
 
@@ -141,8 +141,8 @@ def test_predict_all_on_cpu_adds_up(models):
     m = models["deepseek2"]
     s = ServerSettings(n_ctx=4096, n_ubatch=512)
     p = predict_memory(m, s)
-    assert set(p) == {"cpu"}
-    cpu = p["cpu"]
+    assert set(p) == {"CPU"}
+    cpu = p["CPU"]
     assert cpu.kv == kv_cache_bytes(m, 4096)
     assert cpu.weights >= m.loaded_bytes()
     assert cpu.total == cpu.weights + cpu.kv + cpu.compute + cpu.output
@@ -153,13 +153,13 @@ def test_predict_experts_on_host_rest_on_gpu(models):
     layers = tuple(range(m.n_layers))
     p = predict_memory(m, ServerSettings(n_ctx=4096, n_ubatch=512),
                        LayerOffload(gpu_layers=layers, cpu_moe_layers=m.moe_layers))
-    gpu, cpu = p["cuda0"], p["cpu"]
+    gpu, cpu = p["CUDA0"], p["CPU"]
     experts = sum(t.bytes for t in m.tensors if t.cls is TensorClass.ROUTED_EXPERT)
     embd = m.tensor("token_embd.weight").bytes
     assert cpu.weights >= experts + embd
     assert gpu.kv == kv_cache_bytes(m, 4096) and cpu.kv == 0
     assert gpu.weights >= m.weights_bytes - experts - embd
-    assert gpu.compute > compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="cuda0").total
+    assert gpu.compute > compute_buffer_estimate(m, n_ubatch=512, n_ctx=4096, device="CUDA0").total
     assert gpu.overhead > 0
 
 

@@ -45,8 +45,8 @@ def test_synth_model_read_and_predicted(llama_server_path, synth_models, like, a
                                                     "--no-warmup", "-lm", "none", "--fit", "off", "-t", "1"],
                      timeout=120)
     assert run.loaded, run.error
-    rep = parse_load_log(run.log).by_device()["cpu"]
-    pred = predict_memory(m, ServerSettings(n_ctx=8192, n_ubatch=1024))["cpu"]
+    rep = parse_load_log(run.log).by_device()["CPU"]
+    pred = predict_memory(m, ServerSettings(n_ctx=8192, n_ubatch=1024))["CPU"]
     close = 3 * 10486        # llama.cpp logs MiB with two decimals
     assert abs(pred.kv - rep["kv"]) <= close
     assert abs(pred.weights - rep["model"]) <= close

@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.backend import devices as D
 from orchestrator.backend.detect import detect_backend
 from orchestrator.bench.logparse import parse_load_log
 from orchestrator.hardware.dump import load_machine
@@ -136,13 +135,7 @@ class Run:
 
     def buffers(self) -> dict[str, dict[str, int]]:
         """Per device (RPC0, RPC1, CPU): bytes of weights, KV and compute buffers as llama.cpp logged them."""
-        r = parse_load_log(self.log)
-        out: dict[str, dict[str, int]] = {}
-        for part in ("model", "kv", "compute"):
-            for buf, n in getattr(r, part).items():
-                d = out.setdefault(D.device_of_buffer(buf, self.endpoints), {"model": 0, "kv": 0, "compute": 0})
-                d[part] += n
-        return out
+        return parse_load_log(self.log).by_device(self.endpoints)
 
     def cache_bytes(self) -> int:
         r = parse_load_log(self.log)
