@@ -50,7 +50,11 @@
 #                     WORKLOAD_STREAMS_BUDGET (default 12; 0: none) the plan for 4 streams (model.parallel=4)
 #                     against fit-pinned with -np 4: aggregate generation of 1, 2 and 4 streams; then W2 (locality
 #                     L) at 24 GiB: plan / plan with prefill off / fit-pinned, unless WORKLOAD_W2=0
-#
+#   prefetch[=L]      uploads ahead of need, W1 written at routing locality L (default: default) and its profile
+#                     measured: at each of PREFETCH_BUDGETS (GiB, default "12 8") the plan for 4 streams
+#                     (model.parallel=4) / the same with --moe-cache-prefetch on / the plan again (A/A, at the first)
+#                     / fit-pinned with -np 4, interleaved over PREFETCH_ROUNDS (default 1): pp512, generation of 1
+#                     and 4 streams, and the cache's prefetch counters (accuracy, uploads ahead, used)#
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
 #   w2-x2             W2 at 12 GiB per GPU: plan / --fit, 2 rounds
@@ -58,6 +62,11 @@
 #   w1-x2             W1 at 6 GiB per GPU: plan / --fit
 #   build-ik          the ik_llama.cpp CUDA build alone (32 jobs; resumes a build cut by the time limit)
 #   w2-x2-ik          W2 at 12 GiB per GPU: ik_llama.cpp's plan (-sm graph) / ik -sm layer / mainline's plan
+#   w2-x2-cache[=L]   W2 written at routing locality L (default: default), its profile measured, at W2_X2_BUDGET GiB
+#                     per GPU (default 12): the plan (-sm layer, the cache split over both GPUs) / fit-pinned / the
+#                     plan's -sm layer ranges without the cache / -sm tensor as the planner places it, each as far as
+#                     `plan` accepts it (what it refuses is logged); CACHE_ROUNDS rounds. -sm graph is w2-x2-ik's
+#                     (after build-ik). What the RPC tests (tests/multigpu) already proved is in docs/multi-gpu.md
 #
 # Without a CUDA build (a CPU llama-server carried xz-compressed in .devcpu/:
 #   mkdir -p .devcpu && xz -c ~/.cache/orchestrator/llama.cpp/mainline-cpu-*/bin/llama-server > .devcpu/llama-server.xz):
@@ -78,7 +87,8 @@ cd "$(dirname "$0")/../.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 STEPS=(build gpu-tests routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
-       w1-cpu-flags w1-load-modes w2 w1-cache w2-cache workload w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik cpu-up cpu-early
+       w1-cpu-flags w1-load-modes w2 w1-cache w2-cache workload prefetch w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik
+       w2-x2-cache cpu-up cpu-early
        gateway-cpu sampler-cost)
 known() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -337,6 +347,27 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
         --tg-reps 2 --concurrency 1 --ttft-requests 4
     fi
     ;;
+  prefetch)
+    need_server
+    local loc=${arg:-default} b first SETS=(--set model.parallel=4)
+    routing_profile "$loc" w1
+    first=${PREFETCH_BUDGETS:-12 8}; first=${first%% *}
+    for b in ${PREFETCH_BUDGETS:-12 8}; do
+      [ "$(left)" -gt 150 ] || { log "no time left for ${b} GiB"; break; }
+      local mdl=$M/w1-loc-$loc.gguf name=w1-${b}g-prefetch
+      orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" > "$O/plan-$name.txt" 2>&1
+      orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" --json \
+        > "$O/plan-$name.json" 2>&1
+      local V=(--config "$(python3 lab/device/plan-config.py plan-prefetch "$O/plan-$name.json" \
+                            --add='--moe-cache-prefetch on')")
+      timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \
+        --configs "plan,fit-pinned$([ "$b" = "$first" ] && echo ,control)" "${V[@]}" \
+        --rounds "${PREFETCH_ROUNDS:-1}" --max-minutes "$(mins 10)" --out "$O/$name" \
+        --pp 512 --pp-reps 1 --tg-depths none --tg-reps 3 --tg-streams 1,4 --concurrency none \
+        > "$O/$name.log" 2>&1
+      log "$name rc=$?"; tail -22 "$O/$name.log"
+    done
+    ;;
   w2)
     need_server; synth q235
     timeout $(( $(left) - 3 )) "${BENCH[@]}" --set "model.path=$Q235" --vram-budget 24GiB --configs plan,fit --rounds 1 \
@@ -366,6 +397,25 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     timeout 240 "${BENCH[@]}" --set "model.path=$Q235" --vram-budget 12GiB --configs plan,fit --config "$LAYER" --rounds 1 \
       --pp 32,512,4096 --pp-reps 1 --tg-depths 0,4096 --tg-reps 2 --concurrency none --max-minutes 3.8 \
       --out "$O/w2-2x12g" > "$O/w2-2x12g.log" 2>&1
+    ;;
+  w2-x2-cache)
+    need_server
+    local loc=${arg:-default} b=${W2_X2_BUDGET:-12} V=() sm
+    local mdl=$M/w2-loc-$loc.gguf
+    routing_profile "$loc" w2
+    orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" > "$O/plan.txt" 2>&1
+    for sm in layer tensor; do    # the alternatives the plan did not take, placed by the planner
+      if orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" --set workers.split_mode=$sm \
+           --set workers.expert_cache=off --json > "$O/plan-sm-$sm.json" 2> "$O/plan-sm-$sm.err"; then
+        V+=(--config "$(python3 lab/device/plan-config.py "sm-$sm" "$O/plan-sm-$sm.json")")
+      else
+        log "no -sm $sm plan: $(tail -1 "$O/plan-sm-$sm.err")"
+      fi
+    done
+    timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs plan,fit-pinned \
+      "${V[@]}" --rounds "${CACHE_ROUNDS:-1}" --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 \
+      --ttft-requests 4 --max-minutes "$(mins 10)" --out "$O/w2-2x${b}g" > "$O/w2-2x${b}g.log" 2>&1
+    log "w2 2 x ${b} GiB rc=$?"; tail -25 "$O/w2-2x${b}g.log"
     ;;
   w1-x2)
     need_server; synth q30
