@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -461,6 +462,9 @@ def trace_input(model: os.PathLike | str, input: str = "auto", prompts: os.PathL
 
 def describe_input(what: dict) -> str:
     """One line for what a trace decoded (:func:`trace_input`'s record)."""
+    if what["input"] == SERVED:
+        return (f"{what['tokens']} tokens generated in use by {what['workers']} worker(s), each stream in decode "
+                f"order (llama-server --router-trace)")
     if what["input"] == "random":
         return "random token ids" + (f" (one, then the model's own tokens sampled at temperature "
                                      f"{what['sample']:g})" if what["sample"] else "")
@@ -506,14 +510,42 @@ def measure_profile(model: os.PathLike | str, *, tokens: int = 1024, input: str 
     source = (f"measured: {model.name}, {tr.n_tokens} tokens in decode order, {describe_input(what)} "
               f"(seed {seed})")
     prof = profile(tr, source)
+    return prof, save_profile(model, prof, settings, cache), False, settings
+
+
+def save_profile(model: os.PathLike | str, prof, settings: dict, cache: Path | None = None) -> Path:
+    """Cache ``prof`` as ``model``'s routing profile (what :func:`load_profile` reads; written whole or not at
+    all), ``settings`` recording what it was made from. Returns its path."""
+    path = profile_path(model, cache)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.part")
+    tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}.part")
     try:
         tmp.write_text(json.dumps({"model": str(model), "settings": settings, "profile": prof.to_json()}))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return prof, path, False, settings
+    return path
+
+
+# what a deployment served (orchestrator.cluster.live_routing): the input of a profile made from the workers'
+# router traces, which hold the tokens they generated
+SERVED = "served"
+
+
+def served_settings(tokens: int, workers: int) -> dict:
+    """The settings a profile made from served traffic records."""
+    return {"tokens": int(tokens), "input": SERVED, "workers": int(workers), "prompts": None, "sample": None}
+
+
+def served_profile(model: os.PathLike | str, tr, workers: int, cache: Path | None = None):
+    """``tr`` (a :class:`~orchestrator.model.routing_profile.Trace` of the tokens ``workers`` workers generated,
+    each slot's in decode order) as ``model``'s routing profile, cached where :func:`load_profile` finds it, so
+    the next plan sizes the cache from it. Returns ``(profile, path)``."""
+    from orchestrator.model.routing_profile import profile
+
+    what = served_settings(tr.n_tokens, workers)
+    prof = profile(tr, f"measured: {Path(model).name}, {describe_input(what)}")
+    return prof, save_profile(model, prof, what, cache)
 
 
 def _tool_is_built() -> bool:
