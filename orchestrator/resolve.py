@@ -13,7 +13,7 @@ from orchestrator.backend.info import BackendInfo, nominal_backend
 from orchestrator.config import Topology, load_topology
 from orchestrator.errors import BackendError, ConfigError, PlanError
 from orchestrator.hardware import Machine
-from orchestrator.launch.worker_spec import spec_for_worker
+from orchestrator.launch.worker_spec import ROUTER_TRACE_TOKENS, spec_for_worker
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.model import ModelInfo
 from orchestrator.plan import Plan
@@ -165,6 +165,9 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
     if backend is None:
         backend, bnotes = find_backend(topo, machines)
         notes += bnotes
+    if topo.workers.live_routing == "on" and not backend.has("router_trace"):
+        notes.append(f"workers.live_routing: on, but {backend.server} has no --router-trace (orchestrator's build "
+                     f"of llama.cpp adds it): the workers record no routing")
     request = request_from_topology(topo)
     routing = routing_curve(model.paths[0], backend)
     try:
@@ -177,7 +180,8 @@ def resolve(topology: str | Path | Topology, *, overrides: dict | None = None,
     for w in plan.workers:
         n = by_name[w.node]
         resources = {n.ray_resource: 0.001} if n.ray_resource else None
-        spec = spec_for_worker(w.name, w.settings, w.backend, node=w.node, local_node=local, resources=resources)
+        spec = spec_for_worker(w.name, w.settings, w.backend, node=w.node, local_node=local, resources=resources,
+                               router_trace=ROUTER_TRACE_TOKENS if topo.workers.live_routing == "on" else 0)
         if spec.node is not None and n.address and not n.ray_resource:
             spec = replace(spec, node=n.address)  # Ray finds a node by its name, address or host name
         specs.append(spec)

@@ -103,6 +103,7 @@ FEATURES = {
     "moe_cache": r"--moe-cache-mib\b",
     "moe_cache_cpu_misses": r"--moe-cache-cpu-misses\b",
     "moe_cache_prefill": r"--moe-cache-prefill\b",
+    "router_trace": r"--router-trace\b",
 }
 # features only ik_llama.cpp has: any of them (or -sm graph) tells the flavor
 _IK_MARKERS = frozenset({"mla", "merge_qkv", "attn_max_batch", "graph_reuse", "cuda_params",

@@ -45,6 +45,7 @@ OWNED_FLAGS: dict[str, str] = {
     **dict.fromkeys(("--op-offload", "--no-op-offload"), "workers.op_offload_min_batch"),
     **dict.fromkeys(flags_of("moe_cache_mib", "moe_cache_max_batch"), "workers.expert_cache"),
     **dict.fromkeys(flags_of("moe_cache_cpu_misses"), "workers.expert_cache_misses"),
+    "--router-trace": "workers.live_routing",
     **dict.fromkeys(flags_of("host"), "workers.host"),
     **dict.fromkeys(flags_of("port"), "workers.port_base"),
     **dict.fromkeys(API_KEY_FLAGS, "gateway.api_key_env"),
@@ -286,6 +287,15 @@ class WorkersConfig(Section):
     and auto, which carries its measured costs, never chose it there. The cache is this project's patch of
     llama.cpp; upstream has none merged (late 2026), and one that lands is driven through the flags its
     `--help` shows."""
+
+    live_routing: Choice("off", "on", bools=("on", "off")) = "off"
+    """Learn the model's routing from what the deployment serves. on: every worker's llama-server keeps the
+    experts its router picked for the last 2048 tokens it generated (`--router-trace 2048`, this project's patch
+    of llama.cpp; a ring of 2048 x MoE layers x top-k x 2 bytes), and `up` reads them every 2 minutes and when it
+    stops, and caches their routing profile as the model's: the next `plan` and `up` size the expert cache from
+    it, as from `orchestrator model MODEL --routing`. `status` shows each worker's live hit rate beside the
+    predicted one either way. Off by default: while it records, decoding waits for each layer's router picks
+    (a synchronization per MoE layer and token) and `--moe-cache-cpu-misses` uploads every miss instead."""
 
     warmup: Bool = False
     """Before `up` starts the workers: drop the page cache (needs root; otherwise it is kept, with a note) and

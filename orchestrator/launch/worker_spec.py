@@ -17,6 +17,10 @@ from orchestrator.launch.settings import WorkerSettings
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.launch.wrappers import wrap
 
+# workers.live_routing: on -- the generated tokens whose router picks each llama-server keeps (--router-trace);
+# orchestrator/cluster/live_routing.py says why this many
+ROUTER_TRACE_TOKENS = 2048
+
 
 def worker_spec(name: str, server_argv: Sequence[str], *, numa: NumaPolicy | None = None,
                 disable_numa_balancing: bool = False, env: Mapping[str, str] | None = None,
@@ -63,16 +67,20 @@ def _check_flag(name: str, argv: list[str], flags: tuple[str, ...], expected: st
 
 def spec_for_worker(name: str, settings: WorkerSettings, backend: BackendInfo, *, node: str | None = None,
                     local_node: str | None = None, resources: Mapping[str, float] | None = None,
-                    numactl: str = "numactl") -> LaunchSpec:
+                    numactl: str = "numactl", router_trace: int = 0) -> LaunchSpec:
     """The :class:`LaunchSpec` of one planned worker: ``backend``'s binary with ``settings`` rendered, under its
     NUMA wrappers; the settings travel with the spec (``status`` shows them).
 
     ``node``: the topology name of the machine the worker was planned on; ``local_node``: the one the deployment
     is driven from. A worker planned there gets ``node=None`` (run locally), others keep their node name for
-    Ray's placement.
+    Ray's placement. ``router_trace``: tokens of router picks the server keeps (``--router-trace``, when it has
+    the option), for the live routing profile.
     """
     where = None if node in (None, local_node) else node
-    spec = worker_spec(name, [backend.server, *server_args(settings, backend)], numa=settings.numa,
+    argv = [backend.server, *server_args(settings, backend)]
+    if router_trace > 0 and backend.has("router_trace"):
+        argv += ["--router-trace", str(router_trace)]
+    spec = worker_spec(name, argv, numa=settings.numa,
                        disable_numa_balancing=settings.disable_numa_balancing, env=server_env(settings, backend),
                        host=settings.host or "127.0.0.1", port=settings.port or 8081, node=where, resources=resources,
                        model_alias=settings.alias or "model", numactl=numactl)
