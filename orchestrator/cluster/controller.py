@@ -151,6 +151,8 @@ class Controller:
         self.tick_errors = 0
         self._gone = _gone_types()
         self._nodes: list | None = None
+        from orchestrator.cluster.live_routing import LiveRouting
+        self.live = LiveRouting.from_specs(deployment.specs, upstream_key)   # workers.live_routing: on
 
     # --- the tick ----------------------------------------------------------------------------------------------
     def update(self) -> str:
@@ -171,7 +173,12 @@ class Controller:
                 self.tick_errors += 1
                 g.error = f"controller error: {type(e).__name__}: {e}"
         self._update_phase()
+        if self.live is not None:
+            self.live.tick(self._live_urls())
         return self.phase
+
+    def _live_urls(self) -> list[str]:
+        return [s.route_url or s.spec.connect_url for s in self.slots if s.phase == "running"]
 
     def _nodes_now(self) -> list:
         if self._nodes is None:
@@ -409,11 +416,14 @@ class Controller:
                         "api_key": bool(self.api_key), "processes": len(self.gws),
                         "serving": sum(1 for x in self.gws if x.phase == "serving")},
             "workers": workers,
+            "live_routing": self.live.status() if self.live is not None else None,
         }
 
     def shutdown(self, timeout: float | None = None) -> dict:
         """Stop every llama-server (through its worker actor), the gateway, then the actors themselves."""
         self.phase = STOPPING
+        if self.live is not None:   # the workers' last routing, before they stop
+            self.live.finish(self._live_urls())
         timeout = timeout if timeout is not None else self.policy.stop_timeout_s + 10
         refs = []
         for s in self.slots:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 HELP = ("Show the running workers: state, pid, node, binding, devices, memory, tok/s, time to first token, "
-        "restarts, last error")
+        "restarts, last error, the expert cache's live hit rate beside the predicted one")
 DESCRIPTION = (HELP + ". Exit status: 0 when every worker is ready, 1 while starting or degraded, "
                "2 when no deployment is running or Ray cannot be reached.")
 
@@ -31,14 +31,18 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from orchestrator.cluster import status
+    from orchestrator.cluster.live_routing import compare_hit_rates, format_hit_rates
     from orchestrator.cluster.view import format_status
 
     st = status(pick_namespace(args.namespace))
     add_recent_latency(st)
+    st["expert_cache_hit_rates"] = compare_hit_rates(st)
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True, default=str))
     else:
         print(format_status(st))
+        for line in format_hit_rates(st["expert_cache_hit_rates"], st.get("live_routing")):
+            print(line)
     return 0 if st.get("phase") == "ready" else 1
 
 
