@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent setup shared by the README's two commands (scripts/demo.sh, scripts/test.sh):
-#   system packages (numactl, cmake, ninja, g++, python3-venv, prometheus) when missing and we may install them,
+#   system packages (numactl, cmake, ninja, g++, python3-venv, prometheus, iproute2) when missing and we may install them,
 #   a virtual environment in .venv with orchestrator and its test extras,
 #   llama-server/llama-bench/llama-fit-params built from the pinned llama.cpp source (cached; skipped when found).
 # Environment: PYTHON (default python3), VENV (default .venv), ORCHESTRATOR_SKIP_BUILD=1 to skip the llama.cpp build.
@@ -16,6 +16,7 @@ command -v ninja >/dev/null || need+=(ninja-build)
 command -v c++ >/dev/null || need+=(g++)
 command -v git >/dev/null || need+=(git)
 command -v prometheus >/dev/null || need+=(prometheus)   # tests/integration/test_prometheus.py scrapes with it
+command -v ss >/dev/null || need+=(iproute2)   # tests/multigpu reads each RPC device's connection bytes with ss
 "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null; then
