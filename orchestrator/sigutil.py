@@ -9,6 +9,7 @@ holds, blocks and restores them.
   ``ray.shutdown``.
 - :func:`terminate_as_interrupt`: SIGTERM and SIGHUP act like Ctrl-C (``build``, ``bench``).
 - :func:`interrupts_held`: Ctrl-C and SIGTERM kept while a child process is being started.
+- :func:`stop_signals_set`: a helper process (the keeper of an early llama-server) told to stop by any of them.
 """
 
 from __future__ import annotations
@@ -44,10 +45,9 @@ class StopSignals:
     after ``ray.init`` and ``ray.shutdown`` (Ray installs its own SIGTERM handler, which exits at once).
 
     A signal whose disposition is "ignore" when this is entered stays ignored: ``nohup orchestrator up`` must
-    survive the hang-up it was started to survive. Nested uses share the outermost instance (:meth:`active`)."""
+    survive the hang-up it was started to survive."""
 
     SIGNALS = STOP_SIGNALS
-    _active: "StopSignals | None" = None
 
     def __init__(self) -> None:
         self.first: int | None = None        # the signal that asked for the stop
@@ -55,31 +55,18 @@ class StopSignals:
         self._raised = False
         self._holds = 0
         self._old: dict[int, Any] = {}
-        self._outer: StopSignals | None = None
 
     def __enter__(self) -> "StopSignals":
         if _in_main_thread():
             for sig in self.SIGNALS:
                 if signal.getsignal(sig) is not signal.SIG_IGN:
                     self._old[sig] = signal.signal(sig, self._on_signal)
-        self._outer, StopSignals._active = StopSignals._active, self
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         self._old = {}
-        StopSignals._active = self._outer
-
-    @classmethod
-    @contextlib.contextmanager
-    def active(cls):
-        """The StopSignals already installed (an outer ``up`` phase), or a new one for the block."""
-        if cls._active is not None:
-            yield cls._active
-        else:
-            with cls() as s:
-                yield s
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.count += 1
@@ -207,3 +194,10 @@ def interrupts_held():
                 handler(got[0], None)
             elif handler == signal.SIG_DFL:
                 os.kill(os.getpid(), got[0])
+
+
+def stop_signals_set(event: threading.Event) -> None:
+    """Every stop signal sets ``event`` for the rest of this process: a helper process's main loop watches it and
+    stops what it keeps. Even a hang-up ignored by whoever started it stops it: it lives only for its owner."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda *_: event.set())

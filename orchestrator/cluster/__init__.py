@@ -4,9 +4,9 @@ Entry points (Ray is imported only when they run)::
 
     from orchestrator.cluster import Deployment, RestartPolicy, up, status, down, start_up
     start_up(topology, detach=False)                       # `orchestrator up`, every phase (startup.py)
-    up(Deployment(specs=plan_specs, ...), foreground=True)   # a Deployment built by hand (runner.py)
+    up(Deployment(specs=plan_specs, ...), foreground=True)   # a Deployment built by hand, from the head on
 
-See ``docs/cluster.md`` for the picture, ``startup.py`` for `up`'s phases and ``runner.py`` for Ray's part.
+See ``docs/cluster.md`` for the picture, ``startup.py`` for `up`'s phases and what undoes each, ``runner.py`` for\n``status`` and ``down``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ __all__ = ["Deployment", "RestartPolicy", "LOCAL", "up", "down", "status", "star
 
 
 def up(deployment: Deployment, foreground: bool = True, **kw: Any):
-    from orchestrator.cluster.runner import up as _up
+    from orchestrator.cluster.startup import run_deployment
 
-    return _up(deployment, foreground=foreground, **kw)
+    return run_deployment(deployment, foreground=foreground, **kw)
 
 
 def down(namespace: str = "orchestrator", **kw: Any):

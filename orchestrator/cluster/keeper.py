@@ -35,7 +35,7 @@ from pathlib import Path
 from orchestrator.cluster.procs import server_env
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.paths import pythonpath_with_package
-from orchestrator.sigutil import start_thread_unsignalled
+from orchestrator.sigutil import start_thread_unsignalled, stop_signals_set
 
 POLL_S = 0.25         # owner and server checks: about 0.3% of a core
 
@@ -87,8 +87,7 @@ def keep(spec: LaunchSpec, log_path: Path, state_path: Path, owner_path: Path, g
     from orchestrator.errors import LaunchError
 
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_signals_set(stop)
     state = {"keeper": process_identity(os.getpid()), "name": spec.name, "argv": list(spec.argv),
              "log": str(log_path), "grace": grace}
     try:    # exactly as a worker actor starts it; the exec guard TERMs it when this keeper dies

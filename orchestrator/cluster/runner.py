@@ -1,16 +1,13 @@
-"""``up``, ``status`` and ``down``: the edges where a deployment meets Ray, the disk and the terminal.
+"""Where a deployment meets Ray, the disk and the terminal: the pieces ``up``'s phases (``startup.py``) are made
+of, and ``status`` and ``down``.
 
-``up`` (this process is a Ray driver only while it needs to be):
-
-1. checks what it can locally (gateway port, API key variable, a deployment already running);
-2. starts the embedded Ray head (``ray.address: local``) or connects to the given address; records what it
-   started in the state file at once, so ``down`` can clean up whatever happens next;
-3. creates the named, detached controller actor (on this node) which creates the worker actors and the gateway;
-4. waits until every worker is healthy and the gateway serves, or until one fails: then it tears everything
-   down and raises with llama-server's own reason;
-5. in the foreground, waits for Ctrl-C, SIGTERM, SIGHUP, its output pipe closing (or a ``down`` from
-   elsewhere) and then runs ``down``: every way of stopping it runs the same clean stop, and a second signal
-   while it stops never cuts that short (:class:`orchestrator.sigutil.StopSignals`).
+- :class:`EarlyHead`: the embedded Ray head started in the background while the model is pulled and read;
+- :func:`wait_ready`: until every worker is healthy and the gateway serves, or one fails (then with
+  llama-server's own reason);
+- :func:`serve_until_stopped` and :func:`stop_from_foreground`: a foreground ``up`` waits for Ctrl-C, SIGTERM,
+  SIGHUP, its output pipe closing (or a ``down`` from elsewhere) and then runs ``down``: every way of stopping it
+  runs the same clean stop, and a second signal while it stops never cuts that short
+  (:class:`orchestrator.sigutil.StopSignals`).
 
 Exit status of a foreground ``up`` (:attr:`UpResult.exit_code`): 0 when the stop was asked for (Ctrl-C,
 SIGTERM, ``orchestrator down``); 129 (128 + SIGHUP) when the terminal hung up; 141 (128 + SIGPIPE) when the
@@ -68,7 +65,7 @@ class DownResult:
     problems: list[str] = field(default_factory=list)
 
 
-def _say_default(msg: str) -> None:
+def say_default(msg: str) -> None:
     try:
         print(msg, file=sys.stderr, flush=True)
     except (BrokenPipeError, OSError, ValueError):
@@ -95,7 +92,7 @@ def _silence_stderr() -> None:
         pass
 
 
-def _api_key(dep: Deployment) -> str | None:
+def api_key(dep: Deployment) -> str | None:
     if dep.api_key_env is None:
         return None
     key = os.environ.get(dep.api_key_env)
@@ -121,7 +118,7 @@ def check_not_running(namespace: str, own_early_head: bool = False) -> None:
                        f"run `orchestrator down` first (state: {statemod.state_path(namespace)})")
 
 
-def _embedded_node_name(dep: Deployment) -> str:
+def embedded_node_name(dep: Deployment) -> str:
     nodes = {s.node for s in dep.specs if s.node is not None}
     if len(nodes) > 1:
         raise ConfigError(f"ray.address: 'local' runs everything on this machine, but the workers name the nodes "
@@ -223,127 +220,7 @@ def start_early_head(namespace: str, *, nodes: list[tuple[str, str | None]], gat
                      gateway_url=f"http://{gateway_host}:{gateway_port}", limits=limits)
 
 
-def up(deployment: Deployment, foreground: bool = True, *, say: Callable[[str], None] = _say_default,
-       ready_timeout: float | None = None, early: EarlyHead | None = None,
-       server_key: str | None = None) -> UpResult:
-    """Run ``deployment``; see the module docstring. Raises ClusterError/LaunchError/ConfigError with one clear
-    line after undoing everything it started. ``early``: the head :func:`start_early_head` started for it.
-    ``server_key``: every llama-server's own API key, which the gateway adds upstream (a new one when None; the
-    early-started servers were given it already)."""
-    import secrets
-
-    server_key = server_key or secrets.token_urlsafe(32)
-    with StopSignals.active() as sigs:
-        try:
-            with statemod.NamespaceLock.acquire(deployment.namespace):
-                return _up(deployment, foreground, say, ready_timeout, early, sigs, server_key)
-        except BaseException:
-            sigs.absorb()          # whatever stops up now, the clean-up below runs to its end
-            if early is not None and not early.taken:
-                early.abandon()    # failed before _up took the head over (e.g. a bad API key variable)
-            raise
-
-
-def _up(deployment: Deployment, foreground: bool, say: Callable[[str], None],
-        ready_timeout: float | None, early: EarlyHead | None, sigs: StopSignals, server_key: str) -> UpResult:
-    from orchestrator.cluster.ray_api import RayApi
-
-    dep = deployment
-    ns = dep.namespace
-    if early is not None and (not dep.embedded or early.namespace != ns or _embedded_node_name(dep) != "local"):
-        early.abandon()      # not the head this deployment needs
-        early = None
-    api_key = _api_key(dep)
-    check_not_running(ns, early is not None)
-    headmod.check_port(dep.gateway_host, dep.gateway_port, "gateway.port")
-    t0 = early.t0 if early is not None else time.monotonic()
-    st = statemod.ClusterState(namespace=ns, ray_address=dep.ray_address, embedded=dep.embedded, up_pid=os.getpid(),
-                               started_at=time.time(), foreground=foreground,
-                               gateway_url=f"http://{dep.gateway_host}:{dep.gateway_port}",
-                               workers=[{"name": s.name, "node": s.node, "url": s.url} for s in dep.specs])
-    api = None
-    ctrl = None
-    head = None
-    head_s = None
-
-    def record(info: headmod.HeadInfo) -> None:     # the embedded head, in the state file for `down`
-        st.ray_address, st.head_pid, st.head_started = info.address, info.pid, info.started
-        st.head_temp_dir, st.head_log, st.auth_mode = info.temp_dir, info.log_path, info.auth_mode
-        st.dashboard_url, st.metrics_url = info.dashboard_url, f"http://127.0.0.1:{info.metrics_port}/metrics"
-        statemod.write(st)
-
-    try:
-        if dep.embedded and early is not None:
-            say(f"waiting for the Ray head started in the background (dashboard on {dep.dashboard_host}:"
-                f"{dep.dashboard_port}) ...")
-            early.taken = True           # ours now: the teardown below stops it
-            head = early.result()
-        elif dep.embedded:
-            node_name = _embedded_node_name(dep)
-            say(f"starting the Ray head (dashboard on {dep.dashboard_host}:{dep.dashboard_port}) ...")
-            # recorded as soon as its process exists: `down` finds it even if this process dies while it starts
-            head = headmod.start_head(node_name=node_name, gcs_port=dep.ray_port, dashboard_host=dep.dashboard_host,
-                                      dashboard_port=dep.dashboard_port, metrics_port=dep.metrics_export_port,
-                                      log_dir=deployment_log_dir(dep.log_dir, dep.namespace), on_spawn=record,
-                                      timeout=dep.limits.head_s, ray_env=dep.limits.ray_env())
-        if dep.embedded:
-            os.environ.setdefault("RAY_AUTH_MODE", head.auth_mode)
-            record(head)
-            head_s = time.monotonic() - t0
-        api = RayApi.connect(st.ray_address, ns)
-        if not dep.embedded:
-            statemod.write(st)
-        if api.get_actor(CONTROLLER, ns) is not None:
-            api.disconnect()
-            api = None
-            raise ClusterError(f"deployment {ns!r} already runs on the Ray cluster at {dep.ray_address} (a "
-                               f"controller named {CONTROLLER!r} exists in namespace {ns!r}); run `orchestrator down` "
-                               "or pick another namespace")
-        from orchestrator.cluster.controller import ControllerActor
-
-        driver_node = api.current_node_id()
-        say(f"starting {len(dep.specs)} worker(s) and the gateway on {dep.gateway_host}:{dep.gateway_port} ...")
-        ctrl = api.create_actor(ControllerActor, dep.to_dict(), driver_node, api_key, server_key,
-                                name=CONTROLLER, namespace=ns,
-                                detached=True, node_id=driver_node, max_concurrency=8, max_restarts=CONTROLLER_RESTARTS)
-        status = _wait_ready(api, ctrl, dep, ready_timeout, say)
-        st.phase = "running"
-        st.gateway_url = status["gateway"]["url"]
-        statemod.write(st)
-    except BaseException as e:
-        sigs.absorb()                    # a second signal must not cut the teardown short
-        if isinstance(e, KeyboardInterrupt):
-            say("interrupted: stopping everything up started ...")
-        if head is None and early is not None and early.taken:
-            early.taken = False          # interrupted while waiting for it: the wrapper's abandon() stops it
-        _teardown(api, ctrl, st if (head is not None or st.head_pid) else None, dep)
-        statemod.remove(ns)
-        raise
-    took = time.monotonic() - t0
-    breakdown = _breakdown(status, head_s, time.time() - took)
-    result = UpResult(ns, st.gateway_url or "", st.dashboard_url, st.metrics_url, st.ray_address, status, took)
-    try:
-        # from "running" on, a signal means the clean foreground stop below; it is held until up has let go of
-        # Ray (a Ctrl-C that cut ray.shutdown() in half made the stop's ray.init() abort the process)
-        with sigs.held():
-            say(f"ready in {took:.1f}s" + (f" ({breakdown})" if breakdown else "") + f": gateway {st.gateway_url}/v1"
-                + (f", dashboard {st.dashboard_url}" if st.dashboard_url else "")
-                + (f", metrics {st.metrics_url}" if st.metrics_url else ""))
-            if st.auth_mode == "token" and st.dashboard_url:
-                say("the dashboard asks for the Ray token: ~/.ray/auth_token (`ray get-auth-token`)")
-            api.disconnect()
-        if foreground:
-            result.exit_code = _foreground_wait(ns, say, sigs, st)
-            result.stopped = True
-    except KeyboardInterrupt:
-        if not foreground:
-            raise
-        result.exit_code = _stop_from_foreground(ns, say, sigs, mine=st)   # a signal right after ready
-        result.stopped = True
-    return result
-
-
-def _breakdown(status: dict, head_s: float | None, t0_wall: float) -> str:
+def breakdown(status: dict, head_s: float | None, t0_wall: float) -> str:
     """Where `up`'s time went: ``Ray head 5.1s; llama-server w0 spawned at +7.0s, loaded in 5.9s``."""
     loads = []
     for w in status.get("workers", []):
@@ -360,7 +237,7 @@ def _breakdown(status: dict, head_s: float | None, t0_wall: float) -> str:
                      + ([f"llama-server {', '.join(loads)}"] if loads else []))
 
 
-def _wait_ready(api: Any, ctrl: Any, dep: Deployment, timeout: float | None, say: Callable[[str], None]) -> dict:
+def wait_ready(api: Any, ctrl: Any, dep: Deployment, timeout: float | None, say: Callable[[str], None]) -> dict:
     from orchestrator.cluster.ray_api import ActorGone, RemoteError
 
     timeout = timeout if timeout is not None else dep.restart.load_timeout_s + 120
@@ -391,20 +268,28 @@ def _wait_ready(api: Any, ctrl: Any, dep: Deployment, timeout: float | None, say
         time.sleep(POLL_S)
 
 
-def _teardown(api: Any, ctrl: Any, st: statemod.ClusterState | None, dep: Deployment | None) -> DownResult:
-    """Stop what up started: the controller (which stops workers and gateway), then the embedded head."""
-    res = DownResult(dep.namespace if dep else (st.namespace if st else "?"))
+def stop_controller(api: Any, ctrl: Any, namespace: str, stop_timeout_s: float = 10.0) -> tuple[list[dict], list[str]]:
+    """Ask the controller (``ctrl``, else the one named in ``namespace``) to stop its workers and the gateway,
+    then kill it; returns the workers' last records and what went wrong."""
+    workers: list[dict] = []
+    problems: list[str] = []
+    if ctrl is None:
+        ctrl = api.get_actor(CONTROLLER, namespace)
+    if ctrl is not None:
+        try:
+            final = api.call(ctrl, "shutdown", timeout=stop_timeout_s + 30)
+            workers = final.get("workers", [])
+        except Exception as e:  # a dead controller took its workers with it (fate sharing)
+            problems.append(f"controller shutdown: {type(e).__name__}: {e}")
+        api.kill(ctrl)
+    return workers, problems
+
+
+def _teardown(api: Any, st: statemod.ClusterState | None, namespace: str) -> DownResult:
+    """Stop what ``st`` records: the controller (which stops workers and gateway), then the embedded head."""
+    res = DownResult(namespace)
     if api is not None:
-        if ctrl is None:
-            ctrl = api.get_actor(CONTROLLER, res.namespace)
-        if ctrl is not None:
-            timeout = (dep.restart.stop_timeout_s if dep else 10.0) + 30
-            try:
-                final = api.call(ctrl, "shutdown", timeout=timeout)
-                res.workers = final.get("workers", [])
-            except Exception as e:  # a dead controller took its workers with it (fate sharing)
-                res.problems.append(f"controller shutdown: {type(e).__name__}: {e}")
-            api.kill(ctrl)
+        res.workers, res.problems = stop_controller(api, None, namespace)
         api.disconnect()
     if st is not None and st.embedded and st.head_pid:
         res.killed = headmod.stop_head(st.head_pid, st.head_started, st.head_temp_dir)
@@ -412,12 +297,11 @@ def _teardown(api: Any, ctrl: Any, st: statemod.ClusterState | None, dep: Deploy
     return res
 
 
-def _foreground_wait(ns: str, say: Callable[[str], None], sigs: StopSignals,
-                     mine: statemod.ClusterState | None = None) -> int:
-    """Serve until a signal, a closed output pipe, a vanished Ray head (then stop everything, as ``down``) or a
-    ``down`` from elsewhere; returns the exit status (see the module docstring)."""
+def serve_until_stopped(ns: str, say: Callable[[str], None], sigs: StopSignals) -> tuple[int, bool]:
+    """Serve until a signal, a closed output pipe, a vanished Ray head or a ``down`` from elsewhere. Returns the
+    exit status so far (see the module docstring) and whether a ``down`` from elsewhere stopped the deployment
+    already; otherwise :func:`stop_from_foreground` is what stops it."""
     say("serving; Ctrl-C stops everything")
-    code = 0
     try:
         while True:
             time.sleep(1.0)
@@ -427,9 +311,9 @@ def _foreground_wait(ns: str, say: Callable[[str], None], sigs: StopSignals,
                 continue                      # someone broke the record; this up still knows what it runs
             if st is None or st.up_pid != os.getpid():
                 say("stopped by `orchestrator down`")
-                return 0
+                return 0, True
             if _down_running(st) and _stopped_elsewhere(ns, st, say):
-                return 0
+                return 0, True
             if st.embedded and not _head_alive(st):
                 try:
                     again = statemod.read(ns)
@@ -439,19 +323,16 @@ def _foreground_wait(ns: str, say: Callable[[str], None], sigs: StopSignals,
                     continue
                 sigs.absorb()
                 say("the Ray head is gone: cleaning up")
-                code = 1
-                break
+                return 1, False
             if _OUTPUT_LOST or output_closed():
                 sigs.absorb()
                 _silence_stderr()
-                code = 128 + signal.SIGPIPE
-                break
+                return 128 + signal.SIGPIPE, False
     except KeyboardInterrupt:
-        pass
-    return _stop_from_foreground(ns, say, sigs, code, mine)
+        return 0, False
 
 
-def _stop_from_foreground(ns: str, say: Callable[[str], None], sigs: StopSignals, code: int = 0,
+def stop_from_foreground(ns: str, say: Callable[[str], None], sigs: StopSignals, code: int = 0,
                           mine: statemod.ClusterState | None = None) -> int:
     """The clean stop of a foreground ``up``; returns its exit status: ``code`` when the stop came from inside,
     else by the signal that asked for it (0 for Ctrl-C and SIGTERM, 129 for a hang-up), 1 when it failed."""
@@ -497,7 +378,7 @@ def output_closed() -> bool:
     return False
 
 
-def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_default, force: bool = False,
+def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = say_default, force: bool = False,
          recorded: statemod.ClusterState | None = None) -> DownResult:
     """Stop the deployment recorded for ``namespace``: workers, gateway, controller, and the embedded Ray head.
 
@@ -528,8 +409,7 @@ def down(namespace: str = "orchestrator", *, say: Callable[[str], None] = _say_d
             api = RayApi.connect(st.ray_address, namespace)
         except ClusterError as e:
             problems.append(str(e))
-    res = _teardown(api, None, st, None)
-    res.namespace = namespace
+    res = _teardown(api, st, namespace)
     res.killed += _stop_keepers(namespace)
     shutil.rmtree(statemod.run_dir(namespace), ignore_errors=True)   # the keepers' hand-over files, the Ray record
     res.problems = problems + res.problems
@@ -594,10 +474,10 @@ def _force_down(namespace: str, say: Callable[[str], None]) -> DownResult:
                 api = RayApi.connect(st.ray_address, namespace)
             except ClusterError as e:
                 res.problems.append(str(e))
-        res = _teardown(api, None, st, None)
+        res = _teardown(api, st, namespace)
     elif rec.get("ray_address"):
         try:
-            res = _teardown(RayApi.connect(str(rec["ray_address"]), namespace), None, None, None)
+            res = _teardown(RayApi.connect(str(rec["ray_address"]), namespace), None, namespace)
         except ClusterError as e:
             res.problems.append(str(e))
     res.namespace = namespace
