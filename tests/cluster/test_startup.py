@@ -110,3 +110,38 @@ def test_a_down_in_progress_is_told_apart_from_a_lost_head(tmp_path, monkeypatch
         if other.poll() is None:
             other.kill()
             other.wait()
+
+
+def test_a_refusal_in_the_resolve_phase_undoes_only_what_started(tmp_path, monkeypatch, state_home, tiny_gguf,
+                                                                 llama_server_path):
+    """A worker's port held by someone else: `up` stops in its resolve phase with the line naming the port, and
+    only the phases before it (signals, then the lock) are undone, newest first: no Ray head was started, the
+    handlers are the ones found before, and the namespace's lock is free again."""
+    import signal
+    import socket
+
+    from orchestrator.cluster import state
+    from orchestrator.cluster.startup import Startup
+
+    monkeypatch.setenv("LLAMA_SERVER", llama_server_path)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        topo = tmp_path / "t.yaml"
+        topo.write_text(f"model:\n  path: {tiny_gguf}\n  context: 1024\nworkers:\n  replicas: 1\n  port_base: {port}\n"
+                        "ray:\n  address: local\n  namespace: refused\n")
+        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        up = Startup(load_topology(topo), say=lambda m: None)
+        with pytest.raises(ClusterError, match=rf"workers\.port_base: worker \S+ cannot listen: 127\.0\.0\.1:{port}"):
+            up.run()
+    assert up.trace == ["start lock", "start signals", "start resolve", "undo signals", "undo lock"]
+    assert up.early is None and state.recorded() == []
+    assert {s: signal.getsignal(s) for s in before} == before
+    import subprocess
+    import sys
+
+    other = subprocess.run([sys.executable, "-c", "from orchestrator.cluster import state\n"
+                            "state.NamespaceLock.acquire('refused')\nprint('taken')"],
+                           capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert other.stdout.strip() == "taken", other.stderr           # another process can take the lock now
