@@ -3,7 +3,7 @@
     python tests/vm/guest_checks.py balancing          # the balancing wrapper on the real /proc file
     python tests/vm/guest_checks.py bind-socket        # numactl-bind-socket.sh --socket 1 on a real process
     python tests/vm/guest_checks.py workers TOPOLOGY MODEL [FLAG...]   # the plan's workers, started as `up` does
-    python tests/vm/guest_checks.py up TOPOLOGY MODEL [KEY=VALUE...]   # the whole `up`, a completion, Ctrl-C
+    python tests/vm/guest_checks.py up [--out DIR] TOPOLOGY MODEL [KEY=VALUE...]  # the whole `up`, then Ctrl-C
 
 They report what the kernel shows (``/proc/sys/kernel/numa_balancing``, every thread's ``Cpus_allowed_list``,
 the memory policy and the pages' nodes in ``/proc/PID/numa_maps``); the tests on the host compare that with what
@@ -227,18 +227,25 @@ def workers(topology: str, model: str, *extra: str, prompt: str = "Hello") -> di
     return out
 
 
-def up(topology: str, model: str, *sets: str, ready_timeout: str = "1500") -> dict:
+def up(topology: str, model: str, *sets: str, out_dir: str = "/run", ready_timeout: str = "1500") -> dict:
     """``orchestrator up`` in the foreground, as a user runs it: a completion through the gateway, then Ctrl-C
     (SIGINT to its process group, as a terminal sends it) must leave no llama-server or Ray process behind and
-    NUMA balancing as it was."""
+    NUMA balancing as it was. While it serves, each llama-server's binding as the kernel shows it: the wrapper
+    and numactl arguments it was started with, every thread's CPUs, its memory policy and its pages' nodes.
+    ``out_dir`` receives up's log, ``orchestrator status`` and this report (``--out`` of numa_guest.py makes it
+    a host folder)."""
     import urllib.request
 
+    dest = Path(out_dir)
+    dest.mkdir(parents=True, exist_ok=True)
     out: dict = {"balancing_before": read(BALANCING)}
     t0 = time.monotonic()
-    log = open("/run/up.log", "wb")
-    p = subprocess.Popen([str(REPO / ".venv" / "bin" / "orchestrator"), "up", topology, "--set",
-                          f"model.path={model}", *[a for kv in sets for a in ("--set", kv)],
-                          "--ready-timeout", ready_timeout],
+    log_path = dest / "up.log"
+    log = open(log_path, "wb")
+    orch = str(REPO / ".venv" / "bin" / "orchestrator")
+    port = next((kv.split("=", 1)[1] for kv in sets if kv.startswith("gateway.port=")), "8080")
+    p = subprocess.Popen([orch, "up", topology, "--set", f"model.path={model}",
+                          *[a for kv in sets for a in ("--set", kv)], "--ready-timeout", ready_timeout],
                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         body = json.dumps({"model": "demo-moe", "max_tokens": 8,
@@ -246,10 +253,13 @@ def up(topology: str, model: str, *sets: str, ready_timeout: str = "1500") -> di
         answer = None
         while answer is None:
             if p.poll() is not None:            # up gave up: still report what it left behind
-                out["error"] = read("/run/up.log")[-2000:]
+                out["error"] = read(log_path)[-2000:]
                 break
+            seen = out.setdefault("first_seen_s", {})     # where the start-up time goes, failed or not
+            for pid in _ours():
+                seen.setdefault(_name(pid), round(time.monotonic() - t0, 1))
             try:
-                req = urllib.request.Request("http://127.0.0.1:8080/v1/chat/completions", data=body,
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                              headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=600) as r:
                     answer = json.loads(r.read())
@@ -257,10 +267,14 @@ def up(topology: str, model: str, *sets: str, ready_timeout: str = "1500") -> di
                 time.sleep(5)
         if answer is not None:
             out["ready_s"] = round(time.monotonic() - t0, 1)
-            out["completion_tokens"] = answer.get("usage", {}).get("completion_tokens")
+            out["completion"] = {"content": answer["choices"][0]["message"].get("content", ""),
+                                 "usage": answer.get("usage", {})}
             out["balancing_during"] = read(BALANCING)
-            servers = [pid for pid in _pids() if _comm(pid).startswith("llama-server")]
-            out["servers"] = {str(pid): threads(pid) for pid in servers}
+            out["servers"] = [_server_report(pid) for pid in _servers()]
+            st = subprocess.run([orch, "status"], capture_output=True, text=True, timeout=600)
+            (dest / "status.txt").write_text(st.stdout + st.stderr)
+            out["status_rc"] = st.returncode
+            out["running"] = sorted({_comm(pid) for pid in _ours()})
     finally:
         t1 = time.monotonic()
         if p.poll() is None:
@@ -268,10 +282,84 @@ def up(topology: str, model: str, *sets: str, ready_timeout: str = "1500") -> di
         out["up_rc"] = p.wait(900)
         out["stop_s"] = round(time.monotonic() - t1, 1)
     time.sleep(2)
-    ours = ("llama-server", "raylet", "gcs_server", "ray::")
-    out["left"] = sorted({_comm(pid) for pid in _pids() if _comm(pid).startswith(ours)})
+    out["left"] = sorted({f"{pid} {_comm(pid)}" for pid in _ours()})
     out["balancing_after"] = read(BALANCING)
+    _keep_logs(dest / "logs")
+    (dest / "report.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _name(pid: int) -> str:
+    """A process's short name; Ray's Python processes by their script (dashboard.py, agent.py...)."""
+    comm = _comm(pid)
+    if comm.startswith("python"):
+        script = next((a for a in _cmdline(pid)[1:] if a.endswith(".py") or a.startswith("orchestrator.")), "")
+        return Path(script).name or comm
+    return comm
+
+
+def _keep_logs(dest: Path, tail: int = 256 << 10) -> None:
+    """orchestrator's logs and the Ray session's (the guest's files vanish with it): the last ``tail`` bytes of
+    each."""
+    roots = [("orchestrator", Path.home() / ".local" / "state" / "orchestrator" / "logs")]
+    roots += [("ray", Path(d) / "r" / "session_latest" / "logs") for d in Path("/tmp").glob("orch-ray-*")]
+    for label, root in roots:
+        for f in root.rglob("*") if root.is_dir() else ():
+            if not f.is_file():
+                continue
+            to = dest / label / f.relative_to(root)
+            to.parent.mkdir(parents=True, exist_ok=True)
+            with open(f, "rb") as src:
+                src.seek(max(0, f.stat().st_size - tail))
+                to.write_bytes(src.read())
+
+
+def _servers() -> list[int]:
+    return sorted(pid for pid in _pids() if _comm(pid).startswith("llama-server"))
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def _server_report(pid: int) -> dict:
+    """One llama-server as the kernel shows it. numactl exec'd it, so its arguments are on the parent's command
+    line (the balancing wrapper's)."""
+    ppid = int(re.search(r"^PPid:\s*(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1))
+    maps = numa_maps(pid)
+    pages: dict[str, dict[str, int]] = {}
+    for m in maps:
+        kind = pages.setdefault(m["kind"].split()[0], {})
+        for node, n in m["pages"].items():
+            kind[str(node)] = kind.get(str(node), 0) + n
+    argv = _cmdline(pid)
+    return {"pid": pid, "parent_argv": _cmdline(ppid), "argv": argv,
+            "port": argv[argv.index("--port") + 1] if "--port" in argv else None,
+            "threads": threads(pid), "policy": mempolicy(pid), "pages": pages, "maps": maps}
+
+
+def _ours() -> list[int]:
+    """Processes of the deployment: llama-server, Ray's (its binaries and its Python processes) and
+    orchestrator's, except this check and its ancestors."""
+    mine, pid = set(), os.getpid()
+    while pid > 1:
+        mine.add(pid)
+        try:
+            pid = int(re.search(r"^PPid:\s*(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1))
+        except (OSError, AttributeError):
+            break
+    found = []
+    for pid in _pids():
+        if pid in mine:
+            continue
+        comm, cmd = _comm(pid), " ".join(_cmdline(pid))
+        if comm.startswith(("llama-server", "raylet", "gcs_server", "ray::")) or "site-packages/ray/" in cmd \
+                or "ray.scripts" in cmd or "orchestrator" in cmd:
+            found.append(pid)
+    return found
 
 
 def _pids() -> list[int]:
@@ -302,7 +390,10 @@ def _server_pid(wrapper_pid: int) -> int:
 
 def main(argv: list[str]) -> int:
     what, *rest = argv
-    doc = {"balancing": balancing, "bind-socket": bind_socket, "workers": workers, "up": up}[what](*rest)
+    kw = {}
+    if what == "up" and rest[:1] == ["--out"]:
+        kw["out_dir"], rest = rest[1], rest[2:]
+    doc = {"balancing": balancing, "bind-socket": bind_socket, "workers": workers, "up": up}[what](*rest, **kw)
     print(json.dumps(doc))
     return 1 if doc.get("error") else 0
 

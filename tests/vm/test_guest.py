@@ -7,7 +7,9 @@ of guest_checks.py inside; the durations measured are in tests/vm/README.md."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from orchestrator.units import parse_cpulist
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PY = sys.executable
+REPO = Path(__file__).resolve().parents[2]
 
 
 def last_json(out: str) -> dict:
@@ -95,3 +98,45 @@ def test_demo_workers_run_where_the_plan_says(guest, tmp_path):
         assert sum(m["pages"][str(k)] for m in anon) * 4096 >= 64 << 20       # the weights, read under bind
         assert w["completion"]["tokens_predicted"] and w["completion"]["tokens_predicted"] > 0
     assert (r["balancing_during"], r["balancing_after"]) == ("0", "1")
+
+
+LONG = "ORCHESTRATOR_VM_LONG"
+
+
+def check_whole_up(r: dict) -> None:
+    """What the whole `up` of the demo in the guest must show (guest_checks.py up's report)."""
+    assert "error" not in r, r.get("error")
+    assert r["completion"]["usage"]["completion_tokens"] > 0, r["completion"]
+    assert len(r["servers"]) == 2, r["servers"]
+    for s in r["servers"]:
+        # one replica per node: the replica on port 8081 + k on CPU k and node k (the demo's plan)
+        k = int(s["port"]) - 8081
+        wrapper = s["parent_argv"]
+        assert wrapper[wrapper.index("numactl") + 1:wrapper.index("numactl") + 3] == [
+            f"--physcpubind={k}", f"--membind={k}"], wrapper
+        assert "--numa" not in s["argv"]
+        assert set(s["threads"].values()) == {str(k)}, (s["port"], s["threads"])   # every thread
+        assert s["policy"] == f"bind:{k}"
+        assert set(s["pages"]["anon"]) == {str(k)}, s["pages"]                     # its memory on node k only
+        assert s["pages"]["anon"][str(k)] * 4096 >= 64 << 20                        # the weights, under bind
+    assert (r["balancing_before"], r["balancing_during"], r["balancing_after"]) == ("1", "0", "1")
+    assert r["up_rc"] == 0 and r["left"] == [], (r["up_rc"], r["left"])   # a stop asked for, nothing left
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.skipif(not os.environ.get(LONG), reason=f"the whole up under emulation takes 30-60 minutes: {LONG}=1")
+def test_whole_up_of_the_demo_serves_and_ctrl_c_leaves_nothing(guest, tmp_path):
+    """`orchestrator up topologies/demo.yaml` inside the guest, as a user runs it: a completion through the
+    gateway with each replica on its own node, then Ctrl-C. Not in CI (tests/vm/README.md has its time);
+    up's log, `status` and the report stay in tmp_path."""
+    from orchestrator.model.synth import write_model
+
+    model = tmp_path / "demo-moe.gguf"
+    write_model(model, "qwen3-30b-a3b", scale=0.125, quant="q8_0", fsync=False)
+    out = tmp_path / "out"
+    rc, text, took = guest([PY, "tests/vm/guest_checks.py", "up", "--out", out, "topologies/demo.yaml", model,
+                            "ray.start_timeout=45m"], timeout=3420, out=str(out), dev_fd=True,
+                           env={"PYTHONPATH": str(REPO)})     # this checkout's package, installed or not
+    print(f"guest: {took:.0f} s, status {rc}; logs in {out}")
+    assert rc == 0, text[-4000:]
+    check_whole_up(last_json(text))
