@@ -122,7 +122,7 @@ class LiveRouting:
 
     def tick(self, urls: list[str]) -> None:
         now = self.clock()
-        if now < self._next or (self._thread is not None and self._thread.is_alive()):
+        if not urls or now < self._next or (self._thread is not None and self._thread.is_alive()):
             return
         self._next = now + self.interval
         self._thread = threading.Thread(target=self.harvest, args=(list(urls),), name="live-routing", daemon=True)

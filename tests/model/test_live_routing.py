@@ -203,3 +203,29 @@ def test_status_says_when_the_live_hit_rate_differs_from_the_prediction():
     (none,) = L.compare_hit_rates(_status(None, 0.85))
     assert none["live"] is None and not none["differs"]
     assert "no lookups sampled yet" in L.format_hit_rates([none])[0]
+
+
+def test_the_controller_reads_its_workers_traces_and_makes_the_profile_at_the_stop(workers, model, tmp_path,
+                                                                                     monkeypatch):
+    """up's controller (stepped with the fake Ray of tests/cluster) with one worker that records: the worker's
+    trace, read when it runs and again at the stop, becomes the model's cached profile, and status says so."""
+    from orchestrator.launch.settings import WorkerSettings
+    from orchestrator.launch.spec import LaunchSpec
+    from tests.cluster.test_controller import make, tick
+
+    monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path / "cache"))
+    w = workers[0]
+    port = int(w.url.rsplit(":", 1)[1])
+    spec = LaunchSpec("w0", ("llama-server", "--port", str(port), "--router-trace", "2048"), port=port,
+                      settings=WorkerSettings(model_path=str(model)))
+    c, _api, clock = make([spec])
+    w.serve(_local_trace(5, 300), recorded=300)
+    tick(c, clock, 6)
+    assert c.live is not None and c.live._thread is not None    # read once the worker runs
+    c.live._thread.join(30)
+    assert c.status()["live_routing"]["note"] == "profile of 300 generated tokens saved"
+    w.serve(_local_trace(6, 500), recorded=800)                 # it served more before the stop
+    final = c.shutdown()
+    assert final["live_routing"]["note"] == "profile of 500 generated tokens saved"
+    prof, settings = routing.load_profile(model)
+    assert prof.n_tokens == 500 and settings["input"] == routing.SERVED
