@@ -31,7 +31,8 @@
 #   w1-cpu-flags      W1 at 12 GiB: plan / --fit / the plan with --no-host, --cpu-strict 1, --prio 2, --poll 100
 #   w1-load-modes     W1 at 8 GiB: plan / --fit / the plan memory-mapped / the plan with --no-host
 #   w2                W2 under 24 GiB: plan / --fit
-#   gpu-tests         the GPU tests of the expert cache (pytest -m gpu tests/backend/test_expert_cache_gpu.py), with
+#   gpu-tests         the GPU tests of the expert cache (pytest -m gpu tests/backend/test_expert_cache_gpu.py; GPU_TESTS_K
+#                     narrows them, as pytest -k), with
 #                     what they print (tokens alike, largest probability difference, counters)
 #   routing[=L]       W1 written at routing locality L (0 | default | high; default: default) and its routing profile
 #                     measured (`orchestrator model --routing --gpu-layers 99`), as w1-cache begins
@@ -52,9 +53,13 @@
 #                     L) at 24 GiB: plan / plan with prefill off / fit-pinned, unless WORKLOAD_W2=0
 #   prefetch[=L]      uploads ahead of need, W1 written at routing locality L (default: default) and its profile
 #                     measured: at each of PREFETCH_BUDGETS (GiB, default "12 8") the plan for 4 streams
-#                     (model.parallel=4) / the same with --moe-cache-prefetch on / the plan again (A/A, at the first)
-#                     / fit-pinned with -np 4, interleaved over PREFETCH_ROUNDS (default 1): pp512, generation of 1
-#                     and 4 streams, and the cache's prefetch counters (accuracy, uploads ahead, used)#
+#                     (model.parallel=4) / the same with --moe-cache-prefetch on / fit-pinned with -np 4 (/ the plan
+#                     again, A/A, at the first budget of one round), interleaved over PREFETCH_ROUNDS (default 1):
+#                     pp512, generation of 1
+#                     and 4 streams, and the cache's prefetch counters (accuracy, uploads ahead, used);
+#                     PREFETCH_VARIANTS=1 adds the copy stream not waiting for the layer's own misses, and that
+#                     issued at a layer's first expert tensor
+#
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
 #   w2-x2             W2 at 12 GiB per GPU: plan / --fit, 2 rounds
@@ -311,7 +316,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     ;;
   gpu-tests)
     need_server
-    LLAMA_SERVER=$SERVER timeout $(( $(left) - 5 )) python3 -m pytest --noconftest -p no:cacheprovider -m gpu -v -s \
+    LLAMA_SERVER=$SERVER timeout $(( $(left) - 5 )) python3 -m pytest --noconftest -p no:cacheprovider -m gpu -v -s ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
       --basetemp "$W/pytest" tests/backend/test_expert_cache_gpu.py > "$O/pytest.log" 2>&1
     log "gpu tests rc=$?"; tail -6 "$O/pytest.log"
     ;;
@@ -360,8 +365,14 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
         > "$O/plan-$name.json" 2>&1
       local V=(--config "$(python3 lab/device/plan-config.py plan-prefetch "$O/plan-$name.json" \
                             --add='--moe-cache-prefetch on')")
+      if [ -n "${PREFETCH_VARIANTS:-}" ]; then   # the copy stream not waiting / also issued at a layer's first bank
+        local c; c=$(python3 lab/device/plan-config.py pf-unordered "$O/plan-$name.json" --add='--moe-cache-prefetch on')
+        V+=(--config "${c/=/=LLAMA_MOE_CACHE_PREFETCH_ORDERED=0 }")
+        c=$(python3 lab/device/plan-config.py pf-early "$O/plan-$name.json" --add='--moe-cache-prefetch on')
+        V+=(--config "${c/=/=LLAMA_MOE_CACHE_PREFETCH_ORDERED=0 LLAMA_MOE_CACHE_PREFETCH_EARLY=1 }")
+      fi
       timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \
-        --configs "plan,fit-pinned$([ "$b" = "$first" ] && echo ,control)" "${V[@]}" \
+        --configs "plan,fit-pinned$([ "$b" = "$first" ] && [ "${PREFETCH_ROUNDS:-1}" = 1 ] && echo ,control)" "${V[@]}" \
         --rounds "${PREFETCH_ROUNDS:-1}" --max-minutes "$(mins 10)" --out "$O/$name" \
         --pp 512 --pp-reps 1 --tg-depths none --tg-reps 3 --tg-streams 1,4 --concurrency none \
         > "$O/$name.log" 2>&1

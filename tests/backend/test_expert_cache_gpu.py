@@ -167,3 +167,40 @@ def test_prompts_reading_the_slots_give_the_tokens_and_logits_of_the_uncached_gp
     print(f"second prompt read {read['moe_cache_prefill_hits_total']:.0f} of "
           f"{read['moe_cache_prefill_lookups_total']:.0f} expert copies from the slots; refresh admitted "
           f"{fresh['moe_cache_prefill_admitted_total']:.0f}; tokens identical to the uncached offload path")
+
+
+def test_uploads_ahead_of_need_give_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_path):
+    """--moe-cache-prefetch on a real GPU: the next layer's predicted experts are uploaded on a second CUDA
+    stream while this layer computes, and the layer waits on an event before its slots are read. The same
+    kernels read the same bytes: tokens and probabilities exactly those without the cache, so a race (a slot read
+    before its upload landed, or overwritten while read) shows as a difference. Counters add up, and fewer misses
+    than without uploads ahead of need."""
+    server = _server_path()
+    from orchestrator.model.reader import read_gguf
+
+    info = read_gguf(model)
+    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
+    n_layers = len(experts) // 3
+    mib = -(-24 * expert_bytes * len(experts) // 2**20)
+    env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+    flags = ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4"]
+    ahead, m, log = _run(server, model, tmp_path / "prefetch.log", [*flags, "--moe-cache-prefetch", "on"], env)
+    base, mb, _lb = _run(server, model, tmp_path / "cache.log", flags, env)
+    offload, _m, _l = _run(server, model, tmp_path / "offload.log", [], env)
+    assert m.get("moe_cache_active") == 1, log[-3000:]
+    assert ahead["tokens"] == offload["tokens"] and probs(ahead) == probs(offload)
+    lookups, hits, misses = m["moe_cache_lookups_total"], m["moe_cache_hits_total"], m["moe_cache_misses_total"]
+    assert lookups == hits + misses == mb["moe_cache_lookups_total"]
+    predicted, correct = m["moe_cache_prefetch_predicted_total"], m["moe_cache_prefetch_correct_total"]
+    uploads, useful = m["moe_cache_prefetch_uploads_total"], m["moe_cache_prefetch_useful_total"]
+    # every decode step predicts one token's 8 experts for every layer after the first, in each of its 3 tensors
+    steps, rest = divmod(predicted, 8 * 3 * (n_layers - 1))
+    assert rest == 0 and N_PREDICT - 1 <= steps <= N_PREDICT, (predicted, n_layers)
+    assert 0 < useful <= uploads <= predicted and useful <= correct <= predicted
+    assert m["moe_cache_prefetch_uploaded_bytes_total"] == pytest.approx(uploads * expert_bytes, rel=1e-5)
+    assert misses < mb["moe_cache_misses_total"]
+    print(f"prefetch vs offload: {len(ahead['tokens'])} identical tokens; accuracy {correct / predicted:.3f}, "
+          f"{uploads:.0f} uploaded ahead, {useful:.0f} used; misses {misses:.0f} against "
+          f"{mb['moe_cache_misses_total']:.0f} without; hit rate {hits / lookups:.3f} against "
+          f"{mb['moe_cache_hits_total'] / mb['moe_cache_lookups_total']:.3f}")
