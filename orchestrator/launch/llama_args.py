@@ -40,6 +40,7 @@ FIELD_FLAGS: dict[str, tuple[str, ...]] = {
     "moe_cache_mib": ("--moe-cache-mib",),
     "moe_cache_max_batch": ("--moe-cache-max-batch",),
     "moe_cache_cpu_misses": ("--moe-cache-cpu-misses",),
+    "moe_cache_prefetch": ("--moe-cache-prefetch",),
     "fit": ("--fit", "-fit"),
     "fit_ctx": ("--fit-ctx", "-fitc"),
     "threads": ("-t", "--threads"),
@@ -126,6 +127,8 @@ def server_args(s: WorkerSettings, backend: BackendInfo) -> tuple[str, ...]:
             a += ["--moe-cache-max-batch", str(s.moe_cache_max_batch)]
         if s.moe_cache_cpu_misses and backend.has("moe_cache_cpu_misses"):
             a.append("--moe-cache-cpu-misses")
+        if s.moe_cache_prefetch and backend.has("moe_cache_prefetch"):
+            a += ["--moe-cache-prefetch", "on"]
     if s.fit is not None and backend.has("fit") and not backend.ik:
         a += ["--fit", "on" if s.fit else "off"]
     if s.fit_ctx is not None and backend.has("fit") and not backend.ik:
@@ -286,6 +289,8 @@ def _set(kw: dict, name: str | None, flag: str | None, value: str | None) -> boo
         kw[name] = True
     elif name in ("metrics", "moe_cache_cpu_misses") and value is None:
         kw[name] = True
+    elif name == "moe_cache_prefetch" and value in ("on", "off"):
+        kw[name] = value == "on"
     elif name == "fit":
         if value not in (None, "on", "off"):
             return False
@@ -316,7 +321,8 @@ def backend_seen_in(args: Sequence[str], server: str = "llama-server") -> Backen
     flags = {f for f, _v in split_flags(args) if f}
     seen = {"fit": {"--fit", "-fit"}, "load_mode": {"--load-mode", "-lm"}, "no_op_offload": {"--no-op-offload"},
             "metrics": {"--metrics"}, "numa": {"--numa"}, "cuda_params": {"-cuda", "--cuda-params"},
-            "moe_cache": {"--moe-cache-mib"}, "moe_cache_cpu_misses": {"--moe-cache-cpu-misses"}}
+            "moe_cache": {"--moe-cache-mib"}, "moe_cache_cpu_misses": {"--moe-cache-cpu-misses"},
+            "moe_cache_prefetch": {"--moe-cache-prefetch"}}
     feats = {name for name, spellings in seen.items() if flags & spellings}
     ik = "cuda_params" in feats
     if "fit" in feats and not ik:

@@ -43,6 +43,7 @@ class WorkerSettings:
                                                # llama-server's default (8)
     moe_cache_cpu_misses: bool = False         # rarely used experts are computed on the CPU,
                                                # not uploaded (--moe-cache-cpu-misses)
+    moe_cache_prefetch: bool = False           # uploads ahead of need (--moe-cache-prefetch on)
     load_mode: str = "mmap"                    # one of LOAD_MODES
     # CPU side
     numa: NumaPolicy = field(default_factory=NumaPolicy.none)

@@ -87,7 +87,10 @@ def worker_cache(ctx: PlanContext, gpus: list[Gpu], best: Candidate, *, load_mod
                         cpu_miss_hop_s=R.CACHE_CPU_MISS_HOP_S, cpu_miss_fixed_s=R.CACHE_CPU_MISS_FIXED_S,
                         min_gpu_layers=min_gpu_layers, prefill_reads_cache=backend.has("moe_cache_prefill"),
                         prefill_read_saving=R.PREFILL_READ_SAVING, prefill_read_overhead_s=R.PREFILL_READ_OVERHEAD_S,
-                        streams=req.parallel, stream_share_exponent=R.STREAM_SHARE_EXPONENT)
+                        streams=req.parallel, stream_share_exponent=R.STREAM_SHARE_EXPONENT,
+                        prefetch=prefetch_mode(ctx), prefetch_miss_cut=tuple(R.PREFETCH_MISS_CUT.items()),
+                        prefetch_uploads=tuple(R.PREFETCH_UPLOADS_PER_MISS.items()),
+                        prefetch_overlap=tuple(R.PREFETCH_OVERLAP.items()))
     splits, per_gpu_host = None, {}
     if len(gpus) > 1:
         splits, per_gpu_host = layer_split_cache_splits(costs, best, moe, host, layer_bytes, min_gpu_layers)
@@ -153,6 +156,15 @@ def cache_shares(costs: ModelCosts, placement: Placement, host: tuple[int, ...],
         out.append(X.GpuCacheShare(D.gpu(g), len(mine) - h, h, slots if h else 0, bank, chosen.hit_rate,
                                    chosen.hit_rate * picks, (1.0 - chosen.hit_rate) * picks))
     return tuple(out)
+
+
+def prefetch_mode(ctx: PlanContext) -> str:
+    """Uploads ahead of need as the plan weighs them: "off" where the backend or the model's architecture has
+    none (or the topology says off), else the topology's auto or on."""
+    if ctx.req.expert_cache_prefetch == "off" or not ctx.backend.has("moe_cache_prefetch") or \
+            ctx.costs.arch not in R.PREFETCH_ARCHS:
+        return "off"
+    return ctx.req.expert_cache_prefetch
 
 
 def cache_max_batch(req: PlanRequest) -> int:

@@ -91,6 +91,13 @@ class CacheInputs:
     prefill_read_overhead_s: float = 0.0  # per cached expert of a layer read, beyond that
     streams: int = 1                     # busy parallel slots decoding together (aggregate generation)
     stream_share_exponent: float = 1.0   # each stream sees the cached fraction x (k / U(N)) ** this
+    # uploads ahead of need (--moe-cache-prefetch): "off" (the backend or model has none), "auto" (where predicted
+    # faster), "on" (forced); per stream count N measured, the share of the misses turned into hits, the uploads ahead
+    # per miss, and the share of their link time hidden behind compute
+    prefetch: str = "off"
+    prefetch_miss_cut: tuple[tuple[int, float], ...] = ()
+    prefetch_uploads: tuple[tuple[int, float], ...] = ()
+    prefetch_overlap: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class CacheCandidate:
     streams: int = 1             # the streams of ``stream_tokens_per_s``
     stream_tokens_per_s: float = 0.0   # aggregate generation of ``streams`` streams decoding together
     stream_hit_rate: float = 0.0       # the cache's hit rate per distinct expert looked up at ``streams``
+    prefetch: bool = False             # uploads ahead of need (upload mode only)
+    prefetch_gain: float = 1.0         # predicted generation with them / without them (1.0: not weighed)
 
     @property
     def cache_mib(self) -> int:
@@ -209,7 +218,8 @@ class CachePlan:
                     "expert_seconds_per_token": c.expert_seconds, "tokens_per_s": c.tokens_per_s,
                     "streams": c.streams, "stream_tokens_per_s": c.stream_tokens_per_s,
                     "stream_hit_rate": round(c.stream_hit_rate, 5),
-                    "prompt_seconds_per_ubatch": c.prompt_seconds}
+                    "prompt_seconds_per_ubatch": c.prompt_seconds,
+                    "prefetch": c.prefetch, "prefetch_gain": round(c.prefetch_gain, 4)}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
                 "candidates": [cand(c) for c in self.candidates],
@@ -218,7 +228,10 @@ class CachePlan:
 
 def _misses_text(c: CacheCandidate) -> str:
     if c.miss_mode != "cpu":
-        return "misses uploaded"
+        if c.prefetch_gain == 1.0 and not c.prefetch:
+            return "misses uploaded"
+        return (f"misses uploaded; uploads ahead of need {'on' if c.prefetch else 'off'} (predicted "
+                f"{c.prefetch_gain:.2f}x the generation without them)")
     picks = c.cache_hit_bytes + c.host_read_bytes + c.pcie_bytes
     if not picks:
         return "misses on the CPU"
@@ -241,9 +254,30 @@ def _uncached_step(inp: CacheInputs, k: int, used: float) -> float:
     return k * used * expert / inp.gpu_bw + h * used * expert / inp.host_bw + h * inp.host_layer_overhead_s
 
 
-def _aggregate(inp: CacheInputs, k: int, per_layer: int, fraction: float) -> tuple[float, float]:
+def prefetch_link_factor(inp: CacheInputs, streams: int) -> float:
+    """The link time of a step's misses with uploads ahead of need, as a multiple of it without them: the misses
+    left, plus the uploads ahead whose time is not hidden. The measured stream count nearest ``streams``."""
+    at = _nearest(streams)
+    return (1.0 - at(inp.prefetch_miss_cut)) + at(inp.prefetch_uploads) * (1.0 - at(inp.prefetch_overlap))
+
+
+def prefetch_traffic_factor(inp: CacheInputs, streams: int) -> float:
+    """The bytes a step sends over the link with uploads ahead of need, as a multiple of its misses' without."""
+    at = _nearest(streams)
+    return (1.0 - at(inp.prefetch_miss_cut)) + at(inp.prefetch_uploads)
+
+
+def _nearest(streams: int):
+    def at(table: tuple[tuple[int, float], ...]) -> float:
+        return min(table, key=lambda kv: (abs(kv[0] - streams), kv[0]))[1] if table else 0.0
+    return at
+
+
+def _aggregate(inp: CacheInputs, k: int, per_layer: int, fraction: float,
+               prefetch: bool = False) -> tuple[float, float]:
     """(aggregate tokens/s, hit rate) of ``inp.streams`` streams decoding together, upload mode (see the module
-    docstring); ``per_layer`` slots in each host layer's bank (0: no cache)."""
+    docstring); ``per_layer`` slots in each host layer's bank (0: no cache); ``prefetch``: with uploads ahead of
+    need (their link time by :func:`prefetch_link_factor`)."""
     n = max(1, inp.streams)
     used = union_experts(inp.n_expert, inp.n_expert_used, n)
     h = inp.n_moe_layers - k
@@ -253,7 +287,8 @@ def _aggregate(inp: CacheInputs, k: int, per_layer: int, fraction: float) -> tup
     hit = hit_rate(inp.curve, fraction * (inp.n_expert_used / used) ** inp.stream_share_exponent) if used else 0.0
     picks = h * used * expert
     misses = (1.0 - hit) * picks
-    t = (k * used * expert + picks) / inp.gpu_bw + misses / inp.pcie_bw + h * inp.cache_layer_overhead_s \
+    link = prefetch_link_factor(inp, n) if prefetch else 1.0
+    t = (k * used * expert + picks) / inp.gpu_bw + misses * link / inp.pcie_bw + h * inp.cache_layer_overhead_s \
         + inp.cache_fixed_s
     return n / (inp.base_seconds + t), hit
 
@@ -282,9 +317,18 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     agg, agg_hit = _aggregate(inp, k, per_layer, fraction)
     hits, misses = hit * host_picks, (1.0 - hit) * host_picks
     fixed = h * inp.cache_layer_overhead_s + inp.cache_fixed_s
+    prefetch, gain = False, 1.0
     if mode == "upload":
         t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw + fixed
         host_read, pcie = 0.0, misses
+        if inp.prefetch != "off":
+            # weighed on what the objectives weigh: one stream's generation, or the streams' aggregate
+            t_pf = t + misses * (prefetch_link_factor(inp, 1) - 1.0) / inp.pcie_bw
+            agg_pf, _ = _aggregate(inp, k, per_layer, fraction, prefetch=True)
+            gain = agg_pf / agg if inp.streams > 1 else (inp.base_seconds + t) / (inp.base_seconds + t_pf)
+            if inp.prefetch == "on" or gain > 1.0 + MIN_GAIN:
+                prefetch = True
+                t, agg, pcie = t_pf, agg_pf, misses * prefetch_traffic_factor(inp, 1)
     else:
         up = 0.0                                   # without the replayed shares: every miss on the CPU
         if inp.curve.cpu_misses is not None:
@@ -298,7 +342,7 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
         host_read, pcie = on_cpu, uploads
     return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
                           host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)),
-                          max(1, inp.streams), agg, agg_hit)
+                          max(1, inp.streams), agg, agg_hit, prefetch, gain)
 
 
 def candidates(inp: CacheInputs, cache_bytes: int | None = None,

@@ -129,3 +129,17 @@ STREAM_SHARE_EXPONENT = 0.54
 # on the two expert sizes).
 PREFILL_READ_SAVING = 0.586
 PREFILL_READ_OVERHEAD_S = 35.9e-6
+# Uploads ahead of need (--moe-cache-prefetch), measured on the H200 with W1 at default locality, 12 GiB, the plan for
+# four streams (docs/benchmarks.md, "Uploads ahead of need"): of the misses without them, the share they turned into
+# hits, and the uploads ahead per such miss, at one stream and at four (the next layer's router on this layer's
+# hidden state predicted 76% / 79% of the picks; a wrong guess is an upload, and a slot taken).
+PREFETCH_MISS_CUT = {1: 0.660, 4: 0.567}
+PREFETCH_UPLOADS_PER_MISS = {1: 0.861, 4: 1.048}
+# The share of the uploads ahead's link time hidden behind compute, fitted on the same runs (one start each of the
+# plan, its A/A control and the plan with them): at one stream generation went from 136.5 (plan and control) to
+# 130 tokens/s, every uploaded byte on the critical path (the fit gives -0.04, taken as 0): the GPU's work between
+# one layer's expert ids and the next is tens of microseconds, the host's round trip per layer the rest. At four
+# streams 195 -> 179 tokens/s: a third hidden (each layer computes the union of four tokens' experts).
+PREFETCH_OVERLAP = {1: 0.0, 4: 0.32}
+# Architectures whose graph in our patch predicts the next layer's experts (llama.cpp's arch names)
+PREFETCH_ARCHS = frozenset({"qwen3moe"})

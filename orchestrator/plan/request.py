@@ -88,6 +88,7 @@ class PlanRequest:
     objective: str = "generation"            # "generation" | "balanced" | "prompt": what the VRAM split favours
     expert_cache: int | None = None          # None = the plan decides; 0 = off; bytes = a cache of this size
     expert_cache_misses: str = "upload"      # "upload" | "cpu" | "auto": what the cache does with a miss
+    expert_cache_prefetch: str = "auto"      # "auto" | "on" | "off": uploads ahead of need (--moe-cache-prefetch)
 
     def copy(self, **changes) -> "PlanRequest":
         return replace(self, **changes)

@@ -72,6 +72,17 @@ def test_cpu_misses_only_with_a_cache_and_a_binary_that_has_them():
     assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, moe_cache_cpu_misses=False), has)
 
 
+def test_uploads_ahead_only_with_a_cache_and_a_binary_that_has_them():
+    ahead = replace(S, moe_cache_mib=4096, moe_cache_prefetch=True)
+    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefetch"})
+    args = server_args(ahead, has)
+    assert _value(args, "--moe-cache-prefetch") == "on" and parse_server_args(args).moe_cache_prefetch
+    assert "--moe-cache-prefetch" not in server_args(ahead, replace(has, features=has.features - {"moe_cache_prefetch"}))
+    assert "--moe-cache-prefetch" not in server_args(replace(ahead, moe_cache_mib=0), has)        # no cache
+    assert "--moe-cache-prefetch" not in server_args(replace(ahead, moe_cache_prefetch=False), has)
+    assert not parse_server_args(["--moe-cache-prefetch", "off"]).moe_cache_prefetch
+
+
 @pytest.mark.parametrize("backend", [MAINLINE, IK], ids=["mainline", "ik"])
 def test_rendered_flags_read_back_to_the_same_settings(backend):
     """What launch renders, parse_server_args reads back (the NUMA binding is numactl's, not llama-server's)."""

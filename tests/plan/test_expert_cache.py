@@ -255,3 +255,39 @@ def test_several_streams_share_the_slots_and_read_the_union_of_their_picks():
     assert "4 streams' aggregate generation" in plan.reason
     assert any("4 streams decoding together" in line for line in plan.arithmetic())
     assert plan.to_json()["chosen"]["streams"] == 4
+
+
+PREFETCH = dict(prefetch_miss_cut=((1, 0.66), (4, 0.57)), prefetch_uploads=((1, 0.86), (4, 1.05)))
+
+
+def test_uploads_ahead_are_weighed_by_the_link_time_they_save_and_add():
+    """The misses' link time with uploads ahead: the misses left, plus the uploads ahead not hidden. With none
+    hidden (as measured at one stream) the uploads outweigh the misses they save: auto keeps them off; with most
+    hidden they win and auto turns them on; on forces them; each candidate's time follows."""
+    off = X.plan_expert_cache(_inputs())
+    none_hidden = X.plan_expert_cache(_inputs(prefetch="auto", prefetch_overlap=((1, 0.0),), **PREFETCH))
+    c = none_hidden.chosen
+    assert not c.prefetch and c.prefetch_gain < 1.0
+    assert c.tokens_per_s == pytest.approx(off.chosen.tokens_per_s)
+    assert X.prefetch_link_factor(_inputs(prefetch_overlap=((1, 0.0),), **PREFETCH), 1) == pytest.approx(
+        1 - 0.66 + 0.86)
+    hidden = X.plan_expert_cache(_inputs(prefetch="auto", prefetch_overlap=((1, 0.9),), **PREFETCH))
+    h = hidden.chosen
+    assert h.prefetch and h.prefetch_gain > 1.0 and h.tokens_per_s > off.chosen.tokens_per_s
+    # the link bytes of the chosen point: the misses left and every upload ahead
+    same = next(x for x in off.candidates if x.gpu_layers == h.gpu_layers and x.cache_bytes == h.cache_bytes)
+    assert h.pcie_bytes == pytest.approx(same.pcie_bytes * (1 - 0.66 + 0.86))
+    forced = X.plan_expert_cache(_inputs(prefetch="on", prefetch_overlap=((1, 0.0),), **PREFETCH))
+    assert forced.chosen.prefetch and forced.chosen.tokens_per_s < off.chosen.tokens_per_s * 1.0001
+    assert "uploads ahead of need on" in "\n".join(forced.arithmetic())
+
+
+def test_uploads_ahead_at_several_streams_use_the_nearest_measured_stream_count():
+    inp = _inputs(streams=4, prefetch="auto", prefetch_overlap=((1, 0.0), (4, 0.3)), **PREFETCH)
+    assert X.prefetch_link_factor(inp, 4) == pytest.approx(1 - 0.57 + 1.05 * 0.7)
+    assert X.prefetch_link_factor(inp, 8) == pytest.approx(X.prefetch_link_factor(inp, 4))
+    assert X.prefetch_link_factor(inp, 2) == pytest.approx(X.prefetch_link_factor(inp, 1))
+    cached = [c for c in X.candidates(inp) if c.cache_bytes and c.stream_hit_rate]
+    assert cached
+    for c in cached:                                   # weighed on the aggregate, which they slow here
+        assert c.streams == 4 and not c.prefetch and c.prefetch_gain < 1.0
