@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from pathlib import Path
+
+from orchestrator.sigutil import terminate_as_interrupt
 
 HELP = "Write a synthetic GGUF shaped like a real MoE model (random weights, real routing behaviour)"
 DESCRIPTION = """\
@@ -108,15 +109,12 @@ def run(args: argparse.Namespace) -> int:
         msg = f"writing {args.out.name}: {100 * done // max(total, 1)}% ({fmt_bytes(done)}, {rate:.2f} GB/s)"
         print(("\r" + msg.ljust(70)) if tty else msg, end="" if tty else "\n", file=sys.stderr, flush=True)
 
-    def on_term(signum, frame):  # SIGTERM cleans up like Ctrl-C: the partial file is removed
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
     try:
-        res = synth.write_model(args.out, args.like, scale=args.scale, quant=args.quant, seed=args.seed,
-                                layers=args.layers, progress=progress, locality=locality)
+        # SIGTERM and SIGHUP clean up like Ctrl-C: the partial file is removed
+        with terminate_as_interrupt():
+            res = synth.write_model(args.out, args.like, scale=args.scale, quant=args.quant, seed=args.seed,
+                                    layers=args.layers, progress=progress, locality=locality)
     finally:
-        signal.signal(signal.SIGTERM, old)
         if tty:
             print(file=sys.stderr)
     print(f"wrote {res.path} ({fmt_bytes(res.bytes)}) in {res.seconds:.1f}s, {res.gbps:.2f} GB/s", file=sys.stderr)

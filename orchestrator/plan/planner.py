@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
+from orchestrator.backend import devices as D
 from orchestrator.backend.info import BackendInfo
 from orchestrator.errors import PlanError
 from orchestrator.hardware.topology import Gpu, Machine
@@ -210,7 +211,7 @@ def _gpu_side(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], mode: str,
                 lm_why = why
     # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
     cpu = _choose_cpu(ctx, placement.cpu_weights + placement.cpu_kv, anchor)
-    gpu_names = [f"CUDA{k}" for k in range(len(gpus))]
+    gpu_names = [D.gpu(k) for k in range(len(gpus))]
     decisions.append(Decision("gpus", ",".join(str(g.index) for g in gpus),
                               f"main GPU {main.index} ({main.name}); host memory nearest to it: node {anchor}"))
     decisions.append(Decision("split mode", mode, mode_why))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from orchestrator.backend import devices as D
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.placement import Placement
@@ -176,7 +177,7 @@ def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read
     """Tokens/s for generation at short depth, and the bytes read per token per device."""
     frac = costs.n_expert_used / costs.n_expert if costs.n_expert else 0.0
     t, gpu_bytes, cpu_bytes = _decode_step(costs, placement, sp, frac, kv_read_per_token)
-    per_dev = {f"CUDA{k}": int(b) for k, b in enumerate(gpu_bytes)}
+    per_dev = {D.gpu(k): int(b) for k, b in enumerate(gpu_bytes)}
     per_dev["CPU"] = int(cpu_bytes)
     return (1.0 / t if t > 0 else 0.0), per_dev
 

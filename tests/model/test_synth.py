@@ -254,7 +254,7 @@ def test_cli_list_and_dry_run():
     assert int(res.stdout.strip()) == S.total_bytes(S.tensor_specs(S.get("qwen3-30b-a3b")))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_cli_signal_mid_write_leaves_nothing(tmp_path, sig):
     """A real signal to a real writer: the partial file is removed and nothing else is left."""
     out = tmp_path / "big.gguf"
