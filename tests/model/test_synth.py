@@ -254,6 +254,13 @@ def test_cli_list_and_dry_run():
     assert int(res.stdout.strip()) == S.total_bytes(S.tensor_specs(S.get("qwen3-30b-a3b")))
 
 
+def _interactive_stop_signals() -> None:
+    """The writer gets the stop signals a program started from a shell gets, whatever this run inherited
+    (`nohup` ignores SIGHUP, and an ignored SIGHUP stays ignored by design)."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_cli_signal_mid_write_leaves_nothing(tmp_path, sig):
     """A real signal to a real writer: the partial file is removed and nothing else is left."""
@@ -262,7 +269,7 @@ def test_cli_signal_mid_write_leaves_nothing(tmp_path, sig):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "synth-model", str(out), "--like",
                              "qwen3-30b-a3b", "--layers", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=_interactive_stop_signals)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
