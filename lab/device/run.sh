@@ -31,7 +31,8 @@
 #   w1-cpu-flags      W1 at 12 GiB: plan / --fit / the plan with --no-host, --cpu-strict 1, --prio 2, --poll 100
 #   w1-load-modes     W1 at 8 GiB: plan / --fit / the plan memory-mapped / the plan with --no-host
 #   w2                W2 under 24 GiB: plan / --fit
-#   gpu-tests         the GPU tests of the expert cache (pytest -m gpu tests/backend/test_expert_cache_gpu.py; GPU_TESTS_K
+#   gpu-tests         the GPU tests of the expert cache and of the router trace (pytest -m gpu
+#                     tests/backend/test_expert_cache_gpu.py tests/backend/test_router_trace_gpu.py; GPU_TESTS_K
 #                     narrows them, as pytest -k), with
 #                     what they print (tokens alike, largest probability difference, counters)
 #   routing[=L]       W1 written at routing locality L (0 | default | high; default: default) and its routing profile
@@ -55,8 +56,8 @@
 #                     measured: at each of PREFETCH_BUDGETS (GiB, default "12 8") the plan for 4 streams
 #                     (model.parallel=4) / the same with --moe-cache-prefetch on / fit-pinned with -np 4 (/ the plan
 #                     again, A/A, at the first budget of one round), interleaved over PREFETCH_ROUNDS (default 1):
-#                     pp512, generation of 1
-#                     and 4 streams, and the cache's prefetch counters (accuracy, uploads ahead, used);
+#                     pp512, generation of 1 and 4 streams, and the cache's prefetch counters (accuracy,
+#                     uploads ahead, used);
 #                     PREFETCH_VARIANTS=1 adds the copy stream not waiting for the layer's own misses, and that
 #                     issued at a layer's first expert tensor
 #
@@ -317,7 +318,8 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
   gpu-tests)
     need_server
     LLAMA_SERVER=$SERVER timeout $(( $(left) - 5 )) python3 -m pytest --noconftest -p no:cacheprovider -m gpu -v -s ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
-      --basetemp "$W/pytest" tests/backend/test_expert_cache_gpu.py > "$O/pytest.log" 2>&1
+      --basetemp "$W/pytest" tests/backend/test_expert_cache_gpu.py tests/backend/test_router_trace_gpu.py \
+      > "$O/pytest.log" 2>&1
     log "gpu tests rc=$?"; tail -6 "$O/pytest.log"
     ;;
   routing)
