@@ -17,6 +17,12 @@ experts' time per generated token is predicted from the routing profile's hit-ra
                                                   (miss mode "cpu": the hop GPU -> CPU -> GPU where it is needed,
                                                   and the CPU path's cost per token)
 
+With uploads ahead of need (``prefetch``: the backend's ``--moe-cache-prefetch``, upload mode), the misses' link
+time is multiplied by (1 - cut) + uploads x (1 - overlap): ``cut`` the share of the misses they turn into hits,
+``uploads`` the uploads ahead per miss without them, ``overlap`` the share of their link time hidden behind compute,
+each measured per stream count (``PREFETCH_*`` in :mod:`orchestrator.plan.rates`). ``auto`` turns them on where
+that beats the same split without them by ``MIN_GAIN`` on the generation the objective weighs; ``on`` forces them.
+
 In miss mode "cpu" the hit, upload and CPU shares come from the curve's ``cpu_misses`` (the patch's rule
 replayed on the measured trace); a curve without them (the default curve) leaves the mode to a user who asks
 for it, and then every miss is taken as computed on the CPU.
