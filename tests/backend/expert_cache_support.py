@@ -96,6 +96,17 @@ def one_completion(server: str, rpc_server: str, model: Path, tmp: Path, name: s
     return out, metrics, text
 
 
+def server_path() -> str:
+    """The llama-server the device tests run, which run without the suite's conftest: $LLAMA_SERVER, else the
+    one orchestrator finds."""
+    path = os.environ.get("LLAMA_SERVER")
+    if not path:
+        from orchestrator.backend.detect import find_llama_server
+
+        path, _ = find_llama_server(None)
+    return path
+
+
 def metrics_of(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return {k: float(v) for k, v in re.findall(r"^llamacpp:(\w+) (\S+)$", r.read().decode(), re.M)}

@@ -16,7 +16,6 @@ Three servers, all with every routed expert in host memory (`-ngl 999 --cpu-moe`
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from pathlib import Path
@@ -24,20 +23,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.model import synth
-from tests.backend.expert_cache_support import PROMPT, agreement, probs, serve_in_turn
+from tests.backend.expert_cache_support import PROMPT, agreement, probs, serve_in_turn, server_path
 
 pytestmark = pytest.mark.gpu
 
 N_PREDICT = 256
-
-
-def _server_path() -> str:
-    path = os.environ.get("LLAMA_SERVER")
-    if not path:
-        from orchestrator.backend.detect import find_llama_server
-
-        path, _ = find_llama_server(None)
-    return path
 
 
 def _run_in_turn(server: str, model: Path, log: Path, extra: list[str], env: dict[str, str],
@@ -63,7 +53,7 @@ def model(tmp_path_factory) -> Path:
 
 
 def test_cache_gives_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_path):
-    server = _server_path()
+    server = server_path()
     from orchestrator.model.reader import read_gguf
 
     info = read_gguf(model)
@@ -109,7 +99,7 @@ def test_misses_computed_on_the_cpu_agree_with_the_gpu_path(model, tmp_path):
     """--moe-cache-cpu-misses on a real GPU: rarely used experts are computed by the CPU kernels
     and written over the GPU's rows. Other kernels for those rows: the probabilities agree within the backends'
     usual tolerance until the first greedy divergence; fewer bytes are uploaded than misses."""
-    server = _server_path()
+    server = server_path()
     from orchestrator.model.reader import read_gguf
 
     info = read_gguf(model)
@@ -136,7 +126,7 @@ def test_prompts_reading_the_slots_give_the_tokens_and_logits_of_the_uncached_gp
     slots. In every --moe-cache-prefill mode: exactly the tokens and probabilities of the offload path without a
     cache (the same CUDA kernels on the same bytes, copied from another place); reading copies only the experts
     the slots did not hold; refreshing admits the first prompt's last experts."""
-    server = _server_path()
+    server = server_path()
     from orchestrator.model.reader import read_gguf
 
     info = read_gguf(model)
@@ -175,7 +165,7 @@ def test_uploads_ahead_of_need_give_the_tokens_and_logits_of_the_uncached_gpu_pa
     kernels read the same bytes: tokens and probabilities exactly those without the cache, so a race (a slot read
     before its upload landed, or overwritten while read) shows as a difference. Counters add up, and fewer misses
     than without uploads ahead of need."""
-    server = _server_path()
+    server = server_path()
     from orchestrator.model.reader import read_gguf
 
     info = read_gguf(model)

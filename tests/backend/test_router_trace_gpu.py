@@ -10,7 +10,6 @@ the same path on the RPC device, in CI.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -20,20 +19,11 @@ import urllib.request
 import pytest
 
 from orchestrator.model import synth
-from tests.backend.expert_cache_support import PROMPT, _healthy, _start, _stop, _wait, metrics_of
+from tests.backend.expert_cache_support import PROMPT, _healthy, _start, _stop, _wait, metrics_of, server_path
 
 pytestmark = pytest.mark.gpu
 
 TOKENS = 256
-
-
-def _server() -> str:
-    path = os.environ.get("LLAMA_SERVER")
-    if not path:
-        from orchestrator.backend.detect import find_llama_server
-
-        path, _ = find_llama_server(None)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +34,7 @@ def server() -> str:
         subprocess.run(["nvidia-smi", "-L"], check=True, capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         pytest.skip("no NVIDIA GPU here")
-    path = _server()
+    path = server_path()
     info = detect_backend(path)
     if not info.cuda or not info.has("router_trace"):
         pytest.skip(f"{path}: needs a CUDA llama-server with --router-trace (patch 0004)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.server
 import threading
-from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from orchestrator.cluster import live_routing as L
 from orchestrator.errors import ModelError
 from orchestrator.model import routing
 from orchestrator.model import routing_profile as R
+from tests.model.test_routing_profile import _literal_lru
 
 
 def _local_trace(seed: int, tokens: int, nl: int = 3, e: int = 32, k: int = 4) -> R.Trace:
@@ -36,19 +36,8 @@ def _local_trace(seed: int, tokens: int, nl: int = 3, e: int = 32, k: int = 4) -
 
 
 def _lru(trace: R.Trace, slots: int) -> float:
-    hits = total = 0
-    for li in range(len(trace.layers)):
-        cache: OrderedDict = OrderedDict()
-        for t in range(trace.n_tokens):
-            picks = [int(x) for x in trace.ids[t, li]]
-            hits += sum(p in cache for p in picks)
-            total += len(picks)
-            for p in picks:
-                cache.pop(p, None)
-                cache[p] = True
-                while len(cache) > slots:
-                    cache.popitem(last=False)
-    return hits / total
+    """The hit rate of a real LRU of ``slots`` per layer over ``trace``."""
+    return _literal_lru(trace, slots, "lru-layer")
 
 
 class _Worker:

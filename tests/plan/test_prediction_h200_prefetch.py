@@ -8,29 +8,17 @@ the measured one, at one stream and at four, and ``auto`` must choose what was f
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import lzma
 import statistics
-from pathlib import Path
 
 import pytest
-from planfixtures import backend, with_gpu_free
+import test_prediction_h200_workload as W
 
 from orchestrator.hardware.dump import load_machine
-from orchestrator.hardware.topology import Bandwidth
 from orchestrator.model.routing_profile import RoutingProfile
-from orchestrator.plan import NodeRequest, PlanRequest, make_plan
-from test_prediction_h200_cache import _layers_and_cache
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-02-prefetch"
-FIX = ROOT / "tests" / "fixtures"
-MiB = 1 << 20
-
-
-def _xz_json(path: Path):
-    return json.loads(lzma.decompress(path.read_bytes()))
+RUN = W.ROOT / "docs" / "benchmarks" / "h200-2026-12-02-prefetch"
+FIX = W.FIX
+_xz_json = W._xz_json
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +34,9 @@ def _tps(bench, config: str, streams: str) -> float:
 def _replan(models, bench, prefetch: str):
     h200 = load_machine(FIX / "machines" / "h200.inspect.json")
     run = next(r for r in bench["runs"] if r["config"] == "plan")
-    args = run["argv"]
-    layers, mib = _layers_and_cache(args)
-    req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=bench["vram_budget"], vram_reserve=256 * MiB),),
-                      expert_layers_on_cpu=layers, expert_cache=mib * MiB, ubatch=int(args[args.index("-ub") + 1]),
-                      parallel=int(args[args.index("-np") + 1]), expert_cache_prefetch=prefetch)
-    b = backend("mainline")
-    b = dataclasses.replace(b, features=b.features | {"moe_cache", "moe_cache_prefill", "moe_cache_prefetch"})
-    machine = dataclasses.replace(with_gpu_free(h200, bench["vram_budget"]),
-                                  bandwidth=Bandwidth.from_json(bench["plan_context"]["bandwidth"]))
     curve = RoutingProfile.from_json(_xz_json(RUN / "routing-w1-default.profile.json.xz")["profile"]).curve("lru-layer")
-    return make_plan(machines={"h200": machine}, model=models("qwen3-30b-a3b"), request=req, backend=b,
-                     routing=curve).workers[0]
+    return W._replan(models, h200, bench, run, "w1", curve=curve, features=frozenset({"moe_cache_prefetch"}),
+                    expert_cache_prefetch=prefetch)
 
 
 @pytest.mark.parametrize("streams", ["1", "4"])

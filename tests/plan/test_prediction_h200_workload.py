@@ -51,20 +51,23 @@ def _measured(name: str, config: str = "plan") -> tuple[dict, dict]:
     return bench, run
 
 
-def _replan(models, h200, bench, run, model: str):
+def _replan(models, h200, bench, run, model: str, curve=None, features: frozenset = frozenset(), **request):
+    """The run's argv replanned (``curve``: the routing to plan with, else the run's; ``features``: more of the
+    binary's; ``request``: more PlanRequest fields)."""
     args = run["argv"]
     layers, mib = _layers_and_cache(args)
     parallel = int(args[args.index("-np") + 1])
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=bench["vram_budget"], vram_reserve=256 * MiB),),
                       expert_layers_on_cpu=layers, expert_cache=mib * MiB, ubatch=int(args[args.index("-ub") + 1]),
-                      parallel=parallel)
+                      parallel=parallel, **request)
     b = backend("mainline")
-    b = dataclasses.replace(b, features=b.features | {"moe_cache", "moe_cache_prefill"})
+    b = dataclasses.replace(b, features=b.features | {"moe_cache", "moe_cache_prefill"} | set(features))
     machine = dataclasses.replace(with_gpu_free(h200, bench["vram_budget"]),
                                   bandwidth=Bandwidth.from_json(bench["plan_context"]["bandwidth"]))
     like, n_layers = SHAPES[model]
     shape = models(like, layers=n_layers) if n_layers else models(like)
-    w = make_plan(machines={"h200": machine}, model=shape, request=req, backend=b, routing=_curve(model)).workers[0]
+    w = make_plan(machines={"h200": machine}, model=shape, request=req, backend=b,
+                  routing=curve or _curve(model)).workers[0]
     assert w.settings.moe_cache_mib == mib
     return w
 
