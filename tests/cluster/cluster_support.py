@@ -22,7 +22,7 @@ if str(HERE.parent) not in sys.path:
 from tiny_llama import write_tiny_llama  # noqa: E402
 
 __all__ = ["write_tiny_llama", "with_stop_signals_reset", "stop_signals_at_defaults", "free_port", "llama_spec",
-           "http_json", "post_json", "stream_completion", "llama_servers", "ray_processes_of", "wait_for"]
+           "http_json", "post_json", "stream_completion", "llama_servers", "processes_with", "ray_processes_of", "wait_for"]
 
 
 # What a program started from an interactive shell gets: these tests rely on it, whatever the test run inherited
@@ -139,6 +139,20 @@ def stream_completion(url: str, body: dict, timeout: float = 30.0) -> tuple[int,
             else:
                 events.append(json.loads(data))
         return f.status, events, done
+
+
+def processes_with(pattern) -> list:
+    """Running processes (psutil.Process, zombies left out) whose command line contains ``pattern``."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if str(pattern) in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
 
 
 def llama_servers(binary: str) -> list:

@@ -346,15 +346,7 @@ def _one_worker_topology(iso, path: Path, namespace: str, gateway_port: int | No
     return path
 
 
-def _ours(pattern: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if str(pattern) in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
+_ours = S.processes_with
 
 
 def _status(env, ns):

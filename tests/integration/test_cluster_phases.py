@@ -36,7 +36,6 @@ NUMA_BALANCING = Path("/proc/sys/kernel/numa_balancing")
 def iso(tmp_path, monkeypatch, llama_server_path):
     monkeypatch.setenv("ORCHESTRATOR_STATE", str(tmp_path / "state"))
     monkeypatch.setenv("LLAMA_SERVER", llama_server_path)
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")      # no token written into the user's home
     with S.stop_signals_at_defaults():                  # the signals these tests send, whatever the run inherited
         yield {"tmp": tmp_path, "binary": llama_server_path, "model": S.write_tiny_llama(tmp_path / "tiny.gguf"),
                "state": tmp_path / "state"}
@@ -81,16 +80,7 @@ def _assert_unwinds_in_reverse(up) -> None:
 
 
 def _leftovers(iso, up) -> list[str]:
-    def ours(pattern: str) -> list[psutil.Process]:
-        out = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if pattern in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
-
+    ours = S.processes_with
     left = [f"llama-server {q.pid}" for q in ours(str(iso["model"])) if q.name() == "llama-server"]
     left += [f"keeper {q.pid}" for q in ours(f"run/{up.namespace}/")]
     left += [f"numa wrapper {q.pid}" for q in ours("disable-numa-balancing") if str(iso["model"]) in

@@ -32,15 +32,7 @@ def iso(tmp_path, monkeypatch, llama_server_path):
             "state": tmp_path / "state"}
 
 
-def _ours(pattern: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if pattern in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
+_ours = S.processes_with
 
 
 class Up:
