@@ -92,6 +92,33 @@ int main() {
     }
     CHECK(loads == 8);
     ggml_moe_slot_table_free(full);
+
+    // the state moves between tables (host and device keep one layout): a copy then assigns exactly as the original
+    ggml_moe_slot_table_t a = ggml_moe_slot_table_new(16, 4);
+    for (int32_t e = 0; e < 10; e++) {
+        assign(a, {e, (e * 7) % 16});
+    }
+    CHECK(ggml_moe_slot_table_state_size(a) == 3 * 4 + 16 + 2);
+    std::vector<int32_t> state(ggml_moe_slot_table_state_size(a));
+    ggml_moe_slot_table_get_state(a, state.data());
+    ggml_moe_slot_table_t b = ggml_moe_slot_table_new(16, 4);
+    ggml_moe_slot_table_set_state(b, state.data());
+    bool same = true;
+    for (int32_t e = 0; e < 16; e++) {
+        same = same && ggml_moe_slot_table_slot_of(a, e) == ggml_moe_slot_table_slot_of(b, e);
+    }
+    for (int32_t e = 3; e < 40; e++) {
+        const result ra = assign(a, {e % 16, (e * 5 + 1) % 16});
+        const result rb = assign(b, {e % 16, (e * 5 + 1) % 16});
+        same = same && ra.slots == rb.slots && ra.loads == rb.loads;
+    }
+    CHECK(same);
+    std::vector<int32_t> after_a(state.size()), after_b(state.size());
+    ggml_moe_slot_table_get_state(a, after_a.data());
+    ggml_moe_slot_table_get_state(b, after_b.data());
+    CHECK(after_a == after_b && after_a != state);
+    ggml_moe_slot_table_free(a);
+    ggml_moe_slot_table_free(b);
     ggml_moe_slot_table_free(t);
 
     // recency: how many distinct experts were used since an expert's last use (the LRU stack distance)

@@ -194,3 +194,42 @@ def test_uploads_ahead_of_need_give_the_tokens_and_logits_of_the_uncached_gpu_pa
           f"{uploads:.0f} uploaded ahead, {useful:.0f} used; misses {misses:.0f} against "
           f"{mb['moe_cache_misses_total']:.0f} without; hit rate {hits / lookups:.3f} against "
           f"{mb['moe_cache_hits_total'] / mb['moe_cache_lookups_total']:.3f}")
+
+
+def test_slots_assigned_on_the_device_give_the_tokens_logits_and_counters_of_the_host_assignment(model, tmp_path):
+    """LLAMA_MOE_CACHE_DEVICE_SLOTS=1 on a real GPU: each layer's slots are assigned by a kernel from its ids, and
+    its misses read from pinned host memory by another, with no wait for the host. The device keeps the host's
+    least-recently-used list: the same tokens and probabilities as the uncached offload path, and exactly the host
+    assignment's hits, misses and bytes. Two completions in turn: the second prompt (op offload, refresh mode)
+    reads the device's table and writes it back, which must leave the counters equal too. /metrics says which
+    assignment ran (llamacpp:moe_cache_device_slots)."""
+    server = server_path()
+    from orchestrator.model.reader import read_gguf
+
+    info = read_gguf(model)
+    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
+    mib = -(-24 * expert_bytes * len(experts) // 2**20)
+    env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+    # the device reads misses from pinned host memory: the weights loaded, not memory-mapped
+    flags = ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--load-mode", "none"]
+    bodies = [{"n_predict": 128}, {"n_predict": 128, "prompt": PROMPT[::-1]}]
+    dev, log_dev = _run_in_turn(server, model, tmp_path / "device.log", flags,
+                                {**env, "LLAMA_MOE_CACHE_DEVICE_SLOTS": "1"}, bodies)
+    host, log_host = _run_in_turn(server, model, tmp_path / "host.log", flags, env, bodies)
+    waits, log_wait = _run_in_turn(server, model, tmp_path / "wait.log", flags,
+                                   {**env, "LLAMA_MOE_CACHE_SPLIT_WAIT": "1"}, bodies)
+    plain, _log = _run_in_turn(server, model, tmp_path / "offload.log", ["--load-mode", "none"], env, bodies)
+    assert dev[-1][1].get("moe_cache_device_slots") == 1, log_dev[-3000:]
+    assert host[-1][1].get("moe_cache_device_slots") == 0 == waits[-1][1].get("moe_cache_device_slots")
+    for run in (dev, host, waits):
+        for (got, _m), (want, _w) in zip(run, plain):
+            assert got["tokens"] == want["tokens"]
+            assert probs(got) == probs(want)
+    md, mh, mw = dev[-1][1], host[-1][1], waits[-1][1]
+    for key in ("lookups", "hits", "misses", "uploaded_bytes", "prefill_hits", "prefill_admitted"):
+        assert md[f"moe_cache_{key}_total"] == mh[f"moe_cache_{key}_total"] == mw[f"moe_cache_{key}_total"], key
+    assert mh["moe_cache_misses_total"] > 0 and mh["moe_cache_prefill_hits_total"] > 0
+    print(f"device vs host assignment: {sum(len(a['tokens']) for a, _m in dev)} identical tokens; hits "
+          f"{md['moe_cache_hits_total']:.0f}, misses {md['moe_cache_misses_total']:.0f} on both; the second prompt "
+          f"read {md['moe_cache_prefill_hits_total']:.0f} experts from the slots on both")
