@@ -18,6 +18,10 @@
 #   llama-bench       llama-bench with W1 whole on the GPU (-ngl 99 -fa 1 -p 512 -n 128 -r 3)
 #   probe-vs-torch    lab.bench_probe: our pinned PCIe copies against torch's, same run
 #   calib-gpu         the memory model's 8 mixed CPU/GPU calibration cases (lab.calibrate gpu), then the report
+#   live-routing[=L]  W1 written at routing locality L (default: default) and its profile measured, then `up` at
+#                     12 GiB for 4 streams with workers.live_routing on: requests one at a time, then four at once,
+#                     the live hit rate of each against the plan's, `status`, `down`, and the plan again from the
+#                     served routing (lab/device/live-routing.sh)
 #   up-proof          `orchestrator up` on the GPU, W1 at 12 GiB: ready time against llama-server's own load,
 #                     completions through the gateway, metrics, kill -9 of llama-server, down (lab/device/up-proof.sh)
 #   gateway[=N]       gateway overhead, W1 all on the GPU, 16 streams, N gateway processes (default 1);
@@ -60,6 +64,13 @@
 #                     uploads ahead, used);
 #                     PREFETCH_VARIANTS=1 adds the copy stream not waiting for the layer's own misses, and that
 #                     issued at a layer's first expert tensor
+#   device-slots[=L]  the host's round trip per cached layer, W1 written at routing locality L (default: default) and
+#                     its profile measured: at DEVICE_SLOTS_BUDGET GiB (default 12) the plan for 4 streams
+#                     (model.parallel=4) / the same with its slots assigned on the device
+#                     (LLAMA_MOE_CACHE_DEVICE_SLOTS=1) / the same waiting for the device before each cached split as
+#                     before (LLAMA_MOE_CACHE_SPLIT_WAIT=1) / fit-pinned with -np 4 / the plan again (A/A),
+#                     interleaved over DEVICE_SLOTS_ROUNDS (default 1): pp512, generation of 1 and 4 streams, counters;
+#                     DEVICE_SLOTS_WAIT=0 leaves out the old wait
 #
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
@@ -92,8 +103,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-STEPS=(build gpu-tests routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
-       w1-cpu-flags w1-load-modes w2 w1-cache w2-cache workload prefetch w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik
+STEPS=(build gpu-tests routing live-routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
+       w1-cpu-flags w1-load-modes w2 w1-cache w2-cache workload prefetch device-slots w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik
        w2-x2-cache cpu-up cpu-early
        gateway-cpu sampler-cost)
 known() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -247,6 +258,12 @@ step() {   # step NAME [ARG]
     timeout 8 python3 -m lab.calibrate report "$O/calib-gpu" --models "$W/calib-models" > "$O/calib-gpu-report.txt" 2>&1
     tail -4 "$O/calib-gpu-report.txt"
     ;;
+  live-routing)
+    need_server; routing_profile "${arg:-default}"
+    timeout $(( $(left) - 5 )) bash lab/device/live-routing.sh "$H200" "$M/w1-loc-${arg:-default}.gguf" "$O/live" \
+      --set nodes.0.vram_limit=12GiB --set model.parallel=4 > "$O/live-routing.log" 2>&1
+    log "live routing rc=$?"; tail -12 "$O/live-routing.log"
+    ;;
   up-proof)
     need_server; synth q30
     timeout 130 bash lab/device/up-proof.sh "$H200" "$Q30" "$O/up" > "$O/up-proof.log" 2>&1
@@ -353,6 +370,23 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
       workload_run "$M/w2-loc-$loc.gguf" 24 "w2-24g" plan,fit-pinned --pp 512,4096 --pp-reps 1 --tg-depths 0 \
         --tg-reps 2 --concurrency 1 --ttft-requests 4
     fi
+    ;;
+  device-slots)
+    need_server
+    local loc=${arg:-default} b=${DEVICE_SLOTS_BUDGET:-12} SETS=(--set model.parallel=4)
+    routing_profile "$loc" w1
+    local mdl=$M/w1-loc-$loc.gguf name=w1-${b}g-device-slots c V=()
+    orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" > "$O/plan-$name.txt" 2>&1
+    orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" --json \
+      > "$O/plan-$name.json" 2>&1
+    c=$(python3 lab/device/plan-config.py device "$O/plan-$name.json"); V+=(--config "${c/=/=LLAMA_MOE_CACHE_DEVICE_SLOTS=1 }")
+    [ "${DEVICE_SLOTS_WAIT:-1}" = 1 ] && { c=$(python3 lab/device/plan-config.py split-wait "$O/plan-$name.json")
+      V+=(--config "${c/=/=LLAMA_MOE_CACHE_SPLIT_WAIT=1 }"); }
+    timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \
+      --configs "plan,fit-pinned,control" "${V[@]}" --rounds "${DEVICE_SLOTS_ROUNDS:-1}" --max-minutes "$(mins 10)" \
+      --out "$O/$name" --pp 512 --pp-reps 1 --tg-depths none --tg-reps 3 --tg-streams 1,4 --concurrency none \
+      > "$O/$name.log" 2>&1
+    log "$name rc=$?"; tail -22 "$O/$name.log"
     ;;
   prefetch)
     need_server
