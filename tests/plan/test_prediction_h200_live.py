@@ -8,8 +8,6 @@ predicted one-stream and four-stream hit rates must be the live ones within 5 po
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import test_prediction_h200_workload as W
 
@@ -22,7 +20,7 @@ SLOTS = W.ROOT / "docs" / "benchmarks" / "h200-2026-12-02-device-slots"
 
 @pytest.fixture(scope="module")
 def live():
-    return json.loads((LIVE / "live.json").read_text())
+    return W._xz_json(LIVE / "live.json.xz")
 
 
 def test_live_hit_rates_are_the_predicted_ones(models, live):
