@@ -46,6 +46,19 @@ def _run(server: str, model: Path, log: Path, extra: list[str], env: dict[str, s
     return out, metrics, text
 
 
+def _expert_tensors(model: Path) -> tuple[int, int]:
+    """(bytes of one expert of one routed expert tensor, how many such tensors) of ``model``."""
+    from orchestrator.model.reader import read_gguf
+
+    experts = [t for t in read_gguf(model).tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
+    return experts[0].nbytes // experts[0].shape[-1], len(experts)
+
+
+def _mib_for_slots(slots: int, expert_bytes: int, n_tensors: int) -> int:
+    """--moe-cache-mib that gives every tensor ``slots`` slots, not one more."""
+    return -(-slots * expert_bytes * n_tensors // 2**20)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("w1") / "w1-small.gguf"
@@ -100,12 +113,8 @@ def test_misses_computed_on_the_cpu_agree_with_the_gpu_path(model, tmp_path):
     and written over the GPU's rows. Other kernels for those rows: the probabilities agree within the backends'
     usual tolerance until the first greedy divergence; fewer bytes are uploaded than misses."""
     server = server_path()
-    from orchestrator.model.reader import read_gguf
-
-    info = read_gguf(model)
-    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
-    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
-    mib = -(-24 * expert_bytes * len(experts) // 2**20)
+    expert_bytes, n_tensors = _expert_tensors(model)
+    mib = _mib_for_slots(24, expert_bytes, n_tensors)
     env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
     cpu, m, log = _run(server, model, tmp_path / "cpu-misses.log",
                        ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-cpu-misses"], env)
@@ -127,12 +136,8 @@ def test_prompts_reading_the_slots_give_the_tokens_and_logits_of_the_uncached_gp
     cache (the same CUDA kernels on the same bytes, copied from another place); reading copies only the experts
     the slots did not hold; refreshing admits the first prompt's last experts."""
     server = server_path()
-    from orchestrator.model.reader import read_gguf
-
-    info = read_gguf(model)
-    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
-    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
-    mib = -(-24 * expert_bytes * len(experts) // 2**20)
+    expert_bytes, n_tensors = _expert_tensors(model)
+    mib = _mib_for_slots(24, expert_bytes, n_tensors)
     # every batch on the GPU (decode too, without the cache): the same CUDA kernels in every run
     env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
     bodies = [{"n_predict": 64}, {"n_predict": 64, "prompt": PROMPT[::-1]}]
@@ -166,13 +171,9 @@ def test_uploads_ahead_of_need_give_the_tokens_and_logits_of_the_uncached_gpu_pa
     before its upload landed, or overwritten while read) shows as a difference. Counters add up, and fewer misses
     than without uploads ahead of need."""
     server = server_path()
-    from orchestrator.model.reader import read_gguf
-
-    info = read_gguf(model)
-    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
-    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
-    n_layers = len(experts) // 3
-    mib = -(-24 * expert_bytes * len(experts) // 2**20)
+    expert_bytes, n_tensors = _expert_tensors(model)
+    n_layers = n_tensors // 3
+    mib = _mib_for_slots(24, expert_bytes, n_tensors)
     env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
     flags = ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4"]
     ahead, m, log = _run(server, model, tmp_path / "prefetch.log", [*flags, "--moe-cache-prefetch", "on"], env)
@@ -204,12 +205,8 @@ def test_slots_assigned_on_the_device_give_the_tokens_logits_and_counters_of_the
     reads the device's table and writes it back, which must leave the counters equal too. /metrics says which
     assignment ran (llamacpp:moe_cache_device_slots)."""
     server = server_path()
-    from orchestrator.model.reader import read_gguf
-
-    info = read_gguf(model)
-    experts = [t for t in info.tensors if re.match(r"blk\.\d+\.ffn_(up|gate|down)_exps", t.name)]
-    expert_bytes = experts[0].nbytes // experts[0].shape[-1]
-    mib = -(-24 * expert_bytes * len(experts) // 2**20)
+    expert_bytes, n_tensors = _expert_tensors(model)
+    mib = _mib_for_slots(24, expert_bytes, n_tensors)
     env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
     # the device reads misses from pinned host memory: the weights loaded, not memory-mapped
     flags = ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--load-mode", "none"]
