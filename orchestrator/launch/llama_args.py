@@ -41,6 +41,7 @@ FIELD_FLAGS: dict[str, tuple[str, ...]] = {
     "moe_cache_max_batch": ("--moe-cache-max-batch",),
     "moe_cache_cpu_misses": ("--moe-cache-cpu-misses",),
     "moe_cache_prefetch": ("--moe-cache-prefetch",),
+    "moe_cache_device_slots": ("--moe-cache-slots",),
     "fit": ("--fit", "-fit"),
     "fit_ctx": ("--fit-ctx", "-fitc"),
     "threads": ("-t", "--threads"),
@@ -129,6 +130,8 @@ def server_args(s: WorkerSettings, backend: BackendInfo) -> tuple[str, ...]:
             a.append("--moe-cache-cpu-misses")
         if s.moe_cache_prefetch and backend.has("moe_cache_prefetch"):
             a += ["--moe-cache-prefetch", "on"]
+        if s.moe_cache_device_slots and backend.has("moe_cache_slots"):
+            a += ["--moe-cache-slots", "device"]
     if s.fit is not None and backend.has("fit") and not backend.ik:
         a += ["--fit", "on" if s.fit else "off"]
     if s.fit_ctx is not None and backend.has("fit") and not backend.ik:
@@ -291,6 +294,8 @@ def _set(kw: dict, name: str | None, flag: str | None, value: str | None) -> boo
         kw[name] = True
     elif name == "moe_cache_prefetch" and value in ("on", "off"):
         kw[name] = value == "on"
+    elif name == "moe_cache_device_slots" and value in ("device", "host"):
+        kw[name] = value == "device"
     elif name == "fit":
         if value not in (None, "on", "off"):
             return False
@@ -322,7 +327,7 @@ def backend_seen_in(args: Sequence[str], server: str = "llama-server") -> Backen
     seen = {"fit": {"--fit", "-fit"}, "load_mode": {"--load-mode", "-lm"}, "no_op_offload": {"--no-op-offload"},
             "metrics": {"--metrics"}, "numa": {"--numa"}, "cuda_params": {"-cuda", "--cuda-params"},
             "moe_cache": {"--moe-cache-mib"}, "moe_cache_cpu_misses": {"--moe-cache-cpu-misses"},
-            "moe_cache_prefetch": {"--moe-cache-prefetch"}}
+            "moe_cache_prefetch": {"--moe-cache-prefetch"}, "moe_cache_slots": {"--moe-cache-slots"}}
     feats = {name for name, spellings in seen.items() if flags & spellings}
     ik = "cuda_params" in feats
     if "fit" in feats and not ik:

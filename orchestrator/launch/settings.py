@@ -44,6 +44,7 @@ class WorkerSettings:
     moe_cache_cpu_misses: bool = False         # rarely used experts are computed on the CPU,
                                                # not uploaded (--moe-cache-cpu-misses)
     moe_cache_prefetch: bool = False           # uploads ahead of need (--moe-cache-prefetch on)
+    moe_cache_device_slots: bool = False       # slots assigned on the GPU (--moe-cache-slots device)
     load_mode: str = "mmap"                    # one of LOAD_MODES
     # CPU side
     numa: NumaPolicy = field(default_factory=NumaPolicy.none)

@@ -83,20 +83,26 @@ def worker_cache(ctx: PlanContext, gpus: list[Gpu], best: Candidate, *, load_mod
                         cpu_misses=req.expert_cache_misses != "upload" and backend.has("moe_cache_cpu_misses"),
                         upload_misses=req.expert_cache_misses != "cpu",
                         host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
-                        cache_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_S, cache_fixed_s=R.CACHE_FIXED_S,
+                        cache_layer_overhead_s=(R.CACHE_LAYER_OVERHEAD_HOST_S if backend.has("moe_cache_slots")
+                                                else R.CACHE_LAYER_OVERHEAD_S), cache_fixed_s=R.CACHE_FIXED_S,
                         cpu_miss_hop_s=R.CACHE_CPU_MISS_HOP_S, cpu_miss_fixed_s=R.CACHE_CPU_MISS_FIXED_S,
                         min_gpu_layers=min_gpu_layers, prefill_reads_cache=backend.has("moe_cache_prefill"),
                         prefill_read_saving=R.PREFILL_READ_SAVING, prefill_read_overhead_s=R.PREFILL_READ_OVERHEAD_S,
                         streams=req.parallel, stream_share_exponent=R.STREAM_SHARE_EXPONENT,
                         prefetch=prefetch_mode(ctx), prefetch_miss_cut=tuple(R.PREFETCH_MISS_CUT.items()),
                         prefetch_uploads=tuple(R.PREFETCH_UPLOADS_PER_MISS.items()),
-                        prefetch_overlap=tuple(R.PREFETCH_OVERLAP.items()))
+                        prefetch_overlap=tuple(R.PREFETCH_OVERLAP.items()),
+                        device_slots=slots_on_device(ctx, gpus, load_mode) is None,
+                        device_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_DEVICE_S)
     splits, per_gpu_host = None, {}
     if len(gpus) > 1:
         splits, per_gpu_host = layer_split_cache_splits(costs, best, moe, host, layer_bytes, min_gpu_layers)
         inp = replace(inp, vram_free=on_gpu)
     cplan = X.plan_expert_cache(inp, req.objective, cache_bytes=size_req, splits=splits)
     curve_note = f"; hit-rate curve: {curve.source}"
+    why_host = slots_on_device(ctx, gpus, load_mode)
+    if req.expert_cache_slots == "device" and why_host:
+        curve_note += f"; slots assigned on the host: {why_host}"
     if req.expert_cache_misses == "cpu" and not backend.has("moe_cache_cpu_misses"):
         curve_note += "; misses uploaded: this llama-server has no --moe-cache-cpu-misses"
     if not cplan.use_cache:
@@ -165,6 +171,23 @@ def prefetch_mode(ctx: PlanContext) -> str:
             ctx.costs.arch not in R.PREFETCH_ARCHS:
         return "off"
     return ctx.req.expert_cache_prefetch
+
+
+def slots_on_device(ctx: PlanContext, gpus: list[Gpu], load_mode: str) -> str | None:
+    """None where the worker's slots can be assigned on the GPU (``--moe-cache-slots device``), else why not. The
+    device kernels read the misses from the weights' host memory, so it must be pinned (not memory-mapped); the
+    CUDA backend exports them; one GPU per worker is what was measured (several keep the host's assignment)."""
+    if ctx.req.expert_cache_slots == "host":
+        return "set by the topology"
+    if not ctx.backend.has("moe_cache_slots"):
+        return "this llama-server has no --moe-cache-slots"
+    if not ctx.backend.cuda:
+        return "the device assignment is CUDA's"
+    if len(gpus) != 1:
+        return "planned for one GPU per worker"
+    if load_mode == "mmap":
+        return "memory-mapped weights are not pinned"
+    return None
 
 
 def cache_max_batch(req: PlanRequest) -> int:

@@ -12,7 +12,9 @@ experts' time per generated token is predicted from the routing profile's hit-ra
       + misses / PCIe bw + misses / GPU bw        (miss mode "upload": copied into a slot, then read)
         or CPU misses / host bw                   (miss mode "cpu": computed on the CPU where they lie)
            + re-used misses / PCIe bw + re-used misses / GPU bw     (uploaded: used again within the horizon)
-      + host layers x cache_layer_overhead_s + cache_fixed_s        (the cache path's costs beyond the bytes)
+      + host layers x cache_layer_overhead_s + cache_fixed_s        (the cache path's costs beyond the bytes;
+                                                  device_layer_overhead_s in place of the first where the slots
+                                                  are assigned on the device)
       + host layers x P(a token has a CPU miss in the layer) x cpu_miss_hop_s + cpu_miss_fixed_s
                                                   (miss mode "cpu": the hop GPU -> CPU -> GPU where it is needed,
                                                   and the CPU path's cost per token)
@@ -22,6 +24,12 @@ time is multiplied by (1 - cut) + uploads x (1 - overlap): ``cut`` the share of 
 ``uploads`` the uploads ahead per miss without them, ``overlap`` the share of their link time hidden behind compute,
 each measured per stream count (``PREFETCH_*`` in :mod:`orchestrator.plan.rates`). ``auto`` turns them on where
 that beats the same split without them by ``MIN_GAIN`` on the generation the objective weighs; ``on`` forces them.
+
+Slots assigned on the device (``device_slots``: the backend's ``--moe-cache-slots device``, where the weights' host
+memory is pinned) remove the host's round trip per host-resident layer (the expert ids read back, the slots
+assigned there): a layer then costs ``device_layer_overhead_s``. The device needs the host's table neither for CPU
+misses nor for uploads ahead of need, so it serves upload mode without them; where it is possible the split takes
+it (it only removes work), and otherwise the host assigns.
 
 In miss mode "cpu" the hit, upload and CPU shares come from the curve's ``cpu_misses`` (the patch's rule
 replayed on the measured trace); a curve without them (the default curve) leaves the mode to a user who asks
@@ -104,6 +112,9 @@ class CacheInputs:
     prefetch_miss_cut: tuple[tuple[int, float], ...] = ()
     prefetch_uploads: tuple[tuple[int, float], ...] = ()
     prefetch_overlap: tuple[tuple[int, float], ...] = ()
+    # slots assigned on the device (--moe-cache-slots device): possible for this worker, and a host layer's cost then
+    device_slots: bool = False
+    device_layer_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,7 @@ class CacheCandidate:
     stream_hit_rate: float = 0.0       # the cache's hit rate per distinct expert looked up at ``streams``
     prefetch: bool = False             # uploads ahead of need (upload mode only)
     prefetch_gain: float = 1.0         # predicted generation with them / without them (1.0: not weighed)
+    device_slots: bool = False         # the slots are assigned on the device (--moe-cache-slots device)
 
     @property
     def cache_mib(self) -> int:
@@ -225,7 +237,8 @@ class CachePlan:
                     "streams": c.streams, "stream_tokens_per_s": c.stream_tokens_per_s,
                     "stream_hit_rate": round(c.stream_hit_rate, 5),
                     "prompt_seconds_per_ubatch": c.prompt_seconds,
-                    "prefetch": c.prefetch, "prefetch_gain": round(c.prefetch_gain, 4)}
+                    "prefetch": c.prefetch, "prefetch_gain": round(c.prefetch_gain, 4),
+                    "device_slots": c.device_slots}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
                 "candidates": [cand(c) for c in self.candidates],
@@ -234,10 +247,13 @@ class CachePlan:
 
 def _misses_text(c: CacheCandidate) -> str:
     if c.miss_mode != "cpu":
-        if c.prefetch_gain == 1.0 and not c.prefetch:
-            return "misses uploaded"
-        return (f"misses uploaded; uploads ahead of need {'on' if c.prefetch else 'off'} (predicted "
-                f"{c.prefetch_gain:.2f}x the generation without them)")
+        text = "misses uploaded"
+        if c.prefetch_gain != 1.0 or c.prefetch:
+            text += (f"; uploads ahead of need {'on' if c.prefetch else 'off'} (predicted "
+                     f"{c.prefetch_gain:.2f}x the generation without them)")
+        if c.device_slots:
+            text += "; slots assigned on the device (--moe-cache-slots device)"
+        return text
     picks = c.cache_hit_bytes + c.host_read_bytes + c.pcie_bytes
     if not picks:
         return "misses on the CPU"
@@ -279,11 +295,15 @@ def _nearest(streams: int):
     return at
 
 
+def _layer_overhead(inp: CacheInputs, device: bool) -> float:
+    return inp.device_layer_overhead_s if device else inp.cache_layer_overhead_s
+
+
 def _aggregate(inp: CacheInputs, k: int, per_layer: int, fraction: float,
-               prefetch: bool = False) -> tuple[float, float]:
+               prefetch: bool = False, device: bool = False) -> tuple[float, float]:
     """(aggregate tokens/s, hit rate) of ``inp.streams`` streams decoding together, upload mode (see the module
     docstring); ``per_layer`` slots in each host layer's bank (0: no cache); ``prefetch``: with uploads ahead of
-    need (their link time by :func:`prefetch_link_factor`)."""
+    need (their link time by :func:`prefetch_link_factor`); ``device``: slots assigned on the device."""
     n = max(1, inp.streams)
     used = union_experts(inp.n_expert, inp.n_expert_used, n)
     h = inp.n_moe_layers - k
@@ -294,7 +314,7 @@ def _aggregate(inp: CacheInputs, k: int, per_layer: int, fraction: float,
     picks = h * used * expert
     misses = (1.0 - hit) * picks
     link = prefetch_link_factor(inp, n) if prefetch else 1.0
-    t = (k * used * expert + picks) / inp.gpu_bw + misses * link / inp.pcie_bw + h * inp.cache_layer_overhead_s \
+    t = (k * used * expert + picks) / inp.gpu_bw + misses * link / inp.pcie_bw + h * _layer_overhead(inp, device) \
         + inp.cache_fixed_s
     return n / (inp.base_seconds + t), hit
 
@@ -323,10 +343,11 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     agg, agg_hit = _aggregate(inp, k, per_layer, fraction)
     hits, misses = hit * host_picks, (1.0 - hit) * host_picks
     fixed = h * inp.cache_layer_overhead_s + inp.cache_fixed_s
-    prefetch, gain = False, 1.0
+    prefetch, gain, device = False, 1.0, False
     if mode == "upload":
         t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw + fixed
         host_read, pcie = 0.0, misses
+        t_host = t
         if inp.prefetch != "off":
             # weighed on what the objectives weigh: one stream's generation, or the streams' aggregate
             t_pf = t + misses * (prefetch_link_factor(inp, 1) - 1.0) / inp.pcie_bw
@@ -335,6 +356,15 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
             if inp.prefetch == "on" or gain > 1.0 + MIN_GAIN:
                 prefetch = True
                 t, agg, pcie = t_pf, agg_pf, misses * prefetch_traffic_factor(inp, 1)
+        if inp.device_slots and inp.prefetch != "on":
+            # the device keeps the table: no round trip per host layer; uploads ahead need the host's table, so the
+            # device is taken where it beats them (or they are off)
+            t_dev = t_host + h * (inp.device_layer_overhead_s - inp.cache_layer_overhead_s)
+            agg_dev, hit_dev = _aggregate(inp, k, per_layer, fraction, device=True)
+            better = agg_dev >= agg if inp.streams > 1 else t_dev <= t
+            if not prefetch or better:
+                device, prefetch = True, False
+                t, agg, agg_hit, pcie = t_dev, agg_dev, hit_dev, misses
     else:
         up = 0.0                                   # without the replayed shares: every miss on the CPU
         if inp.curve.cpu_misses is not None:
@@ -348,7 +378,7 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
         host_read, pcie = on_cpu, uploads
     return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
                           host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)),
-                          max(1, inp.streams), agg, agg_hit, prefetch, gain)
+                          max(1, inp.streams), agg, agg_hit, prefetch, gain, device)
 
 
 def candidates(inp: CacheInputs, cache_bytes: int | None = None,

@@ -58,5 +58,5 @@ def request_from_topology(topo: Topology) -> PlanRequest:
         op_offload_min_batch=op_val, batch=_auto(w.batch), ubatch=_auto(w.ubatch), split_mode=w.split_mode,
         load_mode=w.load_mode, extra_args=tuple(w.extra_args), host=w.host or "127.0.0.1", port_base=w.port_base,
         objective=w.objective, expert_cache=cache, expert_cache_misses=w.expert_cache_misses,
-        expert_cache_prefetch=w.expert_cache_prefetch,
+        expert_cache_prefetch=w.expert_cache_prefetch, expert_cache_slots=w.expert_cache_slots,
     )

@@ -107,6 +107,14 @@ PINNED_COPY_EFFICIENCY = 0.66
 CACHE_UPLOAD_EFFICIENCY = 0.755
 CACHE_LAYER_OVERHEAD_S = 71e-6
 CACHE_FIXED_S = 0.37e-3
+# CACHE_LAYER_OVERHEAD_S is that of a build without --moe-cache-slots. One that has it (patch 0005 and on) no longer drains the device before each cached
+# split, so a host-resident layer costs less; with the slots assigned on the device (--moe-cache-slots device) the
+# host's round trip per layer is gone too. Fitted on the H200 (docs/benchmarks/h200-2026-12-02-device-slots: W1 at
+# 8 and 12 GiB, default locality, the plans for four streams, tg128 at one and four streams; the host assignment
+# from the plan and its A/A control, the device one from its own start), with the upload efficiency and the fixed
+# cost above held: least squares on the relative error of the step time, 4 points each; every point within 8%.
+CACHE_LAYER_OVERHEAD_HOST_S = 40e-6
+CACHE_LAYER_OVERHEAD_DEVICE_S = 19e-6
 # Misses computed on the CPU (--moe-cache-cpu-misses), fitted on the plan's cache with CPU misses at 8/12/16 GiB
 # (W1, default locality; shares from the profile's replay) on top of the three upload constants above: beyond the
 # bytes, CACHE_CPU_MISS_HOP_S for each host-resident layer whose token has a CPU miss (the hop GPU -> CPU -> GPU)

@@ -89,6 +89,7 @@ class PlanRequest:
     expert_cache: int | None = None          # None = the plan decides; 0 = off; bytes = a cache of this size
     expert_cache_misses: str = "upload"      # "upload" | "cpu" | "auto": what the cache does with a miss
     expert_cache_prefetch: str = "auto"      # "auto" | "on" | "off": uploads ahead of need (--moe-cache-prefetch)
+    expert_cache_slots: str = "auto"         # "auto" | "device" | "host": where slots are assigned (--moe-cache-slots)
 
     def copy(self, **changes) -> "PlanRequest":
         return replace(self, **changes)
