@@ -55,7 +55,9 @@
 #                     again, A/A, at the first), pp512, pp4096, tg128 and the cache's prefill counters; then at
 #                     WORKLOAD_STREAMS_BUDGET (default 12; 0: none) the plan for 4 streams (model.parallel=4)
 #                     against fit-pinned with -np 4: aggregate generation of 1, 2 and 4 streams; then W2 (locality
-#                     L) at 24 GiB: plan / plan with prefill off / fit-pinned, unless WORKLOAD_W2=0
+#                     L) at 24 GiB: plan / plan with prefill off / fit-pinned, unless WORKLOAD_W2=0;
+#                     WORKLOAD_VARIANT=slots-host makes the one-stream plans' variant the plan with its slots
+#                     assigned on the host (--moe-cache-slots host) in place of prefill off; =none: no variant
 #   prefetch[=L]      uploads ahead of need, W1 written at routing locality L (default: default) and its profile
 #                     measured: at each of PREFETCH_BUDGETS (GiB, default "12 8") the plan for 4 streams
 #                     (model.parallel=4) / the same with --moe-cache-prefetch on / fit-pinned with -np 4 (/ the plan
@@ -67,7 +69,7 @@
 #   device-slots[=L]  the host's round trip per cached layer, W1 written at routing locality L (default: default) and
 #                     its profile measured: at DEVICE_SLOTS_BUDGET GiB (default 12) the plan for 4 streams
 #                     (model.parallel=4) / the same with its slots assigned on the device
-#                     (LLAMA_MOE_CACHE_DEVICE_SLOTS=1) / the same waiting for the device before each cached split as
+#                     (--moe-cache-slots device) / the same waiting for the device before each cached split as
 #                     before (LLAMA_MOE_CACHE_SPLIT_WAIT=1) / fit-pinned with -np 4 / the plan again (A/A),
 #                     interleaved over DEVICE_SLOTS_ROUNDS (default 1): pp512, generation of 1 and 4 streams, counters;
 #                     DEVICE_SLOTS_WAIT=0 leaves out the old wait
@@ -205,9 +207,15 @@ workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: p
   orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" --json \
     > "$O/plan-$name.json" 2>&1
   local V=()
-  grep -q -- '--moe-cache-mib' "$O/plan-$name.json" && [ -z "${NO_PREFILL_OFF:-}" ] && \
-    V=(--config "$(python3 lab/device/plan-config.py plan-prefill-off "$O/plan-$name.json" \
-                    --add='--moe-cache-prefill off')")
+  if grep -q -- '--moe-cache-mib' "$O/plan-$name.json" && [ -z "${NO_VARIANT:-}" ]; then
+    case "${WORKLOAD_VARIANT:-prefill-off}" in
+      prefill-off) V=(--config "$(python3 lab/device/plan-config.py plan-prefill-off "$O/plan-$name.json" \
+                                  --add='--moe-cache-prefill off')") ;;
+      slots-host) grep -q -- '--moe-cache-slots' "$O/plan-$name.json" && \
+        V=(--config "$(python3 lab/device/plan-config.py plan-slots-host "$O/plan-$name.json" \
+                        --replace=--moe-cache-slots=host)") ;;
+    esac
+  fi
   timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \
     --configs "$cfg" "${V[@]}" --rounds "${CACHE_ROUNDS:-1}" --max-minutes "$(mins 10)" --out "$O/$name" "$@" \
     > "$O/$name.log" 2>&1
@@ -361,7 +369,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     b=${WORKLOAD_STREAMS_BUDGET:-12}
     if [ "$b" != 0 ] && [ "$(left)" -gt 150 ]; then
       SETS=(--set model.parallel=4)
-      NO_PREFILL_OFF=1 workload_run "$M/w1-loc-$loc.gguf" "$b" "w1-${b}g-4streams" plan,fit-pinned \
+      NO_VARIANT=1 workload_run "$M/w1-loc-$loc.gguf" "$b" "w1-${b}g-4streams" plan,fit-pinned \
         --pp 512 --pp-reps 1 --tg-depths none --tg-reps 2 --tg-streams 1,2,4 --concurrency 4 --ttft-requests 4
       SETS=()
     fi
@@ -379,7 +387,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" > "$O/plan-$name.txt" 2>&1
     orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" --json \
       > "$O/plan-$name.json" 2>&1
-    c=$(python3 lab/device/plan-config.py device "$O/plan-$name.json"); V+=(--config "${c/=/=LLAMA_MOE_CACHE_DEVICE_SLOTS=1 }")
+    c=$(python3 lab/device/plan-config.py device "$O/plan-$name.json" --add='--moe-cache-slots device'); V+=(--config "$c")
     [ "${DEVICE_SLOTS_WAIT:-1}" = 1 ] && { c=$(python3 lab/device/plan-config.py split-wait "$O/plan-$name.json")
       V+=(--config "${c/=/=LLAMA_MOE_CACHE_SPLIT_WAIT=1 }"); }
     timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \

@@ -198,12 +198,13 @@ def test_uploads_ahead_of_need_give_the_tokens_and_logits_of_the_uncached_gpu_pa
 
 
 def test_slots_assigned_on_the_device_give_the_tokens_logits_and_counters_of_the_host_assignment(model, tmp_path):
-    """LLAMA_MOE_CACHE_DEVICE_SLOTS=1 on a real GPU: each layer's slots are assigned by a kernel from its ids, and
+    """--moe-cache-slots device on a real GPU: each layer's slots are assigned by a kernel from its ids, and
     its misses read from pinned host memory by another, with no wait for the host. The device keeps the host's
     least-recently-used list: the same tokens and probabilities as the uncached offload path, and exactly the host
     assignment's hits, misses and bytes. Two completions in turn: the second prompt (op offload, refresh mode)
     reads the device's table and writes it back, which must leave the counters equal too. /metrics says which
-    assignment ran (llamacpp:moe_cache_device_slots)."""
+    assignment ran (llamacpp:moe_cache_device_slots). With memory-mapped weights the device cannot read the misses:
+    the host assigns, with one warning."""
     server = server_path()
     expert_bytes, n_tensors = _expert_tensors(model)
     mib = _mib_for_slots(24, expert_bytes, n_tensors)
@@ -211,14 +212,20 @@ def test_slots_assigned_on_the_device_give_the_tokens_logits_and_counters_of_the
     # the device reads misses from pinned host memory: the weights loaded, not memory-mapped
     flags = ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--load-mode", "none"]
     bodies = [{"n_predict": 128}, {"n_predict": 128, "prompt": PROMPT[::-1]}]
-    dev, log_dev = _run_in_turn(server, model, tmp_path / "device.log", flags,
-                                {**env, "LLAMA_MOE_CACHE_DEVICE_SLOTS": "1"}, bodies)
+    dev, log_dev = _run_in_turn(server, model, tmp_path / "device.log", [*flags, "--moe-cache-slots", "device"],
+                                env, bodies)
+    mapped, log_mapped = _run_in_turn(server, model, tmp_path / "mapped.log",
+                                      [*flags[:-2], "--moe-cache-slots", "device"], env, bodies[:1])
     host, log_host = _run_in_turn(server, model, tmp_path / "host.log", flags, env, bodies)
     waits, log_wait = _run_in_turn(server, model, tmp_path / "wait.log", flags,
                                    {**env, "LLAMA_MOE_CACHE_SPLIT_WAIT": "1"}, bodies)
     plain, _log = _run_in_turn(server, model, tmp_path / "offload.log", ["--load-mode", "none"], env, bodies)
     assert dev[-1][1].get("moe_cache_device_slots") == 1, log_dev[-3000:]
     assert host[-1][1].get("moe_cache_device_slots") == 0 == waits[-1][1].get("moe_cache_device_slots")
+    assert mapped[-1][1].get("moe_cache_device_slots") == 0 and mapped[-1][1].get("moe_cache_active") == 1
+    assert "slots assigned on the host: the device cannot read the experts' host memory" in log_mapped, \
+        log_mapped[-3000:]
+    assert mapped[0][0]["tokens"] == dev[0][0]["tokens"]
     for run in (dev, host, waits):
         for (got, _m), (want, _w) in zip(run, plain):
             assert got["tokens"] == want["tokens"]

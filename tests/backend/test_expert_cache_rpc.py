@@ -94,6 +94,31 @@ def test_cache_on_an_rpc_device_gives_the_tokens_and_probabilities_of_no_cache(s
     assert m["moe_cache_uploaded_bytes_total"] == pytest.approx(misses * setup.expert_bytes, rel=1e-5)
 
 
+def test_slots_asked_on_a_device_that_cannot_assign_them_are_assigned_by_the_host(setup, plain, uploads,
+                                                                                  llama_server_path, rpc_server,
+                                                                                  tmp_path):
+    """--moe-cache-slots device where the device does not export the assignment (the RPC backend; CUDA does): one
+    warning, the host's assignment, and exactly its tokens, probabilities and counters; /metrics says the host
+    assigns (llamacpp:moe_cache_device_slots 0)."""
+    flags = ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-slots", "device"]
+    out, m, log = one_completion(llama_server_path, rpc_server, setup.model, tmp_path, "device-slots", flags)
+    assert m.get("moe_cache_active") == 1, log[-3000:]
+    assert m["moe_cache_device_slots"] == 0
+    assert "slots assigned on the host: the device cannot assign them" in log, log[-3000:]
+    assert out["tokens"] == plain["tokens"] and probs(out) == probs(plain)
+    for key in ("lookups", "hits", "misses", "uploaded_bytes"):
+        assert m[f"moe_cache_{key}_total"] == uploads[1][f"moe_cache_{key}_total"], key
+
+
+def test_an_unknown_slot_assignment_is_refused_with_one_line(llama_server_path, setup, tmp_path):
+    import subprocess
+
+    r = subprocess.run([llama_server_path, "-m", str(setup.model), "--moe-cache-mib", "64", "--moe-cache-slots",
+                        "gpu", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--moe-cache-slots must be host or device" in r.stderr + r.stdout
+
+
 def test_misses_computed_on_the_cpu_give_the_same_tokens_and_upload_less(setup, plain, uploads, llama_server_path,
                                                                         rpc_server, tmp_path):
     """--moe-cache-cpu-misses: an expert missing from the slots that was not used recently enough to stay in an
