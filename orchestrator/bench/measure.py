@@ -262,6 +262,7 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
             out["skipped"].append(f"pp{length}: does not fit the slot context of {info.slot_ctx} tokens")
             continue
         on_step(f"pp{length}")
+        pp_before = await client.moe_cache_counters()
         for _ in range(pp_reps(w.pp_reps, length)):
             t = await guarded(f"pp{length}", lambda: client.completion(n, 1))
             if out["crashed"]:
@@ -269,6 +270,11 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
             if t and t.get("prompt_ms", 0) > 0:
                 out["pp"].append({"n": length, "prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"],
                                   "tps": 1000.0 * t["prompt_n"] / t["prompt_ms"]})
+        pp_after = await client.moe_cache_counters() if pp_before is not None else None
+        if pp_before is not None and pp_after is not None:
+            # what the prompts did with the slots: experts read from them instead of copied over the host link
+            out.setdefault("moe_cache_pp", {})[str(length)] = {k: pp_after[k] - pp_before[k] for k in pp_after
+                                                               if k in pp_before}
 
     cache_before = await client.moe_cache_counters()
     for depth in w.tg_depths:

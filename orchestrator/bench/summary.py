@@ -78,6 +78,11 @@ def run_metrics(run: Mapping[str, Any]) -> dict[str, list[float]]:
     cache = s.get("moe_cache") or {}
     if cache.get("lookups"):
         out["moe_cache_hit_rate"] = [cache["hits"] / cache["lookups"]]
+    for n, c in (s.get("moe_cache_pp") or {}).items():
+        moved = c.get("prefill_saved_bytes", 0.0) + c.get("prefill_copied_bytes", 0.0)
+        if moved > 0:
+            # the share of a prompt's expert bytes that came from the slots rather than over the host link
+            out[f"moe_cache_read_pp{n}"] = [c.get("prefill_saved_bytes", 0.0) / moved]
     for n, entry in (s.get("tg_streams") or {}).items():
         for r in entry.get("runs", ()):
             out.setdefault(f"tg{round(r['predicted_n'] / int(n))}x{n}", []).append(r["tps"])

@@ -167,3 +167,43 @@ def test_expert_cache_counters_are_read_from_the_metrics_page():
     assert parse_moe_cache_counters(page) == {"hits": 750.0, "lookups": 1000.0, "misses": 250.0, "cpu_misses": 40.0,
                                               "uploaded_bytes": 1.5e9}
     assert parse_moe_cache_counters("llamacpp:prompt_tokens_total 5\n") is None
+
+
+class CountingClient(FlakyClient):
+    """A server whose expert cache reads 3 of every 4 expert bytes of a prompt from its slots (seam: the counters
+    of a real patched server are checked by the RPC tests)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counters = {"hits": 0.0, "lookups": 0.0, "prefill_saved_bytes": 0.0, "prefill_copied_bytes": 0.0}
+
+    async def completion(self, n, n_predict):
+        if n_predict == 1:
+            self.counters["prefill_saved_bytes"] += 3.0 * n
+            self.counters["prefill_copied_bytes"] += 1.0 * n
+        else:
+            self.counters["hits"] += n_predict
+            self.counters["lookups"] += 2 * n_predict
+        return await super().completion(n, n_predict)
+
+    async def moe_cache_counters(self):
+        return dict(self.counters)
+
+
+def test_what_prompts_read_from_the_slots_is_recorded_per_prompt_length():
+    from orchestrator.bench.measure import measure
+    from orchestrator.bench.report import render_text
+    from orchestrator.bench.summary import run_metrics, summarize
+
+    w = Workload(pp=(8, 32), pp_reps=2, tg_depths=(0,), tg_tokens=4, concurrency=(1,), ttft_requests=1,
+                 warmup=False)
+    out = asyncio.run(measure(CountingClient(), w))
+    assert out["moe_cache_pp"]["8"]["prefill_saved_bytes"] == 48.0          # two prompts of 8, nothing else
+    assert out["moe_cache_pp"]["32"]["prefill_copied_bytes"] == 64.0
+    assert out["moe_cache"]["prefill_saved_bytes"] == 0.0                   # generation read nothing
+    m = run_metrics({"loaded": True, "samples": out})
+    assert m["moe_cache_read_pp8"] == [0.75] and m["moe_cache_read_pp32"] == [0.75]
+    summary = summarize([{"name": "plan", "group": "plan", "params": {}}], [{"config": "plan", "loaded": True,
+                                                                         "samples": out}])
+    text = render_text({"summary": summary, "ratios": []})
+    assert "slots read pp8" in text and "75.0%" in text
