@@ -142,12 +142,17 @@ def test_prompts_reading_the_slots_give_the_tokens_and_logits_of_the_uncached_gp
     env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
     bodies = [{"n_predict": 64}, {"n_predict": 64, "prompt": PROMPT[::-1]}]
 
-    def run(name: str, extra: list[str]):
-        return _run_in_turn(server, model, tmp_path / f"{name}.log", extra, env, bodies)
+    def run(name: str, extra: list[str], more_env: dict[str, str] | None = None):
+        return _run_in_turn(server, model, tmp_path / f"{name}.log", extra, {**env, **(more_env or {})}, bodies)
 
     plain, _log = run("offload", [])
-    runs = {mode: run(mode, ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-prefill", mode])
-            for mode in ("off", "read", "refresh")}
+    cache = ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--moe-cache-prefill"]
+    runs = {mode: run(mode, cache + [mode]) for mode in ("off", "read", "refresh")}
+    # the slots' experts moved one copy each (0), the default's one device call per tensor, and the host's experts
+    # read by that call too (2): the same bytes in the same places
+    for moves in ("0", "2"):
+        runs[f"refresh-moves{moves}"] = run(f"refresh-moves{moves}", cache + ["refresh"],
+                                            {"LLAMA_MOE_CACHE_PREFILL_MOVES": moves})
     for mode, (answers, log) in runs.items():
         assert answers[-1][1].get("moe_cache_active") == 1, log[-3000:]
         for (got, _m), (want, _w) in zip(answers, plain):
@@ -159,9 +164,14 @@ def test_prompts_reading_the_slots_give_the_tokens_and_logits_of_the_uncached_gp
             == pytest.approx(read["moe_cache_prefill_lookups_total"] * expert_bytes, rel=2e-5))   # 6 digits printed
     assert read["moe_cache_prefill_copied_bytes_total"] < off["moe_cache_prefill_copied_bytes_total"]
     assert fresh["moe_cache_prefill_admitted_total"] > 0
+    for moves in ("0", "2"):
+        other = runs[f"refresh-moves{moves}"][0][-1][1]
+        for k in ("prefill_hits", "prefill_admitted", "hits", "misses"):
+            assert other[f"moe_cache_{k}_total"] == fresh[f"moe_cache_{k}_total"], (moves, k)
     print(f"second prompt read {read['moe_cache_prefill_hits_total']:.0f} of "
           f"{read['moe_cache_prefill_lookups_total']:.0f} expert copies from the slots; refresh admitted "
-          f"{fresh['moe_cache_prefill_admitted_total']:.0f}; tokens identical to the uncached offload path")
+          f"{fresh['moe_cache_prefill_admitted_total']:.0f}; tokens identical to the uncached offload path, "
+          "with the experts moved one copy each, in one call per tensor, and read from host memory by the device")
 
 
 def test_uploads_ahead_of_need_give_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_path):
