@@ -4,9 +4,10 @@
 its environment (op-offload threshold, visible GPUs), and with --server its binary as this configuration's own llama-server).
 
   python3 lab/device/plan-config.py NAME PLAN.json [--server] [--worker N] [--add 'FLAGS'] [--replace=FLAG=VALUE]
+                                    [--env VAR=VALUE]
 
 A variant of the plan: --add appends llama-server flags (--add='--cpu-strict 1'); --replace gives an existing
-flag another value (--replace=-ub=512; repeatable).
+flag another value (--replace=-ub=512; repeatable); --env sets a variable of its environment (repeatable).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("--add", default="", help="llama-server flags appended to the plan's")
     ap.add_argument("--replace", action="append", default=[], metavar="FLAG=VALUE",
                     help="give the plan's FLAG another value")
+    ap.add_argument("--env", action="append", default=[], metavar="VAR=VALUE",
+                    help="a variable of the server's environment, beside the plan's")
     a = ap.parse_args()
     with open(a.plan_json) as f:
         w = json.load(f)["workers"][a.worker]
@@ -40,7 +43,7 @@ def main() -> None:
         if flag not in out:
             raise SystemExit(f"plan-config.py: the plan has no {flag}")
         out[out.index(flag) + 1] = value
-    env = [f"{k}={v}" for k, v in w["env"].items()]
+    env = [f"{k}={v}" for k, v in {**w["env"], **dict(e.split("=", 1) for e in a.env)}.items()]
     argv = w["argv"]
     assert argv[len(argv) - len(args):] == args, "the worker's argv does not end with its args"
     server = [f"LLAMA_SERVER={argv[len(argv) - len(args) - 1]}"] if a.server else []   # the word before the args

@@ -57,7 +57,9 @@
 #                     against fit-pinned with -np 4: aggregate generation of 1, 2 and 4 streams; then W2 (locality
 #                     L) at 24 GiB: plan / plan with prefill off / fit-pinned, unless WORKLOAD_W2=0;
 #                     WORKLOAD_VARIANT=slots-host makes the one-stream plans' variant the plan with its slots
-#                     assigned on the host (--moe-cache-slots host) in place of prefill off; =none: no variant
+#                     assigned on the host (--moe-cache-slots host) in place of prefill off; =moves: the plan with
+#                     a prompt's experts copied one by one (LLAMA_MOE_CACHE_PREFILL_MOVES=0) and with the host's read
+#                     by the device (=2); =none: no variant
 #   prefetch[=L]      uploads ahead of need, W1 written at routing locality L (default: default) and its profile
 #                     measured: at each of PREFETCH_BUDGETS (GiB, default "12 8") the plan for 4 streams
 #                     (model.parallel=4) / the same with --moe-cache-prefetch on / fit-pinned with -np 4 (/ the plan
@@ -214,6 +216,10 @@ workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: p
       slots-host) grep -q -- '--moe-cache-slots' "$O/plan-$name.json" && \
         V=(--config "$(python3 lab/device/plan-config.py plan-slots-host "$O/plan-$name.json" \
                         --replace=--moe-cache-slots=host)") ;;
+      moves) V=(--config "$(python3 lab/device/plan-config.py plan-moves0 "$O/plan-$name.json" \
+                             --env LLAMA_MOE_CACHE_PREFILL_MOVES=0)"
+                --config "$(python3 lab/device/plan-config.py plan-moves2 "$O/plan-$name.json" \
+                             --env LLAMA_MOE_CACHE_PREFILL_MOVES=2)") ;;
     esac
   fi
   timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \
