@@ -129,7 +129,8 @@ def offload_threshold(req: PlanRequest, costs: ModelCosts, placement: Placement,
     the host-resident experts wins, above the request's generation batches."""
     if req.op_offload_min_batch is not None:
         return req.op_offload_min_batch, "set by the topology"
-    return op_offload_threshold(costs, placement, speed, max_batch=max(ub, 4096), min_batch=req.parallel + 1)
+    return op_offload_threshold(costs, placement, speed, max_batch=max(ub, 4096),
+                                min_batch=max(req.parallel + 1, R.OP_OFFLOAD_MIN_BATCH_FLOOR))
 
 
 def evaluate(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], *, mode: str, ub: int, load_mode: str,

@@ -67,13 +67,13 @@ def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, 
         return 0.0
     bpe, ppe = sums or _expert_sums(costs, layers)
     used = experts_used(costs.n_expert, costs.n_expert_used, batch)
-    gpu_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 1e12
+    gpu_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 1e12
     copy = bpe * used / sp.h2d
     f = min(1.0, max(0.0, cached_fraction))
     if f:
         reads = f * used * len(layers)
         copy -= max(0.0, f * copy * R.PREFILL_READ_SAVING - reads * R.PREFILL_READ_OVERHEAD_S)
-    return copy + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
+    return copy + len(layers) * R.OFFLOAD_LAYER_BATCH_S + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
 
 
 def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInputs, max_batch: int,
@@ -182,12 +182,18 @@ def predict_tg(costs: ModelCosts, placement: Placement, sp: SpeedInputs, kv_read
     return (1.0 / t if t > 0 else 0.0), per_dev
 
 
+def pp_layer_seconds(batch: int) -> float:
+    """What a layer costs a micro-batch on the GPU beyond its matrix products (attention, norms, routing, the
+    kernels' launches): rising with the batch and levelling off (rates.PP_LAYER_BATCH_S)."""
+    return R.PP_LAYER_BATCH_S * batch / (batch + R.PP_LAYER_BATCH_HALF)
+
+
 def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatch: int, threshold: int | None,
                lengths=PP_LENGTHS, cached_fraction: float = 0.0) -> dict[int, float]:
     """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``; ``cached_fraction``
     as in :func:`offload_expert_time`."""
     cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
-    gpu_flops_eff = max(sp.gpu_flops) * 0.25 if sp.gpu_flops else 0.0
+    gpu_flops_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 0.0
     if not gpu_flops_eff:   # CPU only: the rate llama.cpp's CPU backend reaches there, measured (rates.py)
         sp = replace(sp, cpu_flops=sp.cpu_flops * R.CPU_ONLY_PP_FLOPS_FACTOR)
     gpu_params = 0.0
@@ -213,7 +219,7 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
             if gpu_flops_eff:
                 gpu_bw = max(sp.gpu_mem_bw)
                 t += max(2.0 * gpu_params * b / gpu_flops_eff, gpu_weight_bytes / gpu_bw)
-                t += costs.n_compute_layers * R.GPU_LAYER_OVERHEAD_S
+                t += costs.n_compute_layers * pp_layer_seconds(b)
             if cpu_params:
                 t += max(2.0 * cpu_params * b / sp.cpu_flops, 0.0)
             if not gpu_flops_eff:   # CPU only: what every token costs in every layer beyond its matrix products

@@ -93,9 +93,24 @@ CPU_LAYER_OVERHEAD_S = 55.7e-6
 CPU_TOKEN_OVERHEAD_S = 0.0
 CPU_ONLY_PP_FLOPS_FACTOR = 3.29
 CPU_PP_LAYER_TOKEN_S = 34.4e-6
-# Op offload of host-resident experts during prompt processing reached 66% of the probe's pinned bandwidth
-# (36.6 of 55.4 GB/s: per-layer synchronisation, expert-id reads); from mmap'd pages it ran at PAGEABLE_FRACTION.
-PINNED_COPY_EFFICIENCY = 0.66
+# Prompts on the GPU, fitted on the H200 (docs/benchmarks/h200-2026-12-03-workload: W1 at 8, 12, 16 GiB and W2 at 24
+# GiB, the plan with its cache and llama.cpp's --fit placement without one, pp512 and pp4096 at micro-batches of 512
+# to 2048; lab/bench/fit_prompt_costs.py): a micro-batch's matrix products run at GPU_PP_FLOPS_EFFICIENCY of the data
+# sheet's dense rate (q4_0 weights dequantised in the kernels); every layer costs it PP_LAYER_BATCH_S x b / (b +
+# PP_LAYER_BATCH_HALF) beyond them (attention, norms, routing, launches: rising with the batch b and levelling off;
+# the half-point taken from the 32- and 128-token prompts of h200-2026-11-29-bench); op offload copies the
+# host-resident experts a batch uses at PINNED_COPY_EFFICIENCY of the probe's pinned bandwidth and costs
+# OFFLOAD_LAYER_BATCH_S per host-resident layer (its split's synchronisation and the expert ids read back). Four
+# unknowns with the slot reads below, least squares on the relative error; 22 points, each within 8%. From mmap'd
+# pages the copies run at PAGEABLE_FRACTION.
+# Op offload is never set below llama.cpp's own GGML_OP_OFFLOAD_MIN_BATCH default: the model above was fitted on
+# batches of 512 and more (and checked at 32 and 128), while below 32 tokens no run compared copying with the CPU.
+OP_OFFLOAD_MIN_BATCH_FLOOR = 32
+GPU_PP_FLOPS_EFFICIENCY = 0.122
+PP_LAYER_BATCH_S = 846e-6
+PP_LAYER_BATCH_HALF = 128
+PINNED_COPY_EFFICIENCY = 1.0
+OFFLOAD_LAYER_BATCH_S = 136e-6
 # Expert cache (--moe-cache-mib), fitted on the H200 (docs/benchmarks/h200-2026-12-01-w1-cache: W1 = Qwen3-30B-A3B
 # q4_0 at 8/12/16 GiB, routing locality 0/default/high, 24 cache configurations, hit rates from llama-server's
 # counters, generation sampled with llama-server's own top_k; lab/bench/fit_cache_costs.py): a token's misses are
@@ -130,13 +145,12 @@ CACHE_CPU_MISS_HOP_S = 105e-6
 # the profile's curve gives 0.70 at 0.149 of the experts, half the cached 0.297, and k / U(4) = 8 / 29.1.
 STREAM_SHARE_EXPONENT = 0.54
 # Prompts that read the cached experts from the slots (--moe-cache-prefill read|refresh) instead of copying them over
-# PCIe, measured on the H200 beside the same plan with the prefill reads off (docs/benchmarks.md, "The expert cache
-# for the whole workload"; pp512, one start each): W1 (an expert of a layer 2.65 MB) gained 1-3% at 8, 12 and 16 GiB,
-# W2 (10.6 MB) 24%. Per cached expert of a layer that a batch uses, reading saves PREFILL_READ_SAVING of its copy
-# time less PREFILL_READ_OVERHEAD_S (the copies from the slots and the host copies they split: two unknowns, fitted
-# on the two expert sizes).
-PREFILL_READ_SAVING = 0.586
-PREFILL_READ_OVERHEAD_S = 35.9e-6
+# PCIe: each cached expert of a layer a batch uses is moved on the device by one kernel per tensor (patch 0007) and
+# costs PREFILL_READ_OVERHEAD_S instead of its copy (PREFILL_READ_SAVING: all of it saved). Fitted with the prompt
+# costs above; the slot reads' share from the cache's counters (29-47% of the experts read, each plan's cached
+# fraction within a point). Before patch 0007 each read was a copy of its own and saved 59% less 36 us.
+PREFILL_READ_SAVING = 1.0
+PREFILL_READ_OVERHEAD_S = 12.3e-6
 # Uploads ahead of need (--moe-cache-prefetch), measured on the H200 with W1 at default locality, 12 GiB, the plan for
 # four streams (docs/benchmarks.md, "Uploads ahead of need"): of the misses without them, the share they turned into
 # hits, and the uploads ahead per such miss, at one stream and at four (the next layer's router on this layer's

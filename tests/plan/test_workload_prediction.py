@@ -35,9 +35,10 @@ def _worker(models, h200, budget: int, back, **kw):
 
 
 @pytest.mark.parametrize("shape, host, mib, low, high", [
-    # as the H200 measured: W1's small experts gain a little (1-3%), W2's four times larger ones a quarter
-    (("qwen3-30b-a3b", None), tuple(range(26)), 2277, 1.0, 1.06),
-    (("qwen3-235b-a22b", 24), tuple(range(13)), 6221, 1.15, 1.40),
+    # as the H200 measured: W1 1.15x with a prefill's moves in one kernel against one copy per expert (12 GiB, 30
+    # host layers, 34% cached); W2, four times larger experts, 1.24x already with one copy per expert
+    (("qwen3-30b-a3b", None), tuple(range(26)), 2277, 1.08, 1.25),
+    (("qwen3-235b-a22b", 24), tuple(range(13)), 6221, 1.20, 1.50),
 ])
 def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placement(models, h200, shape, host, mib,
                                                                                   low, high):

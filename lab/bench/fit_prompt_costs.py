@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Fit the GPU prompt costs of orchestrator/plan/rates.py on measured workload runs, and show every point.
+
+The planner predicts a prompt micro-batch of b tokens on a GPU worker as (orchestrator/plan/predict.py, predict_pp)
+
+    2 b x active parameters / (data-sheet FLOP/s x F)              the matrix products, the copied experts' too
+  + layers x P x b / (b + PP_LAYER_BATCH_HALF)                      what every layer costs beyond them
+  + host layers x O                                                 op offload's split per host-resident layer
+  + (1 - f) x experts used x expert bytes / pinned bandwidth        the host-resident experts the batch copies
+  + f x experts used x host layers x R                              those it reads from the expert cache's slots
+
+with f the share of the batch's experts read from the slots (the cache's counters). F, P, O and R are fitted
+(GPU_PP_FLOPS_EFFICIENCY, PP_LAYER_BATCH_S, OFFLOAD_LAYER_BATCH_S, PREFILL_READ_OVERHEAD_S), by least squares on
+the relative error of each prompt's time; the pinned bandwidth is each run's probe at PINNED_COPY_EFFICIENCY.
+
+Points: every configuration of a bench JSON that ran pp512/pp4096 with a known placement: our plans (their
+plan JSON beside: host-resident layers, micro-batch) and llama.cpp's --fit (its host-resident experts from the
+CUDA_Host model buffer it logged, less the token embeddings; micro-batch 512).
+
+usage: lab/bench/fit_prompt_costs.py BENCH.json[.xz] [...] [--current]
+
+A plan beside BENCH is plan-NAME.json[.xz] or plan-NAME.txt[.xz] (the speed and "layers ... experts CPU" lines).
+With --current the constants are not fitted: the points are shown against rates.py as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO)]
+
+from orchestrator.model import read_model, shapes, synth  # noqa: E402
+from orchestrator.plan import rates as R  # noqa: E402
+from orchestrator.plan.costs import model_costs  # noqa: E402
+from orchestrator.plan.predict import experts_used  # noqa: E402
+
+# the workloads' shapes, as lab/device/run.sh writes them
+SHAPES = {"w1": ("qwen3-30b-a3b", None), "w2": ("qwen3-235b-a22b", 24)}
+H200_FLOPS = 700e12   # rates.gpu_flops("NVIDIA H200")
+
+
+def _read(path: Path) -> str:
+    data = path.read_bytes()
+    return (lzma.decompress(data) if path.suffix == ".xz" else data).decode()
+
+
+def _costs(model: str):
+    like, layers = SHAPES[model]
+    shape, specs = synth.plan(like, quant="q4_0", layers=layers)
+    head = synth.gguf_header(shape, "q4_0", specs)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{model}.gguf"
+        with open(path, "wb") as f:
+            f.write(head)
+            f.truncate(len(head) + shapes.total_bytes(specs, synth.ALIGNMENT))
+        return model_costs(read_model(path))
+
+
+def _host_layers_of_plan(text: str) -> int:
+    n = 0
+    for a, b in re.findall(r"layers (\d+)-(\d+)\s+attention \S+\s+experts CPU", text):
+        n += int(b) - int(a) + 1
+    n += len(re.findall(r"layers? (\d+)\s+attention \S+\s+experts CPU", text))
+    return n
+
+
+def points(bench_path: Path, costs_of) -> list[dict]:
+    bench = json.loads(_read(bench_path))
+    stem = bench_path.name.split(".")[0]
+    model = "w2" if "w2" in stem else "w1"
+    costs = costs_of(model)
+    pinned = bench["plan_context"]["bandwidth"]["gpu_h2d"][0]["bytes_per_s"] * R.PINNED_COPY_EFFICIENCY
+    plan_txt = next((p for p in (bench_path.with_name(f"plan-{stem}.txt.xz"), bench_path.with_name(f"plan-{stem}.txt"))
+                     if p.exists()), None)
+    out = []
+    for run in bench["runs"]:
+        if run.get("status") != "ok" or not run["samples"].get("pp"):
+            continue
+        argv = run["argv"]
+        if "--fit" in argv and argv[argv.index("--fit") + 1] == "on":
+            host_model = run["llama"]["buffers"]["model"].get("CUDA_Host", 0)
+            host = max(0.0, host_model - costs.input_bytes) / (sum(costs.layer_experts) / len(costs.moe_layers))
+            ub = int(argv[argv.index("-ub") + 1]) if "-ub" in argv else 512
+        elif plan_txt is not None and run["config"].startswith("plan") and "LLAMA_MOE_CACHE_PREFILL_MOVES" not in \
+                (run.get("env") or {}):
+            host = float(_host_layers_of_plan(_read(plan_txt)))
+            ub = int(argv[argv.index("-ub") + 1])
+        else:
+            continue
+        mc = run["samples"].get("moe_cache_pp") or {}
+        for s in run["samples"]["pp"]:
+            n = s["n"]
+            c = mc.get(str(n)) or {}
+            saved, copied = c.get("prefill_saved_bytes", 0), c.get("prefill_copied_bytes", 0)
+            f = saved / (saved + copied) if saved + copied else 0.0
+            out.append(dict(name=f"{stem}/{run['config']}", n=n, t=s["prompt_ms"] / 1e3, costs=costs, host=host,
+                            ub=ub, f=f, pinned=pinned))
+    return out
+
+
+def regressors(p: dict) -> tuple[list[float], float]:
+    """The four coefficients' multipliers and the fixed copy time of one point (its whole prompt)."""
+    c = p["costs"]
+    active = sum(c.layer_always_params) + c.n_expert_used * sum(c.layer_expert_params)
+    expert = sum(c.layer_experts) / len(c.moe_layers) / c.n_expert
+    flops = layer = host = reads = copy = 0.0
+    remaining = p["n"]
+    while remaining > 0:
+        b = min(p["ub"], remaining)
+        remaining -= b
+        used = experts_used(c.n_expert, c.n_expert_used, b)
+        flops += 2.0 * b * active / H200_FLOPS
+        layer += c.n_compute_layers * b / (b + R.PP_LAYER_BATCH_HALF)
+        host += p["host"]
+        reads += p["f"] * used * p["host"]
+        copy += (1.0 - p["f"]) * used * expert * p["host"] / p["pinned"]
+    return [flops, layer, host, reads], copy
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench", nargs="+", type=Path)
+    ap.add_argument("--current", action="store_true", help="show the points against rates.py, fit nothing")
+    args = ap.parse_args()
+    cache: dict = {}
+    pts = [p for b in args.bench for p in points(b, lambda m: cache.setdefault(m, _costs(m)))]
+    if not pts:
+        print("no points: no run with prompts and a known placement", file=sys.stderr)
+        return 1
+    rows = [regressors(p) for p in pts]
+    X = np.array([r[0] for r in rows])
+    C = np.array([r[1] for r in rows])
+    T = np.array([p["t"] for p in pts])
+    if args.current:
+        coef = np.array([1.0 / R.GPU_PP_FLOPS_EFFICIENCY, R.PP_LAYER_BATCH_S, R.OFFLOAD_LAYER_BATCH_S,
+                         R.PREFILL_READ_OVERHEAD_S])
+    else:
+        coef, *_ = np.linalg.lstsq(X / T[:, None], 1.0 - C / T, rcond=None)
+        print(f"GPU_PP_FLOPS_EFFICIENCY = {1.0 / coef[0]:.3f}\nPP_LAYER_BATCH_S = {coef[1] * 1e6:.0f}e-6\n"
+              f"OFFLOAD_LAYER_BATCH_S = {coef[2] * 1e6:.0f}e-6\nPREFILL_READ_OVERHEAD_S = {coef[3] * 1e6:.1f}e-6")
+    pred = X @ coef + C
+    for p, t in zip(pts, pred):
+        print(f"{p['name']:32s} pp{p['n']:<5d} host {p['host']:5.1f} ub {p['ub']:5d} slots {p['f']:.2f}  measured "
+              f"{p['t'] * 1e3:7.1f} ms  model {t * 1e3:7.1f} ms  {t / p['t'] - 1:+.3f}")
+    err = pred / T - 1.0
+    print(f"{len(pts)} points: largest error {np.abs(err).max():.3f}, rms {np.sqrt(np.mean(err ** 2)):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
