@@ -51,9 +51,10 @@ def _measured(name: str, config: str = "plan") -> tuple[dict, dict]:
     return bench, run
 
 
-def _replan(models, h200, bench, run, model: str, curve=None, features: frozenset = frozenset(), **request):
+def _replan(models, h200, bench, run, model: str, curve=None, features: frozenset = frozenset(),
+            without: frozenset = frozenset(), **request):
     """The run's argv replanned (``curve``: the routing to plan with, else the run's; ``features``: more of the
-    binary's; ``request``: more PlanRequest fields)."""
+    binary's, ``without``: fewer; ``request``: more PlanRequest fields)."""
     args = run["argv"]
     layers, mib = _layers_and_cache(args)
     parallel = int(args[args.index("-np") + 1])
@@ -61,7 +62,7 @@ def _replan(models, h200, bench, run, model: str, curve=None, features: frozense
                       expert_layers_on_cpu=layers, expert_cache=mib * MiB, ubatch=int(args[args.index("-ub") + 1]),
                       parallel=parallel, **request)
     b = backend("mainline")
-    b = dataclasses.replace(b, features=b.features | {"moe_cache", "moe_cache_prefill"} | set(features))
+    b = dataclasses.replace(b, features=(b.features | {"moe_cache", "moe_cache_prefill"} | set(features)) - without)
     machine = dataclasses.replace(with_gpu_free(h200, bench["vram_budget"]),
                                   bandwidth=Bandwidth.from_json(bench["plan_context"]["bandwidth"]))
     like, n_layers = SHAPES[model]
