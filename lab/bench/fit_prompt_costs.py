@@ -19,7 +19,8 @@ CUDA_Host model buffer it logged, less the token embeddings; micro-batch 512).
 
 usage: lab/bench/fit_prompt_costs.py BENCH.json[.xz] [...] [--current]
 
-A plan beside BENCH is plan-NAME.json[.xz] or plan-NAME.txt[.xz] (the speed and "layers ... experts CPU" lines).
+A plan beside BENCH is plan-NAME.txt[.xz] (its "layers ... experts CPU" lines; plan-NAME-balanced for the config
+plan-balanced; a second run NAME-b may share NAME's).
 With --current the constants are not fitted: the points are shown against rates.py as it is.
 """
 
@@ -79,8 +80,18 @@ def points(bench_path: Path, costs_of) -> list[dict]:
     model = "w2" if "w2" in stem else "w1"
     costs = costs_of(model)
     pinned = bench["plan_context"]["bandwidth"]["gpu_h2d"][0]["bytes_per_s"] * R.PINNED_COPY_EFFICIENCY
-    plan_txt = next((p for p in (bench_path.with_name(f"plan-{stem}.txt.xz"), bench_path.with_name(f"plan-{stem}.txt"))
-                     if p.exists()), None)
+
+    def plan_text(config: str) -> str | None:
+        # plan-NAME for the plan and its A/A control, plan-NAME-VARIANT for a plan made otherwise (plan-VARIANT);
+        # a second run's NAME-b shares them
+        suffix = "-balanced" if config == "plan-balanced" else ""
+        for base in (stem, stem.removesuffix("-b")):
+            for ext in (".txt.xz", ".txt"):
+                path = bench_path.with_name(f"plan-{base}{suffix}{ext}")
+                if path.exists():
+                    return _read(path)
+        return None
+
     out = []
     for run in bench["runs"]:
         if run.get("status") != "ok" or not run["samples"].get("pp"):
@@ -90,9 +101,8 @@ def points(bench_path: Path, costs_of) -> list[dict]:
             host_model = run["llama"]["buffers"]["model"].get("CUDA_Host", 0)
             host = max(0.0, host_model - costs.input_bytes) / (sum(costs.layer_experts) / len(costs.moe_layers))
             ub = int(argv[argv.index("-ub") + 1]) if "-ub" in argv else 512
-        elif plan_txt is not None and run["config"].startswith("plan") and "LLAMA_MOE_CACHE_PREFILL_MOVES" not in \
-                (run.get("env") or {}):
-            host = float(_host_layers_of_plan(_read(plan_txt)))
+        elif run["config"] in ("plan", "plan-control", "plan-balanced") and plan_text(run["config"]):
+            host = float(_host_layers_of_plan(plan_text(run["config"])))
             ub = int(argv[argv.index("-ub") + 1])
         else:
             continue

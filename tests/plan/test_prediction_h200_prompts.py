@@ -4,8 +4,8 @@
 Each plan run is replanned with the placement, cache and micro-batch it ran (its argv), on the recorded H200 as the
 run saw it (its budget free, its probe's bandwidth) and with the routing profile traced for its model. The prompt
 constants of plan/rates.py were fitted on these runs (lab/bench/fit_prompt_costs.py), so this checks that the
-planner's own code path carries the fit, not that it predicts unseen runs; the 2026-12-02 runs' prompts without
-slot reads are the out-of-sample check (test_no_cache_prompts_of_the_earlier_runs).
+planner's own code path carries the fit, not that it predicts unseen runs; the second run of the same plans (NAME-b)
+and the 2026-12-02 runs' prompts without slot reads (test_no_cache_prompts_of_the_earlier_runs) are out of sample.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def _run(directory: Path, name: str, config: str = "plan") -> tuple[dict, dict]:
     return bench, next(r for r in bench["runs"] if r["config"] == config and r["status"] == "ok")
 
 
-@pytest.mark.parametrize("name, model", [("w1-12g", "w1"), ("w1-8g", "w1"), ("w1-16g", "w1"), ("w2-24g", "w2")])
+# NAME-b: the second run of the same plans, made by the planner with these constants (out of sample)
+@pytest.mark.parametrize("name, model", [("w1-12g", "w1"), ("w1-8g", "w1"), ("w1-16g", "w1"), ("w2-24g", "w2"),
+                                         ("w1-12g-b", "w1"), ("w1-8g-b", "w1"), ("w1-16g-b", "w1"),
+                                         ("w2-24g-b", "w2")])
 def test_prompts_and_time_to_first_token(models, h200, name, model):
     bench, run = _run(RUN, name)
     w = _replan(models, h200, bench, run, model, curve=_curve(model), features=DEVICE_SLOTS)
@@ -66,8 +69,9 @@ def test_prompts_and_time_to_first_token(models, h200, name, model):
           f"tg {w.predicted.tg:.1f} / {tg:.1f}")
 
 
-def test_four_streams_prompt_and_aggregate(models, h200):
-    bench, run = _run(RUN, "w1-12g-4streams")
+@pytest.mark.parametrize("name", ["w1-12g-4streams", "w1-12g-4streams-b"])
+def test_four_streams_prompt_and_aggregate(models, h200, name):
+    bench, run = _run(RUN, name)
     w = _replan(models, h200, bench, run, "w1", curve=_curve("w1"), features=DEVICE_SLOTS)
     pp = {s["n"]: s["tps"] for s in run["samples"]["pp"]}
     agg = statistics.median(r["tps"] for r in run["samples"]["tg_streams"]["4"]["runs"])
