@@ -44,8 +44,8 @@ is ``base_seconds``, the same for every candidate. The CPU and GPU parts are sum
 Prompt processing is kept as a proxy: time per micro-batch for the expert weights = host-resident expert bytes /
 PCIe bw (copied in for big batches) + GPU-resident expert bytes / GPU bw. A backend whose big batches read the
 cached experts from the slots (``--moe-cache-prefill``) saves, of the copy of the cached share, ``prefill_read_saving``
-less ``prefill_read_overhead_s`` per cached expert of a layer (measured: the reads and the host copies they split
-cost time of their own).
+less ``prefill_read_overhead_s`` per cached expert of a layer (measured: a read moved on the device costs time of its
+own beyond its bytes).
 
 Several streams (``streams`` = the worker's parallel slots, all busy) decode as one batch per step: each layer
 reads the union of the streams' picks, U(N) = n_expert x (1 - (1 - k / n_expert)^N) distinct experts (independent
