@@ -59,7 +59,8 @@
 #                     WORKLOAD_VARIANT=slots-host makes the one-stream plans' variant the plan with its slots
 #                     assigned on the host (--moe-cache-slots host) in place of prefill off; =moves: the plan with
 #                     a prompt's experts copied one by one (LLAMA_MOE_CACHE_PREFILL_MOVES=0) and with the host's read
-#                     by the device (=2); =balanced: the plan made with workers.objective=balanced; =none: no
+#                     by the device (=2); =moves3: the plan with the host's experts copied in one batch (=3);
+#                     =balanced: the plan made with workers.objective=balanced; =none: no
 #                     variant
 #   prefetch[=L]      uploads ahead of need, W1 written at routing locality L (default: default) and its profile
 #                     measured: at each of PREFETCH_BUDGETS (GiB, default "12 8") the plan for 4 streams
@@ -221,6 +222,8 @@ workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: p
                              --env LLAMA_MOE_CACHE_PREFILL_MOVES=0)"
                 --config "$(python3 lab/device/plan-config.py plan-moves2 "$O/plan-$name.json" \
                              --env LLAMA_MOE_CACHE_PREFILL_MOVES=2)") ;;
+      moves3) V=(--config "$(python3 lab/device/plan-config.py plan-moves3 "$O/plan-$name.json" \
+                              --env LLAMA_MOE_CACHE_PREFILL_MOVES=3)") ;;
       balanced)
         orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" \
           --set workers.objective=balanced > "$O/plan-$name-balanced.txt" 2>&1
