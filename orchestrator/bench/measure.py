@@ -127,12 +127,14 @@ class Client:
             return None
         return parse_moe_cache_counters(text)
 
-    async def completion(self, n_prompt: int, n_predict: int) -> dict:
-        d = await self._json("POST", "/completion", self._body(n_prompt, n_predict))
+    async def completion(self, n_prompt: int, n_predict: int, slot: int | None = None) -> dict:
+        """llama-server's timings of one request (with ``id_slot``: the slot it ran on); ``slot``: run it there."""
+        extra = {} if slot is None else {"id_slot": slot}
+        d = await self._json("POST", "/completion", self._body(n_prompt, n_predict, **extra))
         t = d.get("timings")
         if not isinstance(t, dict) or "prompt_ms" not in t:
             raise MeasureError("POST /completion: the answer has no timings")
-        return t
+        return {**t, "id_slot": d.get("id_slot")}
 
     async def first_token(self, n_prompt: int, n_predict: int) -> tuple[float, float, dict | None]:
         """Streamed request: (seconds to the first event, seconds to the end, final timings)."""
@@ -307,8 +309,12 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
         before = await client.moe_cache_counters()
         runs = []
         for _ in range(w.tg_reps):
-            res = await asyncio.gather(*(guarded(f"tg x{streams}", lambda: client.completion(n, w.tg_tokens))
-                                         for _ in range(streams)))
+            # stream i on slot i: with llama-server's KV cache split per slot, busy slots with a gap between them
+            # ({0, 2}) cannot share one micro-batch, so each step would run one graph per stream (llama.cpp issue
+            # 25840), and which slots llama-server picks for free requests changes from run to run
+            res = await asyncio.gather(*(guarded(f"tg x{streams}",
+                                                 lambda i=i: client.completion(n, w.tg_tokens, slot=i))
+                                         for i in range(streams)))
             if out["crashed"]:
                 return out
             done = [t for t in res if t and t.get("predicted_ms", 0) > 0]
@@ -318,7 +324,8 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
                 runs.append({"streams": streams, "predicted_n": sum(t["predicted_n"] for t in done),
                              "window_ms": window,
                              "tps": 1000.0 * sum(t["predicted_n"] for t in done) / window,
-                             "per_stream_tps": [1000.0 * t["predicted_n"] / t["predicted_ms"] for t in done]})
+                             "per_stream_tps": [1000.0 * t["predicted_n"] / t["predicted_ms"] for t in done],
+                             "slots": [t.get("id_slot") for t in done]})
         after = await client.moe_cache_counters() if before is not None else None
         entry: dict[str, Any] = {"runs": runs}
         if before is not None and after is not None:

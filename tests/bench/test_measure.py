@@ -63,6 +63,7 @@ def test_streams_generate_together_and_their_aggregate_is_recorded(tiny_server):
     assert len(one) == 2 and len(two) == 2
     for run in two:
         assert run["streams"] == 2 and run["predicted_n"] == 48 and len(run["per_stream_tps"]) == 2
+        assert run["slots"] == [0, 1]         # stream i on slot i: busy slots without a gap between them
         assert min(run["per_stream_tps"]) <= run["tps"] <= sum(run["per_stream_tps"]) * 1.0001
     assert all(r["tps"] == pytest.approx(r["per_stream_tps"][0]) for r in one)
     assert "moe_cache" not in out["tg_streams"]["2"]          # no expert cache on this server
@@ -110,7 +111,7 @@ class FlakyClient:
         if kind == self.always_fail or (self.fail_every and self.calls % self.fail_every == 1):
             raise MeasureError("ServerDisconnectedError")
 
-    async def completion(self, n, n_predict):
+    async def completion(self, n, n_predict, slot=None):
         await self._maybe_fail("pp" if n_predict == 1 else "other")
         return {"prompt_n": n, "prompt_ms": 1.0, "predicted_n": n_predict, "predicted_ms": 2.0}
 
@@ -177,14 +178,14 @@ class CountingClient(FlakyClient):
         super().__init__()
         self.counters = {"hits": 0.0, "lookups": 0.0, "prefill_saved_bytes": 0.0, "prefill_copied_bytes": 0.0}
 
-    async def completion(self, n, n_predict):
+    async def completion(self, n, n_predict, slot=None):
         if n_predict == 1:
             self.counters["prefill_saved_bytes"] += 3.0 * n
             self.counters["prefill_copied_bytes"] += 1.0 * n
         else:
             self.counters["hits"] += n_predict
             self.counters["lookups"] += 2 * n_predict
-        return await super().completion(n, n_predict)
+        return await super().completion(n, n_predict, slot)
 
     async def moe_cache_counters(self):
         return dict(self.counters)
