@@ -46,7 +46,7 @@ from orchestrator.plan.predict import experts_used  # noqa: E402
 
 # the workloads' shapes, as lab/device/run.sh writes them
 SHAPES = {"w1": ("qwen3-30b-a3b", None), "w2": ("qwen3-235b-a22b", 24)}
-H200_FLOPS = 700e12   # rates.gpu_flops("NVIDIA H200")
+H200_FLOPS, _ = R.gpu_flops("NVIDIA H200")   # the data sheet the planner uses
 
 
 def _read(path: Path) -> str:

@@ -10,38 +10,21 @@ and the 2026-12-02 runs' prompts without slot reads (test_no_cache_prompts_of_th
 
 from __future__ import annotations
 
-import functools
-import json
-import lzma
 import statistics
 from pathlib import Path
 
 import pytest
-from test_prediction_h200_workload import _replan
-
-from orchestrator.hardware.dump import load_machine
-from orchestrator.model.routing_profile import RoutingProfile
+from test_prediction_h200_workload import _replan, _xz_json, h200  # noqa: F401 (h200: the fixture)
+from test_prediction_h200_workload import _curve as _workload_curve
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-03-workload"
 EARLIER = ROOT / "docs" / "benchmarks" / "h200-2026-12-02-workload"
-FIX = ROOT / "tests" / "fixtures"
 DEVICE_SLOTS = frozenset({"moe_cache_slots"})
 
 
-def _xz_json(path: Path):
-    return json.loads(lzma.decompress(path.read_bytes()))
-
-
-@functools.lru_cache(maxsize=None)
 def _curve(model: str):
-    doc = _xz_json(RUN / f"routing-{model}-default.profile.json.xz")
-    return RoutingProfile.from_json(doc["profile"]).curve("lru-layer")
-
-
-@pytest.fixture(scope="module")
-def h200():
-    return load_machine(FIX / "machines" / "h200.inspect.json")
+    return _workload_curve(model, RUN)
 
 
 def _run(directory: Path, name: str, config: str = "plan") -> tuple[dict, dict]:

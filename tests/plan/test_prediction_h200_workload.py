@@ -35,8 +35,9 @@ def _xz_json(path: Path):
 
 
 @functools.lru_cache(maxsize=None)
-def _curve(model: str):
-    doc = _xz_json(RUN / f"routing-{model}-default.profile.json.xz")
+def _curve(model: str, run: Path = RUN):
+    """The routing profile traced for ``model`` in the benchmark directory ``run``, as its hit-rate curve."""
+    doc = _xz_json(run / f"routing-{model}-default.profile.json.xz")
     return RoutingProfile.from_json(doc["profile"]).curve("lru-layer")
 
 
