@@ -60,6 +60,9 @@
 #                     assigned on the host (--moe-cache-slots host) in place of prefill off; =moves: the plan with
 #                     a prompt's experts copied one by one (LLAMA_MOE_CACHE_PREFILL_MOVES=0) and with the host's read
 #                     by the device (=2); =moves3: the plan with the host's experts copied in one batch (=3);
+#                     =ahead: the plan with its prompts' uncached experts copied ahead into 2 and 3 staging
+#                     buffers (LLAMA_MOE_CACHE_PREFILL_AHEAD); WORKLOAD_STREAMS_NO_VARIANT= (empty) runs the
+#                     variant at four streams too;
 #                     =balanced: the plan made with workers.objective=balanced; =none: no
 #                     variant
 #   prefetch[=L]      uploads ahead of need, W1 written at routing locality L (default: default) and its profile
@@ -224,6 +227,10 @@ workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: p
                              --env LLAMA_MOE_CACHE_PREFILL_MOVES=2)") ;;
       moves3) V=(--config "$(python3 lab/device/plan-config.py plan-moves3 "$O/plan-$name.json" \
                               --env LLAMA_MOE_CACHE_PREFILL_MOVES=3)") ;;
+      ahead) V=(--config "$(python3 lab/device/plan-config.py plan-ahead2 "$O/plan-$name.json" \
+                             --env LLAMA_MOE_CACHE_PREFILL_AHEAD=2)"
+                --config "$(python3 lab/device/plan-config.py plan-ahead3 "$O/plan-$name.json" \
+                             --env LLAMA_MOE_CACHE_PREFILL_AHEAD=3)") ;;
       balanced)
         orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" \
           --set workers.objective=balanced > "$O/plan-$name-balanced.txt" 2>&1
@@ -385,7 +392,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     b=${WORKLOAD_STREAMS_BUDGET:-12}
     if [ "$b" != 0 ] && [ "$(left)" -gt 150 ]; then
       SETS=(--set model.parallel=4)
-      NO_VARIANT=1 workload_run "$M/w1-loc-$loc.gguf" "$b" "w1-${b}g-4streams" plan,fit-pinned \
+      NO_VARIANT=${WORKLOAD_STREAMS_NO_VARIANT-1} workload_run "$M/w1-loc-$loc.gguf" "$b" "w1-${b}g-4streams" plan,fit-pinned \
         --pp 512 --pp-reps 1 --tg-depths none --tg-reps 2 --tg-streams 1,2,4 --concurrency 4 --ttft-requests 4
       SETS=()
     fi

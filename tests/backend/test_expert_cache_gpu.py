@@ -175,6 +175,53 @@ def test_prompts_reading_the_slots_give_the_tokens_and_logits_of_the_uncached_gp
           "copied from it in one batch")
 
 
+def test_staged_prompts_give_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_path):
+    """Prompts of 256 tokens (every expert used by a batch) with their uncached experts copied ahead on a second
+    stream into staging buffers (--moe-cache-prefill-ahead 1, 2, 3), with the slots read and refreshed or not:
+    exactly the tokens and probabilities of the offload path without a cache. A buffer overwritten while a split
+    reads it, a split reading before its copies land, or an expert missing from the staged copy changes them; the
+    decode counters after the prompts are those of the unstaged prompts (the refresh admitted the same experts)."""
+    server = server_path()
+    expert_bytes, n_tensors = _expert_tensors(model)
+    mib = _mib_for_slots(24, expert_bytes, n_tensors)
+    env = {"GGML_OP_OFFLOAD_MIN_BATCH": "1"}
+    long_prompt = (PROMPT * 16)[:256]
+    bodies = [{"n_predict": 48, "prompt": long_prompt}, {"n_predict": 48, "prompt": long_prompt[::-1]},
+              {"n_predict": 48, "prompt": long_prompt[3:] + PROMPT}]
+
+    def run(name: str, extra: list[str], more_env: dict[str, str] | None = None):
+        return _run_in_turn(server, model, tmp_path / f"{name}.log", extra, {**env, **(more_env or {})}, bodies)
+
+    plain, _log = run("offload", [])
+    cache = ["--moe-cache-mib", str(mib + 3 * -(-expert_bytes * 128 // 2**20)), "--moe-cache-max-batch", "4"]
+    runs = {}
+    for mode in ("refresh", "off"):
+        runs[mode] = run(mode, cache + ["--moe-cache-prefill", mode])
+        for ahead in ("1", "2", "3"):
+            runs[f"{mode}-ahead{ahead}"] = run(f"{mode}-ahead{ahead}", cache + ["--moe-cache-prefill", mode,
+                                                                               "--moe-cache-prefill-ahead", ahead])
+    for name, (answers, log) in runs.items():
+        assert answers[-1][1].get("moe_cache_active") == 1, log[-3000:]
+        staged = name.endswith(("ahead1", "ahead2", "ahead3"))
+        metrics = answers[-1][1]
+        assert metrics["moe_cache_prefill_stage_buffers"] == (int(name[-1]) if staged else 0), (name, log[-3000:])
+        assert (metrics["moe_cache_prefill_staged_total"] > 0) == staged, name
+        for (got, _m), (want, _w) in zip(answers, plain):
+            assert got["tokens"] == want["tokens"], name
+            assert probs(got) == probs(want), name
+    # the same slots (the staging buffers are taken from the budget, so the unstaged runs are given the same
+    # number of slots only approximately): the prompts read from the slots and admitted what the refresh says
+    fresh = runs["refresh-ahead2"][0][-1][1]
+    assert fresh["moe_cache_prefill_hits_total"] > 0 and fresh["moe_cache_prefill_admitted_total"] > 0
+    off = runs["off-ahead2"][0][-1][1]
+    assert off["moe_cache_prefill_hits_total"] == 0
+    assert fresh["moe_cache_prefill_copied_bytes_total"] < off["moe_cache_prefill_copied_bytes_total"]
+    print(f"staged prompts: read {fresh['moe_cache_prefill_hits_total']:.0f} of "
+          f"{fresh['moe_cache_prefill_lookups_total']:.0f} expert copies from the slots, copied "
+          f"{fresh['moe_cache_prefill_copied_bytes_total'] / 2**20:.0f} MiB ahead; tokens identical to the uncached "
+          "offload path with 1, 2 and 3 buffers, slot reads on and off")
+
+
 def test_uploads_ahead_of_need_give_the_tokens_and_logits_of_the_uncached_gpu_path(model, tmp_path):
     """--moe-cache-prefetch on a real GPU: the next layer's predicted experts are uploaded on a second CUDA
     stream while this layer computes, and the layer waits on an event before its slots are read. The same
