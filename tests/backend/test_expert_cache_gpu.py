@@ -180,7 +180,7 @@ def test_staged_prompts_give_the_tokens_and_logits_of_the_uncached_gpu_path(mode
     stream into staging buffers (--moe-cache-prefill-ahead 1, 2, 3), with the slots read and refreshed or not:
     exactly the tokens and probabilities of the offload path without a cache. A buffer overwritten while a split
     reads it, a split reading before its copies land, or an expert missing from the staged copy changes them; the
-    decode counters after the prompts are those of the unstaged prompts (the refresh admitted the same experts)."""
+    staged runs report their buffers and staged tensors on /metrics, the others none."""
     server = server_path()
     expert_bytes, n_tensors = _expert_tensors(model)
     mib = _mib_for_slots(24, expert_bytes, n_tensors)
