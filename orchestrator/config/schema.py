@@ -47,6 +47,7 @@ OWNED_FLAGS: dict[str, str] = {
     **dict.fromkeys(flags_of("moe_cache_cpu_misses"), "workers.expert_cache_misses"),
     "--moe-cache-prefetch": "workers.expert_cache_prefetch",
     "--moe-cache-slots": "workers.expert_cache_slots",
+    "--moe-cache-prefill-ahead": "workers.expert_cache_staging",
     "--router-trace": "workers.live_routing",
     **dict.fromkeys(flags_of("host"), "workers.host"),
     **dict.fromkeys(flags_of("port"), "workers.port_base"),
@@ -308,6 +309,16 @@ class WorkersConfig(Section):
     can work (a CUDA build that has the option, one GPU per worker, weights in pinned memory: `load_mode` not mmap,
     misses uploaded, no uploads ahead of need), host otherwise. llama-server itself falls back to host, with a
     warning, where the device cannot."""
+
+    expert_cache_staging: Choice(AUTO, "on", "off", bools=("on", "off")) = AUTO
+    """Prompts' uncached experts copied ahead (`--moe-cache-prefill-ahead 2`, this project's patch of llama.cpp):
+    when a prompt's micro-batch runs a host-resident expert layer on the GPU and uses nearly all its experts, the
+    ones the cache's slots do not hold are copied into one of two staging buffers on a second CUDA stream while the
+    layers before it compute, instead of when the layer starts. The buffers (one expert tensor's device copy each)
+    come out of the cache's VRAM, so generation has a few slots fewer. On the H200 with W1 at 12 GiB: pp512 1.25x,
+    pp4096 1.39x, generation 0.99x of the same cache without it. auto: on where the plan predicts it worth the
+    slots for the objective (a CUDA build that has the option, one GPU per worker, weights in pinned memory,
+    micro-batches large enough to use nearly every expert); on / off force it where the cache is planned."""
 
     live_routing: Choice("off", "on", bools=("on", "off")) = "off"
     """Learn the model's routing from what the deployment serves. on: every worker's llama-server keeps the

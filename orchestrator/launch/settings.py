@@ -45,6 +45,8 @@ class WorkerSettings:
                                                # not uploaded (--moe-cache-cpu-misses)
     moe_cache_prefetch: bool = False           # uploads ahead of need (--moe-cache-prefetch on)
     moe_cache_device_slots: bool = False       # slots assigned on the GPU (--moe-cache-slots device)
+    moe_cache_prefill_ahead: int = 0           # staging buffers for a prompt's uncached experts, copied ahead
+                                               # of their layer (--moe-cache-prefill-ahead N); 0 = off
     load_mode: str = "mmap"                    # one of LOAD_MODES
     # CPU side
     numa: NumaPolicy = field(default_factory=NumaPolicy.none)
@@ -69,6 +71,8 @@ class WorkerSettings:
             raise ValueError(f"WorkerSettings.moe_cache_mib must be >= 0; got {self.moe_cache_mib}")
         if self.moe_cache_max_batch is not None and self.moe_cache_max_batch < 1:
             raise ValueError(f"WorkerSettings.moe_cache_max_batch must be >= 1; got {self.moe_cache_max_batch}")
+        if self.moe_cache_prefill_ahead < 0:
+            raise ValueError(f"WorkerSettings.moe_cache_prefill_ahead must be >= 0; got {self.moe_cache_prefill_ahead}")
         if self.gpus is not None:
             object.__setattr__(self, "gpus", tuple(int(g) for g in self.gpus))
         object.__setattr__(self, "tensor_split", tuple(self.tensor_split))

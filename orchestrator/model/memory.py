@@ -507,6 +507,7 @@ class MoeCacheSize:
     slots: int           # slots per host-resident expert tensor (0: the cache is off)
     batch_cap: int       # largest batch the slots serve
     bytes: int           # device memory of the banks and their id buffers
+    stage_bytes: int = 0  # prompts' staging buffers taken out of the MiB (0: none asked, or dropped)
 
     @property
     def active(self) -> bool:
@@ -514,11 +515,13 @@ class MoeCacheSize:
 
 
 def moe_cache_size(model: ModelInfo, host_expert_layers: Iterable[int], cache_mib: int,
-                   max_batch: int = MOE_CACHE_MAX_BATCH) -> MoeCacheSize:
+                   max_batch: int = MOE_CACHE_MAX_BATCH, stage_bytes: int = 0) -> MoeCacheSize:
     """Every routed-expert tensor of ``host_expert_layers`` gets a bank of the same slot count on its layer's GPU:
     slots = cache MiB / (one expert of every such tensor), at most the experts a tensor has; the cache serves
     batches up to min(max_batch, slots / experts used per token) and is off when that is below 1. Each bank is a
-    CUDA tensor of ``slots`` experts (rows padded as weights are) plus an I32 id buffer for the batch cap."""
+    CUDA tensor of ``slots`` experts (rows padded as weights are) plus an I32 id buffer for the batch cap.
+    ``stage_bytes``: prompts' staging buffers (:func:`moe_cache_stage_bytes`), taken out of the MiB first; the
+    patch drops them (``stage_bytes`` 0) where what is left would not hold one token's experts per tensor."""
     layers = set(host_expert_layers)
     tensors = [t for t in model.tensors if t.cls is TensorClass.ROUTED_EXPERT and t.layer in layers
                and len(t.shape) >= 3 and t.shape[2] > 0]
@@ -526,11 +529,17 @@ def moe_cache_size(model: ModelInfo, host_expert_layers: Iterable[int], cache_mi
     if cache_mib <= 0 or not tensors or used <= 0:
         return MoeCacheSize(0, 0, 0)
     per_slot = sum(t.bytes // t.shape[2] for t in tensors)
-    slots = min(cache_mib * MiB // per_slot, min(t.shape[2] for t in tensors))
+    budget = cache_mib * MiB
+    if stage_bytes and stage_bytes + per_slot * used <= budget:
+        budget -= stage_bytes
+    else:
+        stage_bytes = 0
+    slots = min(budget // per_slot, min(t.shape[2] for t in tensors))
     cap = min(max_batch, slots // used)
     if cap < 1:
         return MoeCacheSize(int(slots), 0, 0)
-    return MoeCacheSize(int(slots), int(cap), moe_cache_bank_bytes(model, layers, int(slots), int(cap)))
+    return MoeCacheSize(int(slots), int(cap), moe_cache_bank_bytes(model, layers, int(slots), int(cap)),
+                        int(stage_bytes))
 
 
 def moe_cache_bank_bytes(model: ModelInfo, layers: Iterable[int], slots: int, batch_cap: int) -> int:
@@ -549,3 +558,20 @@ def moe_cache_bank_bytes(model: ModelInfo, layers: Iterable[int], slots: int, ba
             size += gt.row_bytes(CUDA_ROW_PADDING - t.shape[0] % CUDA_ROW_PADDING) - gt.row_meta
         total += pad(size, CUDA_ALIGN) + pad(4 * batch_cap * used, CUDA_ALIGN)
     return total
+
+
+def moe_cache_stage_bytes(model: ModelInfo, layers: Iterable[int], buffers: int) -> int:
+    """Device memory of ``buffers`` staging buffers for prompts through op offload (``--moe-cache-prefill-ahead``),
+    which our patch takes out of the cache's MiB: each as large as the largest CUDA copy of one routed-expert
+    tensor of ``layers`` (rows padded as weights are, aligned)."""
+    layers = set(layers)
+    largest = 0
+    for t in model.tensors:
+        if t.cls is not TensorClass.ROUTED_EXPERT or t.layer not in layers or len(t.shape) < 3 or not t.shape[2]:
+            continue
+        gt = ggml_type(t.type)
+        size = t.bytes
+        if gt.block > 1 and t.shape[0] % CUDA_ROW_PADDING:
+            size += gt.row_bytes(CUDA_ROW_PADDING - t.shape[0] % CUDA_ROW_PADDING) - gt.row_meta
+        largest = max(largest, pad(size, CUDA_ALIGN))
+    return max(0, int(buffers)) * largest

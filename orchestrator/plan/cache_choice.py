@@ -11,7 +11,8 @@ from dataclasses import replace
 
 from orchestrator.backend import devices as D
 from orchestrator.hardware.topology import Gpu
-from orchestrator.model.memory import MOE_CACHE_MAX_BATCH, moe_cache_bank_bytes, moe_cache_size
+from orchestrator.model.memory import (MOE_CACHE_MAX_BATCH, moe_cache_bank_bytes, moe_cache_size,
+                                       moe_cache_stage_bytes)
 from orchestrator.plan import expert_cache as X
 from orchestrator.plan import rates as R
 from orchestrator.plan.candidates import Candidate, evaluate, kv_layers, offload_threshold
@@ -19,7 +20,7 @@ from orchestrator.plan.context import PlanContext
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.cpu import CpuChoice, node_available
 from orchestrator.plan.placement import Placement, layer_split_placement
-from orchestrator.plan.predict import predict_pp, predict_tg
+from orchestrator.plan.predict import predict_pp, predict_tg, prefill_stageable
 from orchestrator.plan.request import PlanRequest
 from orchestrator.plan.types import Decision
 from orchestrator.units import GiB, MiB
@@ -127,10 +128,21 @@ def worker_cache(ctx: PlanContext, gpus: list[Gpu], best: Candidate, *, load_mod
         else:
             cand = evaluate(replace(ctx, req=req.copy(expert_layers_on_cpu=new_host)), gpus, kv_ub, mode=mode,
                             ub=best.ubatch, load_mode=load_mode, cpu=cpu)
-    # what our patch allocates: every bank the same slot count (cache MiB / one expert of every host-resident
-    # expert tensor), each on the GPU that runs its layer
+    pp = cand.pp
+    if backend.has("moe_cache_prefill"):
+        # big batches read the experts the slots hold from them: only the rest crosses PCIe
+        pp = predict_pp(costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
+                        cached_fraction=size.slots / costs.n_expert)
+    staged = prompt_staging(ctx, gpus, load_mode, cand, c, new_host, inp, size, pp)
+    stage_note = ""
+    if staged is not None:
+        c, size, pp, stage_note = staged
+        cplan = replace(cplan, chosen=c)
+    # what our patch allocates: every bank the same slot count (cache MiB, less the prompts' staging buffers, / one
+    # expert of every host-resident expert tensor), each on the GPU that runs its layer; the buffers on the first
     banks = tuple(moe_cache_bank_bytes(model, [i for i in new_host if cand.placement.layer_gpu[i] == g],
-                                       size.slots, size.batch_cap) for g in range(len(gpus)))
+                                       size.slots, size.batch_cap) + (size.stage_bytes if g == 0 else 0)
+                  for g in range(len(gpus)))
     tg_bytes = dict(cand.tg_bytes)
     if len(gpus) > 1:
         cplan = replace(cplan, per_gpu=cache_shares(costs, cand.placement, new_host, size.slots, c, banks))
@@ -141,13 +153,58 @@ def worker_cache(ctx: PlanContext, gpus: list[Gpu], best: Candidate, *, load_mod
         tg_bytes[gpu0] = int(tg_bytes.get(gpu0, 0) + c.cache_hit_bytes + c.pcie_bytes)
     tg_bytes["CPU"] = max(0, int(tg_bytes.get("CPU", 0) - c.host_layers * per_token))
     tg_bytes["PCIe"] = int(c.pcie_bytes)
-    pp = cand.pp
-    if backend.has("moe_cache_prefill"):
-        # big batches read the experts the slots hold from them: only the rest crosses PCIe
-        pp = predict_pp(costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
-                        cached_fraction=size.slots / costs.n_expert)
     cand = replace(cand, tg=c.tokens_per_s, tg_bytes=tg_bytes, pp=pp, tg_streams=c.stream_tokens_per_s)
-    return cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note), cand, banks
+    return (cplan, Decision("expert cache", f"{c.cache_mib} MiB", cplan.reason + curve_note + stage_note), cand,
+            banks)
+
+
+def prompt_staging(ctx: PlanContext, gpus: list[Gpu], load_mode: str, cand: Candidate, c: X.CacheCandidate,
+                   host: tuple[int, ...], inp: X.CacheInputs, size, pp: dict[int, float]):
+    """Whether prompts through op offload copy their uncached experts ahead into staging buffers
+    (``--moe-cache-prefill-ahead``): the buffers come out of the cache's MiB, so generation has fewer slots, and
+    prompts hide part of their copies behind the layers before. Returns None where the plan keeps it off
+    (with why in the note of a returned tuple where the topology asked for it or a reason is worth saying), else
+    (the cache candidate with the fewer slots, its size, the prompt prediction, the note for the decision)."""
+    req, backend, costs, model = ctx.req, ctx.backend, ctx.costs, ctx.model
+    if req.expert_cache_staging == "off" or not backend.has("moe_cache_prefill_ahead") or \
+            not backend.has("moe_cache_prefill"):
+        return None
+    why = None
+    if not backend.cuda:
+        why = "the staging stream and its events are CUDA's"
+    elif len(gpus) != 1:
+        why = "planned for one GPU per worker"
+    elif load_mode == "mmap":
+        why = "memory-mapped weights are not pinned: their copies would not run beside the compute"
+    elif cand.threshold is None or cand.threshold > cand.ubatch:
+        why = f"a {cand.ubatch}-token micro-batch is not offloaded"
+    elif not prefill_stageable(costs.n_expert, costs.n_expert_used, cand.ubatch):
+        why = (f"a {cand.ubatch}-token micro-batch uses too few of the {costs.n_expert} experts to copy them "
+               f"before its picks are known")
+    buffers = R.PREFILL_STAGE_BUFFERS
+    stage = moe_cache_stage_bytes(model, host, buffers)
+    size_s = None
+    if why is None:
+        size_s = moe_cache_size(model, host, c.cache_mib, max_batch=cache_max_batch(req), stage_bytes=stage)
+        if not size_s.stage_bytes or not size_s.active:
+            why = f"{c.cache_mib} MiB would keep too few slots beside {buffers} staging buffers"
+    if why is not None:
+        return None if req.expert_cache_staging == "auto" else (c, size, pp, f"; prompts not staged: {why}")
+    staged = replace(X._candidate(inp, c.gpu_layers, c.cache_bytes - size_s.stage_bytes, c.miss_mode),
+                     cache_bytes=c.cache_bytes, stage_buffers=buffers, stage_bytes=size_s.stage_bytes)
+    pp_s = predict_pp(costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
+                      cached_fraction=size_s.slots / costs.n_expert, staged=True)
+    n = 512 if 512 in pp else max(pp)
+    tg_ratio = staged.generation / c.generation if c.generation else 1.0
+    pp_ratio = pp_s[n] / pp[n] if pp.get(n) else 1.0
+    gain = (f"predicted pp{n} {pp_ratio:.2f}x, generation {tg_ratio:.2f}x of the same cache without them")
+    take = {"generation": tg_ratio >= 1.0 - X.GENERATION_TOLERANCE and pp_ratio > 1.0 + X.MIN_GAIN,
+            "prompt": pp_ratio > 1.0 + X.MIN_GAIN,
+            "balanced": (tg_ratio * pp_ratio) ** 0.5 > 1.0 + X.MIN_GAIN}[req.objective]
+    if req.expert_cache_staging == "on" or take:
+        return (staged, size_s, pp_s, f"; prompts staged: {buffers} buffers of "
+                f"{size_s.stage_bytes / buffers / MiB:.1f} MiB copy their uncached experts ahead ({gain})")
+    return c, size, pp, f"; prompts not staged: {gain}, not worth the slots for objective {req.objective}"
 
 
 def cache_shares(costs: ModelCosts, placement: Placement, host: tuple[int, ...], slots: int,

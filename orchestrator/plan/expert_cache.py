@@ -141,6 +141,8 @@ class CacheCandidate:
     prefetch: bool = False             # uploads ahead of need (upload mode only)
     prefetch_gain: float = 1.0         # predicted generation with them / without them (1.0: not weighed)
     device_slots: bool = False         # the slots are assigned on the device (--moe-cache-slots device)
+    stage_buffers: int = 0             # prompts' staging buffers (--moe-cache-prefill-ahead), out of cache_bytes
+    stage_bytes: int = 0               # their VRAM
 
     @property
     def cache_mib(self) -> int:
@@ -238,7 +240,8 @@ class CachePlan:
                     "stream_hit_rate": round(c.stream_hit_rate, 5),
                     "prompt_seconds_per_ubatch": c.prompt_seconds,
                     "prefetch": c.prefetch, "prefetch_gain": round(c.prefetch_gain, 4),
-                    "device_slots": c.device_slots}
+                    "device_slots": c.device_slots, "prefill_stage_buffers": c.stage_buffers,
+                    "prefill_stage_bytes": c.stage_bytes}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
                 "candidates": [cand(c) for c in self.candidates],
@@ -253,12 +256,19 @@ def _misses_text(c: CacheCandidate) -> str:
                      f"{c.prefetch_gain:.2f}x the generation without them)")
         if c.device_slots:
             text += "; slots assigned on the device (--moe-cache-slots device)"
-        return text
+        return text + _staging_text(c)
     picks = c.cache_hit_bytes + c.host_read_bytes + c.pcie_bytes
     if not picks:
         return "misses on the CPU"
     return (f"misses: {c.host_read_bytes / picks:.1%} of the picks on the CPU, {c.pcie_bytes / picks:.1%} uploaded "
-            f"(used again within the cache's horizon; --moe-cache-cpu-misses)")
+            f"(used again within the cache's horizon; --moe-cache-cpu-misses)" + _staging_text(c))
+
+
+def _staging_text(c: CacheCandidate) -> str:
+    if not c.stage_buffers:
+        return ""
+    return (f"; prompts' uncached experts copied ahead into {c.stage_buffers} staging buffers of "
+            f"{c.stage_bytes / c.stage_buffers / MIB:.1f} MiB (--moe-cache-prefill-ahead)")
 
 
 def union_experts(n_expert: int, k: int, streams: int) -> float:

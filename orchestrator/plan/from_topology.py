@@ -59,4 +59,5 @@ def request_from_topology(topo: Topology) -> PlanRequest:
         load_mode=w.load_mode, extra_args=tuple(w.extra_args), host=w.host or "127.0.0.1", port_base=w.port_base,
         objective=w.objective, expert_cache=cache, expert_cache_misses=w.expert_cache_misses,
         expert_cache_prefetch=w.expert_cache_prefetch, expert_cache_slots=w.expert_cache_slots,
+        expert_cache_staging=w.expert_cache_staging,
     )

@@ -57,23 +57,41 @@ def cpu_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums
     return max(mem, comp) + 0.5 * min(mem, comp)
 
 
-def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None,
-                        cached_fraction: float = 0.0) -> float:
-    """Time to copy the used experts of ``layers`` to the GPU and run them there. ``cached_fraction``: the share of
-    each layer's experts the expert cache holds, which such a batch reads from the slots on the GPU instead of
-    copying (``--moe-cache-prefill``; the router's picks taken as independent of what is cached): each such read
-    saves part of its copy (``rates.PREFILL_READ_SAVING``, less ``PREFILL_READ_OVERHEAD_S``, never below nothing)."""
+def offload_copy_seconds(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None,
+                         cached_fraction: float = 0.0) -> float:
+    """The PCIe part of :func:`offload_expert_time`: copying the used experts of ``layers`` that the cache's slots
+    do not give (``cached_fraction``: the share of each layer's experts the expert cache holds, which such a batch
+    reads from the slots on the GPU instead of copying, ``--moe-cache-prefill``; the router's picks taken as
+    independent of what is cached): each such read saves part of its copy (``rates.PREFILL_READ_SAVING``, less
+    ``PREFILL_READ_OVERHEAD_S``, never below nothing)."""
     if not layers:
         return 0.0
-    bpe, ppe = sums or _expert_sums(costs, layers)
+    bpe, _ppe = sums or _expert_sums(costs, layers)
     used = experts_used(costs.n_expert, costs.n_expert_used, batch)
-    gpu_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 1e12
     copy = bpe * used / sp.h2d
     f = min(1.0, max(0.0, cached_fraction))
     if f:
         reads = f * used * len(layers)
         copy -= max(0.0, f * copy * R.PREFILL_READ_SAVING - reads * R.PREFILL_READ_OVERHEAD_S)
+    return copy
+
+
+def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, sums=None,
+                        cached_fraction: float = 0.0) -> float:
+    """Time to copy the used experts of ``layers`` to the GPU (:func:`offload_copy_seconds`) and run them there."""
+    if not layers:
+        return 0.0
+    _bpe, ppe = sums or _expert_sums(costs, layers)
+    gpu_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 1e12
+    copy = offload_copy_seconds(costs, layers, batch, sp, sums, cached_fraction)
     return copy + len(layers) * R.OFFLOAD_LAYER_BATCH_S + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
+
+
+def prefill_stageable(n_expert: int, k: int, batch: int) -> bool:
+    """Whether our patch stages a micro-batch of ``batch`` tokens (``--moe-cache-prefill-ahead``): it copies every
+    uncached expert before the batch's ids are known, so only where the batch is expected to use all but
+    ``rates.PREFILL_STAGE_UNUSED_MAX`` of them (uniform routing)."""
+    return n_expert > 0 and n_expert - experts_used(n_expert, k, batch) <= n_expert * R.PREFILL_STAGE_UNUSED_MAX
 
 
 def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInputs, max_batch: int,
@@ -189,9 +207,12 @@ def pp_layer_seconds(batch: int) -> float:
 
 
 def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatch: int, threshold: int | None,
-               lengths=PP_LENGTHS, cached_fraction: float = 0.0) -> dict[int, float]:
+               lengths=PP_LENGTHS, cached_fraction: float = 0.0, staged: bool = False) -> dict[int, float]:
     """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``; ``cached_fraction``
-    as in :func:`offload_expert_time`."""
+    as in :func:`offload_expert_time`. ``staged``: the uncached experts of a micro-batch through op offload that
+    :func:`prefill_stageable` allows are copied ahead on a second stream while the layers before compute, which
+    hides ``rates.PREFILL_STAGED_OVERLAP`` of the copy time or of the rest of the micro-batch, whichever is less
+    (the last layer's copy has nothing after it to hide behind: never more than what the others' compute gives)."""
     cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
     gpu_flops_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 0.0
     if not gpu_flops_eff:   # CPU only: the rate llama.cpp's CPU backend reaches there, measured (rates.py)
@@ -216,6 +237,7 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
         while remaining > 0:
             b = min(n_ubatch, remaining)
             remaining -= b
+            t_before = t
             if gpu_flops_eff:
                 gpu_bw = max(sp.gpu_mem_bw)
                 t += max(2.0 * gpu_params * b / gpu_flops_eff, gpu_weight_bytes / gpu_bw)
@@ -226,7 +248,12 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
                 t += b * costs.n_compute_layers * R.CPU_PP_LAYER_TOKEN_S
             if cpu_layers:
                 if threshold is not None and b >= threshold and sp.gpu_mem_bw:
-                    t += offload_expert_time(costs, cpu_layers, b, sp, sums, cached_fraction)
+                    off = offload_expert_time(costs, cpu_layers, b, sp, sums, cached_fraction)
+                    if staged and prefill_stageable(costs.n_expert, costs.n_expert_used, b):
+                        copy = offload_copy_seconds(costs, cpu_layers, b, sp, sums, cached_fraction)
+                        rest = t - t_before + off - copy
+                        off -= R.PREFILL_STAGED_OVERLAP * min(copy, rest)
+                    t += off
                 else:
                     t += cpu_expert_time(costs, cpu_layers, b, sp, sums)
         out[length] = length / t if t > 0 else 0.0

@@ -151,6 +151,19 @@ STREAM_SHARE_EXPONENT = 0.54
 # fraction within a point). Before patch 0007 each read was a copy of its own and saved 59% less 36 us.
 PREFILL_READ_SAVING = 1.0
 PREFILL_READ_OVERHEAD_S = 12.3e-6
+# Prompts staged (--moe-cache-prefill-ahead N, patch 0008): a micro-batch through op offload that is expected to use
+# all but PREFILL_STAGE_UNUSED_MAX of a host-resident tensor's experts (the patch's rule) gets the uncached ones
+# copied ahead into N staging buffers on a second stream while the layers before compute; the split then waits only
+# for what is left. PREFILL_STAGED_OVERLAP is the share of min(copy time, the rest of the micro-batch) hidden,
+# fitted on the H200 (docs/benchmarks/h200-2026-12-03-staged: W1 at 12 GiB, the plan's 3362 MiB cache at -ub 2048,
+# two buffers, interleaved with the plan and its A/A control, one start each): pp512 2542 -> 3179 and pp4096 6442 ->
+# 8950 tokens/s; three buffers 3157 / 9511. Least squares on the relative error of the four staged prompts through
+# the prompt model above, each run's slot share from its counters (lab/bench/fit_staged_overlap.py): every point
+# within 7%, the unstaged ones within 2.5%. Generation went 179 -> 177 (the buffers' slots). PREFILL_STAGE_BUFFERS
+# is what the plan asks for: three were no faster at 512 tokens and took another buffer's slots.
+PREFILL_STAGE_UNUSED_MAX = 1.0 / 16.0
+PREFILL_STAGED_OVERLAP = 0.67
+PREFILL_STAGE_BUFFERS = 2
 # Uploads ahead of need (--moe-cache-prefetch), measured on the H200 with W1 at default locality, 12 GiB, the plan for
 # four streams (docs/benchmarks.md, "Uploads ahead of need"): of the misses without them, the share they turned into
 # hits, and the uploads ahead per such miss, at one stream and at four (the next layer's router on this layer's

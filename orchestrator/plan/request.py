@@ -90,6 +90,8 @@ class PlanRequest:
     expert_cache_misses: str = "upload"      # "upload" | "cpu" | "auto": what the cache does with a miss
     expert_cache_prefetch: str = "auto"      # "auto" | "on" | "off": uploads ahead of need (--moe-cache-prefetch)
     expert_cache_slots: str = "auto"         # "auto" | "device" | "host": where slots are assigned (--moe-cache-slots)
+    expert_cache_staging: str = "auto"       # "auto" | "on" | "off": prompts' uncached experts copied ahead
+                                             # into staging buffers (--moe-cache-prefill-ahead)
 
     def copy(self, **changes) -> "PlanRequest":
         return replace(self, **changes)

@@ -83,6 +83,20 @@ def test_uploads_ahead_only_with_a_cache_and_a_binary_that_has_them():
     assert not parse_server_args(["--moe-cache-prefetch", "off"]).moe_cache_prefetch
 
 
+def test_prompt_staging_only_with_a_cache_and_a_binary_that_has_it():
+    staged = replace(S, moe_cache_mib=4096, moe_cache_prefill_ahead=2)
+    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefill_ahead"})
+    args = server_args(staged, has)
+    assert _value(args, "--moe-cache-prefill-ahead") == "2" and parse_server_args(args).moe_cache_prefill_ahead == 2
+    assert backend_seen_in(args).has("moe_cache_prefill_ahead")
+    assert "--moe-cache-prefill-ahead" not in server_args(
+        staged, replace(has, features=has.features - {"moe_cache_prefill_ahead"}))      # the binary lacks it
+    assert "--moe-cache-prefill-ahead" not in server_args(replace(staged, moe_cache_mib=0), has)         # no cache
+    assert "--moe-cache-prefill-ahead" not in server_args(replace(staged, moe_cache_prefill_ahead=0), has)
+    with pytest.raises(ValueError):
+        replace(S, moe_cache_prefill_ahead=-1)
+
+
 @pytest.mark.parametrize("backend", [MAINLINE, IK], ids=["mainline", "ik"])
 def test_rendered_flags_read_back_to_the_same_settings(backend):
     """What launch renders, parse_server_args reads back (the NUMA binding is numactl's, not llama-server's)."""

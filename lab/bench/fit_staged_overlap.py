@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Fit rates.PREFILL_STAGED_OVERLAP on measured prompts staged by --moe-cache-prefill-ahead, and show every point.
+
+A staged micro-batch of b tokens through op offload is predicted as the unstaged one (fit_prompt_costs.py's model,
+with the constants in rates.py) less OVERLAP x min(copy, rest): ``copy`` the PCIe time of the experts the slots did
+not give, ``rest`` everything else the micro-batch costs (what the copy can hide behind). OVERLAP is fitted by least
+squares on the relative error of each prompt's time, with each run's slot share from its counters; the runs without
+staging (the plan and its A/A control) are shown beside, against the same model, for the spread.
+
+usage: lab/bench/fit_staged_overlap.py BENCH.json[.xz] [...] [--host-layers N]
+  --host-layers: the plan's host-resident expert layers (default: the -ot pattern's layer list in the run's argv)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
+
+from fit_prompt_costs import H200_FLOPS, _costs, _read  # noqa: E402
+
+from orchestrator.plan import rates as R  # noqa: E402
+from orchestrator.plan.predict import experts_used, prefill_stageable  # noqa: E402
+
+
+def _host_layers(argv: list[str]) -> int:
+    if "-ot" not in argv:
+        return 0
+    m = re.search(r"blk\\?\.\(([\d|]+)\)", argv[argv.index("-ot") + 1])
+    return len(m.group(1).split("|")) if m else 0
+
+
+def _ahead(run: dict) -> int:
+    argv = run["argv"]
+    if "--moe-cache-prefill-ahead" in argv:
+        return int(argv[argv.index("--moe-cache-prefill-ahead") + 1])
+    return int((run.get("env") or {}).get("LLAMA_MOE_CACHE_PREFILL_AHEAD", 0) or 0)
+
+
+def prompt_parts(costs, n: int, ub: int, host: float, f: float, pinned: float, staged: bool) -> tuple[float, float]:
+    """(unstaged model time, the part staging can hide at OVERLAP 1) of a prompt of ``n`` tokens."""
+    active = sum(costs.layer_always_params) + costs.n_expert_used * sum(costs.layer_expert_params)
+    expert = sum(costs.layer_experts) / len(costs.moe_layers) / costs.n_expert
+    total = hidden = 0.0
+    remaining = n
+    while remaining > 0:
+        b = min(ub, remaining)
+        remaining -= b
+        used = experts_used(costs.n_expert, costs.n_expert_used, b)
+        rest = (2.0 * b * active / (H200_FLOPS * R.GPU_PP_FLOPS_EFFICIENCY)
+                + costs.n_compute_layers * R.PP_LAYER_BATCH_S * b / (b + R.PP_LAYER_BATCH_HALF)
+                + host * R.OFFLOAD_LAYER_BATCH_S + f * used * host * R.PREFILL_READ_OVERHEAD_S)
+        copy = (1.0 - f) * used * expert * host / pinned
+        total += rest + copy
+        if staged and prefill_stageable(costs.n_expert, costs.n_expert_used, b):
+            hidden += min(copy, rest)
+    return total, hidden
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench", nargs="+", type=Path)
+    ap.add_argument("--host-layers", type=int)
+    args = ap.parse_args()
+    pts = []
+    for path in args.bench:
+        bench = json.loads(_read(path))
+        costs = _costs("w2" if "w2" in path.name else "w1")
+        pinned = bench["plan_context"]["bandwidth"]["gpu_h2d"][0]["bytes_per_s"] * R.PINNED_COPY_EFFICIENCY
+        for run in bench["runs"]:
+            argv = run["argv"]
+            if run.get("status") != "ok" or not run["samples"].get("pp") or "--moe-cache-mib" not in argv:
+                continue
+            host = args.host_layers or _host_layers(argv)
+            ub = int(argv[argv.index("-ub") + 1])
+            mc = run["samples"].get("moe_cache_pp") or {}
+            for s in run["samples"]["pp"]:
+                c = mc.get(str(s["n"])) or {}
+                saved, copied = c.get("prefill_saved_bytes", 0), c.get("prefill_copied_bytes", 0)
+                f = saved / (saved + copied) if saved + copied else 0.0
+                model, hidden = prompt_parts(costs, s["n"], ub, host, f, pinned, _ahead(run) > 0)
+                pts.append(dict(name=f"{path.name.split('.')[0]}/{run['config']}", n=s["n"], t=s["prompt_ms"] / 1e3,
+                                model=model, hidden=hidden, f=f))
+    staged = [p for p in pts if p["hidden"] > 0]
+    if not staged:
+        print("no staged prompts in these runs", file=sys.stderr)
+        return 1
+    # minimise sum(((model - o hidden) / t - 1)^2) over o
+    num = sum((p["model"] / p["t"] - 1.0) * p["hidden"] / p["t"] for p in staged)
+    den = sum((p["hidden"] / p["t"]) ** 2 for p in staged)
+    overlap = min(1.0, max(0.0, num / den))
+    print(f"PREFILL_STAGED_OVERLAP = {overlap:.2f}")
+    for p in pts:
+        pred = p["model"] - overlap * p["hidden"]
+        print(f"{p['name']:28s} pp{p['n']:<5d} slots {p['f']:.2f}  measured {p['t'] * 1e3:7.1f} ms  model "
+              f"{pred * 1e3:7.1f} ms  {pred / p['t'] - 1:+.3f}{'  staged' if p['hidden'] else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
