@@ -63,6 +63,8 @@
 #                     =ahead: the plan with its prompts' uncached experts copied ahead into 2 and 3 staging
 #                     buffers (LLAMA_MOE_CACHE_PREFILL_AHEAD); WORKLOAD_STREAMS_NO_VARIANT= (empty) runs the
 #                     variant at four streams too;
+#                     =unstaged: the plan without its prompt staging (--moe-cache-prefill-ahead 0), or where the
+#                     plan does not stage, the same plan with it (--moe-cache-prefill-ahead 2);
 #                     =balanced: the plan made with workers.objective=balanced; =none: no
 #                     variant
 #   prefetch[=L]      uploads ahead of need, W1 written at routing locality L (default: default) and its profile
@@ -231,6 +233,14 @@ workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: p
                              --env LLAMA_MOE_CACHE_PREFILL_AHEAD=2)"
                 --config "$(python3 lab/device/plan-config.py plan-ahead3 "$O/plan-$name.json" \
                              --env LLAMA_MOE_CACHE_PREFILL_AHEAD=3)") ;;
+      unstaged)
+        if grep -q -- '--moe-cache-prefill-ahead' "$O/plan-$name.json"; then
+          V=(--config "$(python3 lab/device/plan-config.py plan-unstaged "$O/plan-$name.json" \
+                          --replace=--moe-cache-prefill-ahead=0)")
+        else
+          V=(--config "$(python3 lab/device/plan-config.py plan-staged "$O/plan-$name.json" \
+                          --add='--moe-cache-prefill-ahead 2')")
+        fi ;;
       balanced)
         orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" \
           --set workers.objective=balanced > "$O/plan-$name-balanced.txt" 2>&1
