@@ -50,7 +50,7 @@
 #   w2-cache[=L]      the same for W2 written at routing locality L, at W2_CACHE_BUDGETS (default 24 GiB; A/A at
 #                     the first), W2_CACHE_CONFIGS; both take CACHE_ROUNDS (default 1) interleaved rounds
 #   workload[=L]      the expert cache for the whole workload, W1 written at routing locality L (default: default)
-#                     and its profile measured: at each of WORKLOAD_BUDGETS (GiB, default "12 8 16") the plan /
+#                     and its profile measured: at each of WORKLOAD_BUDGETS (GiB, default "12 8 16"; empty: none) the plan /
 #                     the plan with --moe-cache-prefill off (prompts copy every expert) / fit-pinned (/ the plan
 #                     again, A/A, at the first), pp512, pp4096, tg128 and the cache's prefill counters; then at
 #                     WORKLOAD_STREAMS_BUDGET (default 12; 0: none) the plan for 4 streams (model.parallel=4)
@@ -171,12 +171,14 @@ routing_profile() {   # routing_profile L [w1|w2]: the model at routing locality
   local mdl=$M/${2:-w1}-loc-$1.gguf
   synth "$( [ "${2:-w1}" = w2 ] && echo "w2-loc-$1" || echo "loc-$1" )"
   # W1 and W2 fit the GPU: traced there in seconds; on the CPU (minutes) if that fails
-  ( time timeout 180 python3 -m orchestrator model "$mdl" --routing --gpu-layers 99 ) > "$O/routing-$1.txt" 2>&1 || \
-    ( time timeout $(( $(left) - 30 )) python3 -m orchestrator model "$mdl" --routing ) >> "$O/routing-$1.txt" 2>&1
-  log "routing profile ($1) rc=$?"; tail -6 "$O/routing-$1.txt"
-  # the profile itself beside its summary: the tests replan the runs with the curve the plan ran with
-  local saved; saved=$(grep -oE '^(saved|cached): .*\.json$' "$O/routing-$1.txt" | tail -1 | cut -d' ' -f2-)
-  [ -n "$saved" ] && xz -c "$saved" > "$O/routing-$1.profile.json.xz"
+  local out=$O/routing-${2:-w1}-$1
+  ( time timeout 180 python3 -m orchestrator model "$mdl" --routing --gpu-layers 99 ) > "$out.txt" 2>&1 || \
+    ( time timeout $(( $(left) - 30 )) python3 -m orchestrator model "$mdl" --routing ) >> "$out.txt" 2>&1
+  log "routing profile (${2:-w1}, $1) rc=$?"; tail -6 "$out.txt"
+  # the profile itself beside its summary (one per model: W2's must not overwrite W1's): the tests replan the
+  # runs with the curve the plan ran with
+  local saved; saved=$(grep -oE '^(saved|cached): .*\.json$' "$out.txt" | tail -1 | cut -d' ' -f2-)
+  [ -n "$saved" ] && xz -c "$saved" > "$out.profile.json.xz"
   return 0
 }
 gateway_on_gpu() {   # gateway_on_gpu PROCESSES ROUNDS
@@ -393,8 +395,8 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     need_server
     local loc=${arg:-default} b first SETS=()
     routing_profile "$loc" w1
-    first=${WORKLOAD_BUDGETS:-12 8 16}; first=${first%% *}
-    for b in ${WORKLOAD_BUDGETS:-12 8 16}; do
+    first=${WORKLOAD_BUDGETS-12 8 16}; first=${first%% *}
+    for b in ${WORKLOAD_BUDGETS-12 8 16}; do
       [ "$(left)" -gt 150 ] || { log "no time left for ${b} GiB"; break; }
       workload_run "$M/w1-loc-$loc.gguf" "$b" "w1-${b}g" "plan,fit-pinned$([ "$b" = "$first" ] && echo ,control)" \
         --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 4
