@@ -2,8 +2,9 @@
 """Fit rates.PREFILL_STAGED_OVERLAP on measured prompts staged by --moe-cache-prefill-ahead, and show every point.
 
 A staged micro-batch of b tokens through op offload is predicted as the unstaged one (fit_prompt_costs.py's model,
-with the constants in rates.py) less OVERLAP x min(copy, rest): ``copy`` the PCIe time of the experts the slots did
-not give, ``rest`` everything else the micro-batch costs (what the copy can hide behind). OVERLAP is fitted by least
+with the constants in rates.py) less OVERLAP x min(copy, span x rest): ``copy`` the PCIe time of the experts the
+slots did not give, ``rest`` everything else the micro-batch costs, ``span`` the share of the layers up to the last
+host-resident one (what the copies can hide behind: a layer's copy runs while the layers before it compute). OVERLAP is fitted by least
 squares on the relative error of each prompt's time, with each run's slot share from its counters; the runs without
 staging (the plan and its A/A control) are shown beside, against the same model, for the spread.
 
@@ -58,7 +59,8 @@ def prompt_parts(costs, n: int, ub: int, host: float, f: float, pinned: float, s
         copy = (1.0 - f) * used * expert * host / pinned
         total += rest + copy
         if staged and prefill_stageable(costs.n_expert, costs.n_expert_used, b):
-            hidden += min(copy, rest)
+            # the plans' host-resident layers are the first ones: the copies hide behind their share of the rest
+            hidden += min(copy, rest * min(1.0, host / costs.n_compute_layers))
     return total, hidden
 
 

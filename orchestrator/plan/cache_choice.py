@@ -190,8 +190,14 @@ def prompt_staging(ctx: PlanContext, gpus: list[Gpu], load_mode: str, cand: Cand
             why = f"{c.cache_mib} MiB would keep too few slots beside {buffers} staging buffers"
     if why is not None:
         return None if req.expert_cache_staging == "auto" else (c, size, pp, f"; prompts not staged: {why}")
-    staged = replace(X._candidate(inp, c.gpu_layers, c.cache_bytes - size_s.stage_bytes, c.miss_mode),
-                     cache_bytes=c.cache_bytes, stage_buffers=buffers, stage_bytes=size_s.stage_bytes)
+    # generation as measured with the buffers: as if they took PREFILL_STAGE_SLOT_COST of their bytes from the
+    # slots; the banks, the VRAM and the prompts' share read from the slots are those of the slots really left
+    real = X._candidate(inp, c.gpu_layers, c.cache_bytes - size_s.stage_bytes, c.miss_mode)
+    gen = X._candidate(inp, c.gpu_layers, c.cache_bytes - int(R.PREFILL_STAGE_SLOT_COST * size_s.stage_bytes),
+                       c.miss_mode)
+    staged = replace(gen, cache_bytes=c.cache_bytes, slots=real.slots, slots_per_layer=real.slots_per_layer,
+                     fraction=real.fraction, slot_bytes=real.slot_bytes, stage_buffers=buffers,
+                     stage_bytes=size_s.stage_bytes)
     pp_s = predict_pp(costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
                       cached_fraction=size_s.slots / costs.n_expert, staged=True)
     n = 512 if 512 in pp else max(pp)

@@ -211,8 +211,8 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
     """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``; ``cached_fraction``
     as in :func:`offload_expert_time`. ``staged``: the uncached experts of a micro-batch through op offload that
     :func:`prefill_stageable` allows are copied ahead on a second stream while the layers before compute, which
-    hides ``rates.PREFILL_STAGED_OVERLAP`` of the copy time or of the rest of the micro-batch, whichever is less
-    (the last layer's copy has nothing after it to hide behind: never more than what the others' compute gives)."""
+    hides ``rates.PREFILL_STAGED_OVERLAP`` of the copy time or of the rest of the micro-batch up to the last
+    host-resident layer, whichever is less (a copy can hide only behind the layers before its own)."""
     cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
     gpu_flops_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 0.0
     if not gpu_flops_eff:   # CPU only: the rate llama.cpp's CPU backend reaches there, measured (rates.py)
@@ -230,6 +230,9 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
             cpu_params += p_always
     gpu_weight_bytes = sum(placement.gpu_weights)
     sums = _expert_sums(costs, cpu_layers)
+    # staged copies run while the layers before theirs compute: the share of the micro-batch up to the last
+    # host-resident layer
+    span = min(1.0, (max(cpu_layers) + 1) / costs.n_compute_layers) if cpu_layers and costs.n_compute_layers else 0.0
     out = {}
     for length in lengths:
         remaining = length
@@ -251,7 +254,7 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
                     off = offload_expert_time(costs, cpu_layers, b, sp, sums, cached_fraction)
                     if staged and prefill_stageable(costs.n_expert, costs.n_expert_used, b):
                         copy = offload_copy_seconds(costs, cpu_layers, b, sp, sums, cached_fraction)
-                        rest = t - t_before + off - copy
+                        rest = (t - t_before + off - copy) * span
                         off -= R.PREFILL_STAGED_OVERLAP * min(copy, rest)
                     t += off
                 else:

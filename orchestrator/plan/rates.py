@@ -154,16 +154,21 @@ PREFILL_READ_OVERHEAD_S = 12.3e-6
 # Prompts staged (--moe-cache-prefill-ahead N, patch 0008): a micro-batch through op offload that is expected to use
 # all but PREFILL_STAGE_UNUSED_MAX of a host-resident tensor's experts (the patch's rule) gets the uncached ones
 # copied ahead into N staging buffers on a second stream while the layers before compute; the split then waits only
-# for what is left. PREFILL_STAGED_OVERLAP is the share of min(copy time, the rest of the micro-batch) hidden,
-# fitted on the H200 (docs/benchmarks/h200-2026-12-03-staged: W1 at 12 GiB, the plan's 3362 MiB cache at -ub 2048,
-# two buffers, interleaved with the plan and its A/A control, one start each): pp512 2542 -> 3179 and pp4096 6442 ->
-# 8950 tokens/s; three buffers 3157 / 9511. Least squares on the relative error of the four staged prompts through
-# the prompt model above, each run's slot share from its counters (lab/bench/fit_staged_overlap.py): every point
-# within 7%, the unstaged ones within 2.5%. Generation went 179 -> 177 (the buffers' slots). PREFILL_STAGE_BUFFERS
-# is what the plan asks for: three were no faster at 512 tokens and took another buffer's slots.
+# for what is left. PREFILL_STAGED_OVERLAP is the share of min(copy time, the rest of the micro-batch up to the last
+# host-resident layer: what the copies can run beside) hidden. Fitted
+# on the H200 (docs/benchmarks/h200-2026-12-03-staged and h200-2026-12-04-staged: W1 at 8, 12 and 16 GiB and W2 at
+# 24 GiB, each plan with and without two buffers, interleaved in one run, and three buffers once at 12 GiB), least
+# squares on the relative error of the 14 staged prompts through the prompt model above, each run's slot share from
+# its counters (lab/bench/fit_staged_overlap.py): W1's within 10%, W2's pp4096 13% slow (unstaged 10%). Three buffers
+# were no faster than two at 512 tokens and take another buffer's slots: PREFILL_STAGE_BUFFERS is what the plan asks.
+# The buffers' slots cost generation less than the hit-rate curve says of so many slots fewer: over the same five
+# pairs generation went 0.96-1.01x (W1 0.98-1.01x, W2 0.96x) where the curve at the fewer slots predicted 0.92-0.97x,
+# and the hit rates fell 0.1-1.7 points where it said 1.0-6.0. PREFILL_STAGE_SLOT_COST is the share of the buffers'
+# bytes the plan takes from the slots when it predicts staged generation (least squares on the five ratios).
 PREFILL_STAGE_UNUSED_MAX = 1.0 / 16.0
-PREFILL_STAGED_OVERLAP = 0.67
+PREFILL_STAGED_OVERLAP = 0.79
 PREFILL_STAGE_BUFFERS = 2
+PREFILL_STAGE_SLOT_COST = 0.28
 # Uploads ahead of need (--moe-cache-prefetch), measured on the H200 with W1 at default locality, 12 GiB, the plan for
 # four streams (docs/benchmarks.md, "Uploads ahead of need"): of the misses without them, the share they turned into
 # hits, and the uploads ahead per such miss, at one stream and at four (the next layer's router on this layer's
