@@ -258,6 +258,34 @@ def test_a_prompt_reads_the_experts_the_slots_hold_instead_of_copying_them(setup
           f"{off2['moe_cache_prefill_copied_bytes_total'] / 2**20:.1f} MiB")
 
 
+# Prompts staged (--moe-cache-prefill-ahead): a staged split reads its weight's copy from a staging buffer by address,
+# outside the compute buffer the tensor belongs to. CUDA, which moves experts itself, serves that; ggml's RPC device
+# checks every tensor's data against its buffer, so llama-server stages nothing there and keeps the cache's whole
+# budget for slots. Long prompts (from 43 tokens with 8 of 128 experts) would be staged on a device that can.
+LONG = [{"prompt": PROMPT * 6}, {"prompt": PROMPT[::-1] * 6}]
+
+
+def test_staging_asked_on_the_rpc_device_keeps_the_read_path_and_its_slots(setup, llama_server_path, rpc_server,
+                                                                           tmp_path):
+    """The same long prompts with --moe-cache-prefill-ahead 2 and without: no buffers, nothing staged, the same
+    tokens and probabilities, and the same slot reads and copies (the budget went to slots, none to buffers)."""
+    cache = ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-prefill", "read"]
+    read, _log = completions_in_turn(llama_server_path, rpc_server, setup.model, tmp_path, "read", cache, LONG,
+                                     env=PREFILL_ENV)
+    asked, log = completions_in_turn(llama_server_path, rpc_server, setup.model, tmp_path, "ahead",
+                                     cache + ["--moe-cache-prefill-ahead", "2"], LONG, env=PREFILL_ENV)
+    metrics = asked[-1][1]
+    assert metrics.get("moe_cache_active") == 1, log[-3000:]
+    assert metrics["moe_cache_slots"] == setup.slots
+    assert metrics["moe_cache_prefill_stage_buffers"] == 0 and metrics["moe_cache_prefill_staged_total"] == 0
+    assert read[-1][1]["moe_cache_prefill_hits_total"] > 0          # the second prompt read the first's experts
+    for (got, m), (want, w) in zip(asked, read):
+        assert got["tokens"] == want["tokens"] and probs(got) == probs(want)
+        for key in ("moe_cache_prefill_lookups_total", "moe_cache_prefill_hits_total",
+                    "moe_cache_prefill_copied_bytes_total"):
+            assert m[key] == w[key], key
+
+
 def test_a_refreshing_prompt_leaves_its_last_experts_in_the_slots_for_decode(setup, prefill_runs):
     (_r1, read1), _ = prefill_runs["read"][0]
     (_f1, fresh1), (_f2, fresh2) = prefill_runs["refresh"][0]
