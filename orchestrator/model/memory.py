@@ -563,15 +563,8 @@ def moe_cache_bank_bytes(model: ModelInfo, layers: Iterable[int], slots: int, ba
 def moe_cache_stage_bytes(model: ModelInfo, layers: Iterable[int], buffers: int) -> int:
     """Device memory of ``buffers`` staging buffers for prompts through op offload (``--moe-cache-prefill-ahead``),
     which our patch takes out of the cache's MiB: each as large as the largest CUDA copy of one routed-expert
-    tensor of ``layers`` (rows padded as weights are, aligned)."""
+    tensor of ``layers``."""
     layers = set(layers)
-    largest = 0
-    for t in model.tensors:
-        if t.cls is not TensorClass.ROUTED_EXPERT or t.layer not in layers or len(t.shape) < 3 or not t.shape[2]:
-            continue
-        gt = ggml_type(t.type)
-        size = t.bytes
-        if gt.block > 1 and t.shape[0] % CUDA_ROW_PADDING:
-            size += gt.row_bytes(CUDA_ROW_PADDING - t.shape[0] % CUDA_ROW_PADDING) - gt.row_meta
-        largest = max(largest, pad(size, CUDA_ALIGN))
+    largest = max((cuda_tensor_bytes(t) for t in model.tensors if t.cls is TensorClass.ROUTED_EXPERT
+                   and t.layer in layers and len(t.shape) >= 3 and t.shape[2]), default=0)
     return max(0, int(buffers)) * largest
