@@ -50,8 +50,8 @@
 #   w2-cache[=L]      the same for W2 written at routing locality L, at W2_CACHE_BUDGETS (default 24 GiB; A/A at
 #                     the first), W2_CACHE_CONFIGS; both take CACHE_ROUNDS (default 1) interleaved rounds
 #   workload[=L]      the expert cache for the whole workload, W1 written at routing locality L (default: default)
-#                     and its profile measured: at each of WORKLOAD_BUDGETS (GiB, default "12 8 16"; empty: none) the plan /
-#                     the plan with --moe-cache-prefill off (prompts copy every expert) / fit-pinned (/ the plan
+#                     and its profile measured: at each of WORKLOAD_BUDGETS (GiB, default "12 8 16"; empty:
+#                     none) the plan / the plan with --moe-cache-prefill off (prompts copy every expert) / fit-pinned (/ the plan
 #                     again, A/A, at the first), pp512, pp4096, tg128 and the cache's prefill counters; then at
 #                     WORKLOAD_STREAMS_BUDGET (default 12; 0: none) the plan for 4 streams (model.parallel=4)
 #                     against fit-pinned with -np 4: aggregate generation of 1, 2 and 4 streams; then W2 (locality

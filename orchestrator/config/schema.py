@@ -315,8 +315,9 @@ class WorkersConfig(Section):
     when a prompt's micro-batch runs a host-resident expert layer on the GPU and uses nearly all its experts, the
     ones the cache's slots do not hold are copied into one of two staging buffers on a second CUDA stream while the
     layers before it compute, instead of when the layer starts. The buffers (one expert tensor's device copy each)
-    come out of the cache's VRAM, so generation has a few slots fewer. On the H200 with W1 at 12 GiB: pp512 1.25x,
-    pp4096 1.39x, generation 0.99x of the same cache without it. auto: on where the plan predicts it worth the
+    come out of the cache's VRAM, so generation has a few slots fewer. On the H200 (W1 at 8, 12 and 16 GiB, W2 at
+    24 GiB): pp512 1.10-1.29x, pp4096 1.12-1.56x, generation 0.96-1.01x of the same cache without it; a 128-token
+    prompt took up to 21% longer (W2), which the plan does not weigh. auto: on where the plan predicts it worth the
     slots for the objective (a CUDA build that has the option, one GPU per worker, weights in pinned memory,
     micro-batches large enough to use nearly every expert); on / off force it where the cache is planned."""
 
