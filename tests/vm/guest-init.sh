@@ -40,6 +40,7 @@ if [[ -n $job && -r $job/argv ]]; then
     while IFS= read -r -d '' kv; do export "$kv"; done <"$job/env"
     cwd=$(<"$job/cwd")
     cd "$cwd" 2>/dev/null || cd /
+    printf '%s started\n' "$token"           # the host: booted; the command runs from here on
     "${argv[@]}" </dev/null
     rc=$?
 else

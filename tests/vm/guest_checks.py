@@ -105,6 +105,11 @@ def _holder(ready: Path, extra: str = "") -> subprocess.Popen:
     return subprocess.Popen([str(WRAPPER), "bash", "-c", script], start_new_session=True)
 
 
+def _progress(what: str, t0: float) -> None:
+    """One line on stderr per step, so that a check cut short by the host's deadline shows how far it got."""
+    print(f"guest_checks: {what} at {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def balancing() -> dict:
     t0 = time.monotonic()
     res: dict = {"start": read(BALANCING), "dev_fd": os.path.exists("/dev/fd")}
@@ -120,18 +125,20 @@ def balancing() -> dict:
         if how == "SIGKILL":                  # the wrapper and its command killed: --cleanup restores
             os.killpg(p.pid, signal.SIGKILL)
             rc = p.wait(60)
-            subprocess.run([str(WRAPPER), "--cleanup"], capture_output=True, check=False)
+            subprocess.run([str(WRAPPER), "--cleanup"], capture_output=True, check=False, timeout=120)
         else:
             p.send_signal(getattr(signal, how))
             rc = p.wait(60)
         res[name] = {"during": during, "after": read(BALANCING), "rc": rc}
+        _progress(name, t0)
 
     def plain(name: str, code: int) -> None:   # a command that ends by itself, with status ``code``
         BALANCING.write_text("1\n")
         r = subprocess.run([str(WRAPPER), "bash", "-c", f"cat {BALANCING}; exit {code}"], capture_output=True,
-                           text=True)
+                           text=True, timeout=120)
         res[name] = {"during": r.stdout.strip(), "after": read(BALANCING), "rc": r.returncode,
                      "stderr": r.stderr.strip()}
+        _progress(name, t0)
 
     plain("exit", 0)
     plain("failure", 3)
@@ -151,6 +158,7 @@ def balancing() -> dict:
     b.wait(60)
     res["two_holders"] = {"during": [read(tmp / "a"), read(tmp / "b")], "after_first": after_first,
                           "after_both": read(BALANCING)}
+    _progress("two holders", t0)
     BALANCING.write_text(res["start"] + "\n")
     res["seconds"] = round(time.monotonic() - t0, 1)
     return res
@@ -163,7 +171,7 @@ def bind_socket(touch_mib: int = 64) -> dict:
     for interleave in ("off", "on"):
         argv = [str(BIND), "--socket", "1", "--mode", "physical", "--interleave", interleave, "--",
                 sys.executable, "-c", TOUCHER, str(touch_mib)]
-        dry = subprocess.run(argv[:7] + ["--dry-run"] + argv[7:], capture_output=True, text=True)
+        dry = subprocess.run(argv[:7] + ["--dry-run"] + argv[7:], capture_output=True, text=True, timeout=120)
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         p.stdout.readline()                 # touched
         maps = [m for m in numa_maps(p.pid) if m["kind"].startswith("anon")]

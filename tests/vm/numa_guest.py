@@ -251,19 +251,47 @@ def _stop(proc: subprocess.Popen | None) -> None:
         proc.wait()
 
 
+# A boot that has not reached the command by then is booted again, once: under TCG on a loaded host a boot has
+# been seen to stall before the command started (nothing on the console), while a normal one takes 15-40 s.
+BOOT_TIMEOUT_S = 240
+BOOT_ATTEMPTS = 2
+
+
+class BootStalled(Exception):
+    """The guest did not reach its command before the boot deadline (the command never ran)."""
+
+
 def run(argv: list[str], *, timeout: float = 300, memory_mib: int = 4096, out: str | None = None,
-        env: dict[str, str] | None = None, cwd: str | None = None, stdout=None, dev_fd: bool = False) -> int:
+        env: dict[str, str] | None = None, cwd: str | None = None, stdout=None, dev_fd: bool = False,
+        boot_timeout: float = BOOT_TIMEOUT_S) -> int:
     """Boot the guest, run ``argv`` in it, return its exit status (124: timed out). Output goes to ``stdout``
     (a text stream; default this process's stdout). ``dev_fd``: give the guest ``/dev/fd`` and
-    ``/dev/std{in,out,err}`` (left out by default, as on a minimal root)."""
+    ``/dev/std{in,out,err}`` (left out by default, as on a minimal root).
+
+    ``timeout`` bounds one boot and its command. A boot that has not started the command within
+    ``boot_timeout`` (at most ``timeout``) is killed and booted again, once; the command runs at most once."""
     if not argv:
         raise GuestError("no command to run in the guest")
     if (lack := missing()):
         raise GuestError("cannot boot the guest: missing " + "; ".join(lack))
     stdout = stdout or sys.stdout
+    for attempt in range(1, BOOT_ATTEMPTS + 1):
+        try:
+            return _boot_and_run(argv, timeout=timeout, boot_timeout=min(boot_timeout, timeout),
+                                 memory_mib=memory_mib, out=out, env=env, cwd=cwd, stdout=stdout, dev_fd=dev_fd)
+        except BootStalled as e:
+            again = attempt < BOOT_ATTEMPTS
+            stdout.write(f"\nnuma_guest: {e}; " + ("booting again\n" if again else "guest killed\n"))
+            stdout.flush()
+    return 124
+
+
+def _boot_and_run(argv: list[str], *, timeout: float, boot_timeout: float, memory_mib: int, out: str | None,
+                  env: dict[str, str] | None, cwd: str | None, stdout, dev_fd: bool) -> int:
     kernel = prepare()
     token = secrets.token_hex(8)
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     with tempfile.TemporaryDirectory(prefix="numa-guest-") as tmp:
         t = Path(tmp)
         # the command and its environment as NUL-separated lists: read by guest-init.sh, never parsed by a shell
@@ -285,7 +313,7 @@ def run(argv: list[str], *, timeout: float = 300, memory_mib: int = 4096, out: s
                                      + ((t / "virtiofsd.log").read_text().strip().splitlines() or ["?"])[-1])
                 time.sleep(0.05)
             half = memory_mib // NODES
-            cmdline = (f"console=ttyS0 quiet loglevel=0 panic=-1 orch.init={GUEST_INIT} orch.job={t} "
+            cmdline = (f"console=ttyS0 quiet loglevel=4 panic=-1 orch.init={GUEST_INIT} orch.job={t} "
                        f"orch.token={token}" + (f" orch.out={Path(out).resolve()}" if out else "")
                        + (" orch.devfd=1" if dev_fd else ""))
             qargv = ["qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max",
@@ -299,27 +327,36 @@ def run(argv: list[str], *, timeout: float = 300, memory_mib: int = 4096, out: s
                           "-numa", f"node,nodeid={n},cpus={n},memdev=mem{n}"]
             qemu = subprocess.Popen(qargv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-            return _relay(qemu, token, deadline, stdout)
+            return _relay(qemu, token, started, started + boot_timeout, deadline, stdout)
         finally:
             _stop(qemu)
             _stop(vfs)
 
 
-def _relay(qemu: subprocess.Popen, token: str, deadline: float, stdout) -> int:
-    """Copy the guest's console to ``stdout`` until the status line (``<token> exit=N``) or the deadline."""
+def _relay(qemu: subprocess.Popen, token: str, started: float, boot_deadline: float, deadline: float,
+           stdout) -> int:
+    """Copy the guest's console to ``stdout`` until the status line (``<token> exit=N``) or the deadline.
+    guest-init.sh prints ``<token> started`` just before the command: until then the guest is booting, and
+    :class:`BootStalled` is raised at ``boot_deadline``."""
     import selectors
 
     status = None
+    ran_at = None                       # when the command started (monotonic)
     buf = b""
     sel = selectors.DefaultSelector()
     sel.register(qemu.stdout, selectors.EVENT_READ)
     fd = qemu.stdout.fileno()
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            stdout.write("\nnuma_guest: timed out; guest killed\n")
+        now = time.monotonic()
+        if ran_at is None and now >= boot_deadline:
+            raise BootStalled(f"the guest did not start its command within {now - started:.0f} s of booting")
+        if now >= deadline:
+            boot = f"{ran_at - started:.0f}" if ran_at is not None else "?"
+            stdout.write(f"\nnuma_guest: timed out {now - (ran_at or started):.0f} s after the command started "
+                         f"(the boot took {boot} s); guest killed\n")
             stdout.flush()
             return 124
+        left = (deadline if ran_at is not None else min(deadline, boot_deadline)) - now
         if not sel.select(min(left, 1.0)):
             continue
         chunk = os.read(fd, 65536)
@@ -329,6 +366,11 @@ def _relay(qemu: subprocess.Popen, token: str, deadline: float, stdout) -> int:
         *lines, buf = buf.split(b"\n")
         for raw in lines:
             line = raw.decode(errors="replace").rstrip("\r")
+            if line.endswith(token + " started"):     # after what the kernel left unfinished, if anything
+                ran_at = time.monotonic()
+                if line := line[:-len(token + " started")]:
+                    stdout.write(line + "\n")
+                continue
             if line.startswith(token + " exit="):
                 status = int(line.split("=", 1)[1])
                 break                   # what follows is the guest going down
