@@ -349,6 +349,14 @@ def _one_worker_topology(iso, path: Path, namespace: str, gateway_port: int | No
 _ours = S.processes_with
 
 
+def _keepers(namespace: str) -> list:
+    """The keepers of ``namespace``'s early llama-servers still running (their hand-over files are in its run
+    folder); another test's deployment may still be stopping its own."""
+    from orchestrator.cluster.state import run_dir
+
+    return [p for p in _ours("orchestrator.cluster.keeper") if str(run_dir(namespace)) in " ".join(p.cmdline())]
+
+
 def _status(env, ns):
     res = subprocess.run([sys.executable, "-m", "orchestrator", "status", "-n", ns, "--json"], env=env,
                          capture_output=True, text=True, timeout=60)      # exit 1 while a worker is not ready
@@ -390,7 +398,7 @@ def test_cli_up_starts_llama_server_while_ray_starts_and_the_worker_adopts_it(is
         down = subprocess.run([sys.executable, "-m", "orchestrator", "down", "-n", "early-cli"], env=env,
                               capture_output=True, text=True, timeout=180)
     assert down.returncode == 0, down.stderr
-    assert _ours("orchestrator.cluster.keeper") == []
+    assert _keepers("early-cli") == []
     assert [p for p in _ours(iso["model"]) if p.name() == "llama-server"] == []
 
 
@@ -407,7 +415,7 @@ def test_cli_up_failing_after_the_early_start_stops_that_llama_server(iso, tmp_p
     assert res.returncode != 0
     assert "starting now, while Ray starts" in res.stderr
     assert "ORCH_TEST_NO_SUCH_KEY is not set" in res.stderr and "Traceback" not in res.stderr
-    assert _ours("orchestrator.cluster.keeper") == []
+    assert _keepers("early-fail") == []
     assert [p for p in _ours(iso["model"]) if p.name() == "llama-server"] == []
 
 
@@ -425,12 +433,12 @@ def test_cli_up_interrupted_before_the_handover_stops_the_early_llama_server(iso
         if "while Ray starts" in line:
             break
     time.sleep(1.0)
-    assert _ours("orchestrator.cluster.keeper"), "".join(seen)     # it is running now, before any actor
+    assert _keepers("early-int"), "".join(seen)     # it is running now, before any actor
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=180)
     assert p.returncode == 128 + signal.SIGTERM, "".join(seen) + out
     assert "Traceback" not in out
-    assert _ours("orchestrator.cluster.keeper") == []
+    assert _keepers("early-int") == []
     assert [q for q in _ours(iso["model"]) if q.name() == "llama-server"] == []
     state = Path(os.environ["ORCHESTRATOR_STATE"]) / "cluster" / "early-int.json"
     assert not state.exists()
@@ -463,9 +471,9 @@ def test_up_killed_while_the_head_starts_leaves_what_down_can_clean_up(iso, tmp_
         assert state.exists(), "the head was not recorded while it started"
         assert json.loads(state.read_text())["head_temp_dir"] == temp
         deadline = time.monotonic() + 10
-        while _ours("orchestrator.cluster.keeper") and time.monotonic() < deadline:
+        while _keepers("early-kill") and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _ours("orchestrator.cluster.keeper") == []
+        assert _keepers("early-kill") == []
         assert [q for q in _ours(iso["model"]) if q.name() == "llama-server"] == []
     finally:
         p.kill()
