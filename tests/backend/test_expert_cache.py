@@ -126,6 +126,10 @@ def test_the_built_server_offers_the_cache(llama_server_path):
     assert info.has("moe_cache"), "the suite's llama-server was built without orchestrator's patch series"
     help_text = subprocess.run([llama_server_path, "--help"], capture_output=True, text=True, timeout=30).stdout
     assert re.search(r"--moe-cache-mib N", help_text) and re.search(r"--moe-cache-max-batch N", help_text)
+    # every option of the series that the plan asks for, as the plan detects it
+    for feature in ("moe_cache_prefill", "moe_cache_prefetch", "moe_cache_slots", "moe_cache_prefill_ahead",
+                    "moe_cache_prefill_ahead_min_batch"):
+        assert info.has(feature), feature
 
 
 @pytest.mark.integration

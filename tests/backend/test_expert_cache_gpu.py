@@ -180,7 +180,8 @@ def test_staged_prompts_give_the_tokens_and_logits_of_the_uncached_gpu_path(mode
     stream into staging buffers (--moe-cache-prefill-ahead 1, 2, 3), with the slots read and refreshed or not:
     exactly the tokens and probabilities of the offload path without a cache. A buffer overwritten while a split
     reads it, a split reading before its copies land, or an expert missing from the staged copy changes them; the
-    staged runs report their buffers and staged tensors on /metrics, the others none."""
+    staged runs report their buffers and staged tensors on /metrics, the others none. With a minimum micro-batch
+    above the prompts' length nothing is staged (the buffers are kept), at their length as without one."""
     server = server_path()
     expert_bytes, n_tensors = _expert_tensors(model)
     mib = _mib_for_slots(24, expert_bytes, n_tensors)
@@ -200,11 +201,18 @@ def test_staged_prompts_give_the_tokens_and_logits_of_the_uncached_gpu_path(mode
         for ahead in ("1", "2", "3"):
             runs[f"{mode}-ahead{ahead}"] = run(f"{mode}-ahead{ahead}", cache + ["--moe-cache-prefill", mode,
                                                                                "--moe-cache-prefill-ahead", ahead])
+    # a minimum micro-batch above the prompts' (--moe-cache-prefill-ahead-min-batch): the buffers are there, no
+    # prompt is staged; at or below it, as without a minimum
+    for least in ("8192", "32"):
+        runs[f"min{least}"] = run(f"min{least}", cache + ["--moe-cache-prefill-ahead", "2",
+                                                          "--moe-cache-prefill-ahead-min-batch", least])
     for name, (answers, log) in runs.items():
         assert answers[-1][1].get("moe_cache_active") == 1, log[-3000:]
-        staged = name.endswith(("ahead1", "ahead2", "ahead3"))
+        buffers = int(name[-1]) if name.endswith(("ahead1", "ahead2", "ahead3")) else 2 if name.startswith("min") \
+            else 0
+        staged = buffers > 0 and name != "min8192"
         metrics = answers[-1][1]
-        assert metrics["moe_cache_prefill_stage_buffers"] == (int(name[-1]) if staged else 0), (name, log[-3000:])
+        assert metrics["moe_cache_prefill_stage_buffers"] == buffers, (name, log[-3000:])
         assert (metrics["moe_cache_prefill_staged_total"] > 0) == staged, name
         for (got, _m), (want, _w) in zip(answers, plain):
             assert got["tokens"] == want["tokens"], name

@@ -272,8 +272,11 @@ def test_staging_asked_on_the_rpc_device_keeps_the_read_path_and_its_slots(setup
     cache = ["--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-prefill", "read"]
     read, _log = completions_in_turn(llama_server_path, rpc_server, setup.model, tmp_path, "read", cache, LONG,
                                      env=PREFILL_ENV)
+    # with a smallest staged micro-batch too (set before the first graph, as the context applies the cache)
     asked, log = completions_in_turn(llama_server_path, rpc_server, setup.model, tmp_path, "ahead",
-                                     cache + ["--moe-cache-prefill-ahead", "2"], LONG, env=PREFILL_ENV)
+                                     cache + ["--moe-cache-prefill-ahead", "2", "--moe-cache-prefill-ahead-min-batch",
+                                              "32"], LONG, env=PREFILL_ENV)
+    assert "micro-batches from 32 tokens" not in log      # no buffers here, so nothing is staged from any size
     metrics = asked[-1][1]
     assert metrics.get("moe_cache_active") == 1, log[-3000:]
     assert metrics["moe_cache_slots"] == setup.slots
