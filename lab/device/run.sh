@@ -65,6 +65,8 @@
 #                     variant at four streams too;
 #                     =unstaged: the plan without its prompt staging (--moe-cache-prefill-ahead 0), or where the
 #                     plan does not stage, the same plan with it (--moe-cache-prefill-ahead 2);
+#                     =min-batch: where the plan stages from a smallest micro-batch, the same plan staging every
+#                     micro-batch (--moe-cache-prefill-ahead-min-batch 0) and staging none;
 #                     =balanced: the plan made with workers.objective=balanced; =none: no
 #                     variant
 #   prefetch[=L]      uploads ahead of need, W1 written at routing locality L (default: default) and its profile
@@ -242,6 +244,13 @@ workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: p
         else
           V=(--config "$(python3 lab/device/plan-config.py plan-staged "$O/plan-$name.json" \
                           --add='--moe-cache-prefill-ahead 2')")
+        fi ;;
+      min-batch)   # the plan's staging from its smallest micro-batch, against staging every one and none
+        if grep -q -- '--moe-cache-prefill-ahead-min-batch' "$O/plan-$name.json"; then
+          V=(--config "$(python3 lab/device/plan-config.py plan-any-batch "$O/plan-$name.json" \
+                          --replace=--moe-cache-prefill-ahead-min-batch=0)"
+             --config "$(python3 lab/device/plan-config.py plan-unstaged "$O/plan-$name.json" \
+                          --replace=--moe-cache-prefill-ahead=0)")
         fi ;;
       balanced)
         orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" \

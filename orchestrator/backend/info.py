@@ -106,6 +106,7 @@ FEATURES = {
     "moe_cache_prefetch": r"--moe-cache-prefetch\b",
     "moe_cache_slots": r"--moe-cache-slots\b",
     "moe_cache_prefill_ahead": r"--moe-cache-prefill-ahead\b",
+    "moe_cache_prefill_ahead_min_batch": r"--moe-cache-prefill-ahead-min-batch\b",
     "router_trace": r"--router-trace\b",
 }
 # features only ik_llama.cpp has: any of them (or -sm graph) tells the flavor
@@ -140,7 +141,7 @@ NOMINAL_FEATURES = {
                                 "flash_attn", "metrics", "no_host", "cpu_range", "threads_batch", "no_op_offload",
                                 "kv_unified", "sm_none", "sm_layer", "sm_row", "sm_tensor", "moe_cache",
                                 "moe_cache_cpu_misses", "moe_cache_prefill", "moe_cache_prefetch", "moe_cache_slots",
-                                "moe_cache_prefill_ahead"}),
+                                "moe_cache_prefill_ahead", "moe_cache_prefill_ahead_min_batch"}),
     Flavor.IK: frozenset({"fit", "fit_margin", "n_cpu_moe", "cpu_moe", "override_tensor", "no_mmap", "mlock",
                           "numa", "flash_attn", "metrics", "threads_batch", "mla", "merge_qkv",
                           "attn_max_batch", "graph_reuse", "split_mode_graph_scheduling", "cuda_params",

@@ -48,6 +48,7 @@ OWNED_FLAGS: dict[str, str] = {
     "--moe-cache-prefetch": "workers.expert_cache_prefetch",
     "--moe-cache-slots": "workers.expert_cache_slots",
     "--moe-cache-prefill-ahead": "workers.expert_cache_staging",
+    "--moe-cache-prefill-ahead-min-batch": "workers.expert_cache_staging",
     "--router-trace": "workers.live_routing",
     **dict.fromkeys(flags_of("host"), "workers.host"),
     **dict.fromkeys(flags_of("port"), "workers.port_base"),
@@ -316,10 +317,14 @@ class WorkersConfig(Section):
     ones the cache's slots do not hold are copied into one of two staging buffers on a second CUDA stream while the
     layers before it compute, instead of when the layer starts. The buffers (one expert tensor's device copy each)
     come out of the cache's VRAM, so generation has a few slots fewer. On the H200 (W1 at 8, 12 and 16 GiB, W2 at
-    24 GiB): pp512 1.10-1.29x, pp4096 1.12-1.56x, generation 0.96-1.01x of the same cache without it; a 128-token
-    prompt took up to 21% longer (W2), which the plan does not weigh. auto: on where the plan predicts it worth the
-    slots for the objective (a CUDA build that has the option, one GPU per worker, weights in pinned memory,
-    micro-batches large enough to use nearly every expert); on / off force it where the cache is planned."""
+    24 GiB): pp512 1.10-1.29x, pp4096 1.12-1.56x, generation 0.96-1.01x of the same cache without it. A router
+    repeats its picks across neighbouring tokens, so a short prompt uses fewer experts than uniform routing says,
+    and staged it copies unused ones: a 128-token prompt took up to 21% longer staged (W2). Where the model's
+    routing was measured (`orchestrator model MODEL --routing`), micro-batches smaller than the window that uses
+    all but a sixteenth of the experts under it are not staged (`--moe-cache-prefill-ahead-min-batch`; 333 tokens
+    for W1, 401 for W2). auto: on where the plan predicts it worth the slots for the objective (a CUDA build that
+    has the option, one GPU per worker, weights in pinned memory, micro-batches large enough to use nearly every
+    expert); on / off force it where the cache is planned."""
 
     live_routing: Choice("off", "on", bools=("on", "off")) = "off"
     """Learn the model's routing from what the deployment serves. on: every worker's llama-server keeps the

@@ -43,6 +43,7 @@ FIELD_FLAGS: dict[str, tuple[str, ...]] = {
     "moe_cache_prefetch": ("--moe-cache-prefetch",),
     "moe_cache_device_slots": ("--moe-cache-slots",),
     "moe_cache_prefill_ahead": ("--moe-cache-prefill-ahead",),
+    "moe_cache_prefill_ahead_min_batch": ("--moe-cache-prefill-ahead-min-batch",),
     "fit": ("--fit", "-fit"),
     "fit_ctx": ("--fit-ctx", "-fitc"),
     "threads": ("-t", "--threads"),
@@ -135,6 +136,8 @@ def server_args(s: WorkerSettings, backend: BackendInfo) -> tuple[str, ...]:
             a += ["--moe-cache-slots", "device"]
         if s.moe_cache_prefill_ahead > 0 and backend.has("moe_cache_prefill_ahead"):
             a += ["--moe-cache-prefill-ahead", str(s.moe_cache_prefill_ahead)]
+            if s.moe_cache_prefill_ahead_min_batch > 0 and backend.has("moe_cache_prefill_ahead_min_batch"):
+                a += ["--moe-cache-prefill-ahead-min-batch", str(s.moe_cache_prefill_ahead_min_batch)]
     if s.fit is not None and backend.has("fit") and not backend.ik:
         a += ["--fit", "on" if s.fit else "off"]
     if s.fit_ctx is not None and backend.has("fit") and not backend.ik:
@@ -276,7 +279,8 @@ def _set(kw: dict, name: str | None, flag: str | None, value: str | None) -> boo
     if name is None:
         return False
     ints = {"context", "parallel", "port", "main_gpu", "n_cpu_moe", "fit_ctx", "threads", "threads_batch",
-            "n_batch", "n_ubatch", "moe_cache_mib", "moe_cache_max_batch", "moe_cache_prefill_ahead"}
+            "n_batch", "n_ubatch", "moe_cache_mib", "moe_cache_max_batch", "moe_cache_prefill_ahead",
+            "moe_cache_prefill_ahead_min_batch"}
     strs = {"model_path", "alias", "host", "split_mode", "type_k", "type_v", "numa_flag"}
     if name in ints and value is not None:
         kw[name] = int(value)
@@ -331,7 +335,8 @@ def backend_seen_in(args: Sequence[str], server: str = "llama-server") -> Backen
             "metrics": {"--metrics"}, "numa": {"--numa"}, "cuda_params": {"-cuda", "--cuda-params"},
             "moe_cache": {"--moe-cache-mib"}, "moe_cache_cpu_misses": {"--moe-cache-cpu-misses"},
             "moe_cache_prefetch": {"--moe-cache-prefetch"}, "moe_cache_slots": {"--moe-cache-slots"},
-            "moe_cache_prefill_ahead": {"--moe-cache-prefill-ahead"}}
+            "moe_cache_prefill_ahead": {"--moe-cache-prefill-ahead"},
+            "moe_cache_prefill_ahead_min_batch": {"--moe-cache-prefill-ahead-min-batch"}}
     feats = {name for name, spellings in seen.items() if flags & spellings}
     ik = "cuda_params" in feats
     if "fit" in feats and not ik:

@@ -47,6 +47,8 @@ class WorkerSettings:
     moe_cache_device_slots: bool = False       # slots assigned on the GPU (--moe-cache-slots device)
     moe_cache_prefill_ahead: int = 0           # staging buffers for a prompt's uncached experts, copied ahead
                                                # of their layer (--moe-cache-prefill-ahead N); 0 = off
+    moe_cache_prefill_ahead_min_batch: int = 0  # of those, micro-batches staged only from this many tokens
+                                               # (--moe-cache-prefill-ahead-min-batch N); 0 = the patch's own rule
     load_mode: str = "mmap"                    # one of LOAD_MODES
     # CPU side
     numa: NumaPolicy = field(default_factory=NumaPolicy.none)
@@ -73,6 +75,9 @@ class WorkerSettings:
             raise ValueError(f"WorkerSettings.moe_cache_max_batch must be >= 1; got {self.moe_cache_max_batch}")
         if self.moe_cache_prefill_ahead < 0:
             raise ValueError(f"WorkerSettings.moe_cache_prefill_ahead must be >= 0; got {self.moe_cache_prefill_ahead}")
+        if self.moe_cache_prefill_ahead_min_batch < 0:
+            raise ValueError("WorkerSettings.moe_cache_prefill_ahead_min_batch must be >= 0; got "
+                             f"{self.moe_cache_prefill_ahead_min_batch}")
         if self.gpus is not None:
             object.__setattr__(self, "gpus", tuple(int(g) for g in self.gpus))
         object.__setattr__(self, "tensor_split", tuple(self.tensor_split))

@@ -117,6 +117,8 @@ class HitCurve:
 
     ``fractions`` ascend from 0; ``hits`` do not descend. ``source`` says where the numbers come from.
     ``cpu_misses``: the same cache with CPU-computed misses, when the curve comes from a measured trace.
+    ``distinct``: (window tokens, distinct experts one layer uses in such a window, the mean over windows and
+    layers) from the same trace; empty for a curve not measured.
     """
 
     fractions: tuple[float, ...]
@@ -124,6 +126,7 @@ class HitCurve:
     source: str
     policy: str = "lru-layer"
     cpu_misses: CpuMissRates | None = None
+    distinct: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if len(self.fractions) != len(self.hits) or len(self.fractions) < 2:
@@ -136,14 +139,16 @@ class HitCurve:
     def to_json(self) -> dict:
         return {"policy": self.policy, "source": self.source, "fractions": list(self.fractions),
                 "hits": list(self.hits),
-                **({"cpu_misses": self.cpu_misses.to_json()} if self.cpu_misses is not None else {})}
+                **({"cpu_misses": self.cpu_misses.to_json()} if self.cpu_misses is not None else {}),
+                **({"distinct": [[w, v] for w, v in self.distinct]} if self.distinct else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "HitCurve":
         cpu = d.get("cpu_misses")
         return cls(tuple(float(x) for x in d["fractions"]), tuple(float(x) for x in d["hits"]),
                    str(d.get("source", "")), str(d.get("policy", "lru-layer")),
-                   CpuMissRates.from_json(cpu) if cpu else None)
+                   CpuMissRates.from_json(cpu) if cpu else None,
+                   tuple((int(w), float(v)) for w, v in d.get("distinct", ())))
 
 
 # The default curve: Qwen3-30B-A3B (128 experts, top 8), an LRU per layer, cold, 256 decode tokens, all experts
@@ -375,7 +380,14 @@ class RoutingProfile:
             raise ValueError(f"policy {policy!r}: expected one of {POLICIES}")
         hits = self.layer_total() if policy == "lru-layer" else self.global_hits
         return HitCurve(self.fractions(), tuple(float(h) for h in hits), self.source, policy,
-                        self.cpu_misses if policy == "lru-layer" else None)
+                        self.cpu_misses if policy == "lru-layer" else None, self.distinct_windows())
+
+    def distinct_windows(self) -> tuple[tuple[int, float], ...]:
+        """(window tokens, distinct experts a layer uses in such a window), the mean over layers: windows every
+        layer has. Each layer's count as the profile stores it (3 decimals), so a profile read back gives the same."""
+        shared = set.intersection(*(set(w for w, _ in ls.distinct) for ls in self.layers)) if self.layers else set()
+        return tuple((w, float(np.mean([round(dict(ls.distinct)[w], 3) for ls in self.layers])))
+                     for w in sorted(shared))
 
     def to_json(self) -> dict:
         return {

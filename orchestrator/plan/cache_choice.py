@@ -20,7 +20,7 @@ from orchestrator.plan.context import PlanContext
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.cpu import CpuChoice, node_available
 from orchestrator.plan.placement import Placement, layer_split_placement
-from orchestrator.plan.predict import predict_pp, predict_tg, prefill_stageable
+from orchestrator.plan.predict import predict_pp, predict_tg, prefill_stageable, staging_min_batch
 from orchestrator.plan.request import PlanRequest
 from orchestrator.plan.types import Decision
 from orchestrator.units import GiB, MiB
@@ -170,6 +170,10 @@ def prompt_staging(ctx: PlanContext, gpus: list[Gpu], load_mode: str, cand: Cand
             not backend.has("moe_cache_prefill"):
         return None
     why = None
+    # where the model's routing was measured, micro-batches too small to use nearly every expert under it are left
+    # unstaged (--moe-cache-prefill-ahead-min-batch); a server without the option stages by the uniform rule
+    min_batch = (staging_min_batch(costs.n_expert, costs.n_expert_used, ctx.curve.distinct)
+                 if backend.has("moe_cache_prefill_ahead_min_batch") else 0)
     if not backend.cuda:
         why = "the staging stream and its events are CUDA's"
     elif len(gpus) != 1:
@@ -178,9 +182,10 @@ def prompt_staging(ctx: PlanContext, gpus: list[Gpu], load_mode: str, cand: Cand
         why = "memory-mapped weights are not pinned: their copies would not run beside the compute"
     elif cand.threshold is None or cand.threshold > cand.ubatch:
         why = f"a {cand.ubatch}-token micro-batch is not offloaded"
-    elif not prefill_stageable(costs.n_expert, costs.n_expert_used, cand.ubatch):
+    elif not prefill_stageable(costs.n_expert, costs.n_expert_used, cand.ubatch, min_batch):
         why = (f"a {cand.ubatch}-token micro-batch uses too few of the {costs.n_expert} experts to copy them "
-               f"before its picks are known")
+               f"before its picks are known" + (f" (the measured routing needs {min_batch} tokens)"
+                                                 if cand.ubatch < min_batch else ""))
     buffers = R.PREFILL_STAGE_BUFFERS
     stage = moe_cache_stage_bytes(model, host, buffers)
     size_s = None
@@ -197,9 +202,9 @@ def prompt_staging(ctx: PlanContext, gpus: list[Gpu], load_mode: str, cand: Cand
                        c.miss_mode)
     staged = replace(gen, cache_bytes=c.cache_bytes, slots=real.slots, slots_per_layer=real.slots_per_layer,
                      fraction=real.fraction, slot_bytes=real.slot_bytes, stage_buffers=buffers,
-                     stage_bytes=size_s.stage_bytes)
+                     stage_bytes=size_s.stage_bytes, stage_min_batch=min_batch)
     pp_s = predict_pp(costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
-                      cached_fraction=size_s.slots / costs.n_expert, staged=True)
+                      cached_fraction=size_s.slots / costs.n_expert, staged=True, stage_min_batch=min_batch)
     n = 512 if 512 in pp else max(pp)
     tg_ratio = staged.generation / c.generation if c.generation else 1.0
     pp_ratio = pp_s[n] / pp[n] if pp.get(n) else 1.0
@@ -209,7 +214,9 @@ def prompt_staging(ctx: PlanContext, gpus: list[Gpu], load_mode: str, cand: Cand
             "balanced": (tg_ratio * pp_ratio) ** 0.5 > 1.0 + X.MIN_GAIN}[req.objective]
     if req.expert_cache_staging == "on" or take:
         return (staged, size_s, pp_s, f"; prompts staged: {buffers} buffers of "
-                f"{size_s.stage_bytes / buffers / MiB:.1f} MiB copy their uncached experts ahead ({gain})")
+                f"{size_s.stage_bytes / buffers / MiB:.1f} MiB copy their uncached experts ahead ({gain})"
+                + (f", micro-batches from {min_batch} tokens, where the measured routing uses all but "
+                   f"{R.PREFILL_STAGE_UNUSED_MAX:.0%} of the experts" if min_batch else ""))
     return c, size, pp, f"; prompts not staged: {gain}, not worth the slots for objective {req.objective}"
 
 

@@ -143,6 +143,7 @@ class CacheCandidate:
     device_slots: bool = False         # the slots are assigned on the device (--moe-cache-slots device)
     stage_buffers: int = 0             # prompts' staging buffers (--moe-cache-prefill-ahead), out of cache_bytes
     stage_bytes: int = 0               # their VRAM
+    stage_min_batch: int = 0           # micro-batches staged only from this many tokens (0: the patch's rule)
 
     @property
     def cache_mib(self) -> int:
@@ -241,7 +242,7 @@ class CachePlan:
                     "prompt_seconds_per_ubatch": c.prompt_seconds,
                     "prefetch": c.prefetch, "prefetch_gain": round(c.prefetch_gain, 4),
                     "device_slots": c.device_slots, "prefill_stage_buffers": c.stage_buffers,
-                    "prefill_stage_bytes": c.stage_bytes}
+                    "prefill_stage_bytes": c.stage_bytes, "prefill_stage_min_batch": c.stage_min_batch}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
                 "candidates": [cand(c) for c in self.candidates],
@@ -268,7 +269,8 @@ def _staging_text(c: CacheCandidate) -> str:
     if not c.stage_buffers:
         return ""
     return (f"; prompts' uncached experts copied ahead into {c.stage_buffers} staging buffers of "
-            f"{c.stage_bytes / c.stage_buffers / MIB:.1f} MiB (--moe-cache-prefill-ahead)")
+            f"{c.stage_bytes / c.stage_buffers / MIB:.1f} MiB (--moe-cache-prefill-ahead)"
+            + (f", micro-batches from {c.stage_min_batch} tokens" if c.stage_min_batch else ""))
 
 
 def union_experts(n_expert: int, k: int, streams: int) -> float:

@@ -9,6 +9,7 @@ batch uses are copied). The threshold is the smallest batch from which copying w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from orchestrator.backend import devices as D
@@ -87,11 +88,49 @@ def offload_expert_time(costs: ModelCosts, layers, batch: int, sp: SpeedInputs, 
     return copy + len(layers) * R.OFFLOAD_LAYER_BATCH_S + 2.0 * batch * costs.n_expert_used * ppe / gpu_eff
 
 
-def prefill_stageable(n_expert: int, k: int, batch: int) -> bool:
+def prefill_stageable(n_expert: int, k: int, batch: int, min_batch: int = 0) -> bool:
     """Whether our patch stages a micro-batch of ``batch`` tokens (``--moe-cache-prefill-ahead``): it copies every
     uncached expert before the batch's ids are known, so only where the batch is expected to use all but
-    ``rates.PREFILL_STAGE_UNUSED_MAX`` of them (uniform routing)."""
-    return n_expert > 0 and n_expert - experts_used(n_expert, k, batch) <= n_expert * R.PREFILL_STAGE_UNUSED_MAX
+    ``rates.PREFILL_STAGE_UNUSED_MAX`` of them (uniform routing), and only from ``min_batch`` tokens
+    (``--moe-cache-prefill-ahead-min-batch``, :func:`staging_min_batch`)."""
+    return (n_expert > 0 and batch >= min_batch
+            and n_expert - experts_used(n_expert, k, batch) <= n_expert * R.PREFILL_STAGE_UNUSED_MAX)
+
+
+STAGE_NEVER = 1 << 30    # a min batch no micro-batch reaches
+
+
+def staging_min_batch(n_expert: int, k: int, distinct) -> int:
+    """The smallest micro-batch that, under the measured routing, is expected to use all but
+    ``rates.PREFILL_STAGE_UNUSED_MAX`` of a layer's experts, where that is larger than what the uniform rule of
+    :func:`prefill_stageable` gives; 0 where it is not (or nothing was measured): the patch's own rule then stands.
+
+    ``distinct``: (window tokens, mean distinct experts per layer in such a window) of a routing trace (the
+    profile's). Routers that repeat their picks across neighbouring tokens use fewer experts per window than
+    uniform routing, and a staged micro-batch copies every uncached expert, used or not. The unused share is taken
+    as decaying exponentially with the window between measured windows (as it does for independent picks) and
+    past the largest at the last two windows' rate; ``STAGE_NEVER`` where it does not decay."""
+    if n_expert <= 0 or not distinct:
+        return 0
+    target = R.PREFILL_STAGE_UNUSED_MAX
+    pts = sorted((int(w), min(1.0, max(1e-9, 1.0 - float(d) / n_expert))) for w, d in distinct if int(w) > 0)
+    if not pts:
+        return 0
+    crossing = None
+    for (w0, u0), (w1, u1) in zip(pts, pts[1:]):
+        if u0 > target >= u1:
+            crossing = w0 + (math.log(u0) - math.log(target)) / (math.log(u0) - math.log(u1)) * (w1 - w0)
+            break
+    if pts[0][1] <= target:
+        crossing = 0.0                       # the smallest window measured already uses enough of them
+    elif crossing is None:
+        if len(pts) < 2 or pts[-1][1] >= pts[-2][1]:
+            return STAGE_NEVER
+        (w0, u0), (w1, u1) = pts[-2], pts[-1]
+        crossing = w1 + (math.log(u1) - math.log(target)) / ((math.log(u0) - math.log(u1)) / (w1 - w0))
+    uniform = next((b for b in range(1, 1 << 16) if prefill_stageable(n_expert, k, b)), STAGE_NEVER)
+    need = min(STAGE_NEVER, math.ceil(crossing - 1e-9))
+    return need if need > uniform else 0
 
 
 def op_offload_threshold(costs: ModelCosts, placement: Placement, sp: SpeedInputs, max_batch: int,
@@ -207,10 +246,12 @@ def pp_layer_seconds(batch: int) -> float:
 
 
 def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatch: int, threshold: int | None,
-               lengths=PP_LENGTHS, cached_fraction: float = 0.0, staged: bool = False) -> dict[int, float]:
+               lengths=PP_LENGTHS, cached_fraction: float = 0.0, staged: bool = False,
+               stage_min_batch: int = 0) -> dict[int, float]:
     """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``; ``cached_fraction``
     as in :func:`offload_expert_time`. ``staged``: the uncached experts of a micro-batch through op offload that
-    :func:`prefill_stageable` allows are copied ahead on a second stream while the layers before compute, which
+    :func:`prefill_stageable` allows (from ``stage_min_batch`` tokens) are copied ahead on a second stream while the
+    layers before compute, which
     hides ``rates.PREFILL_STAGED_OVERLAP`` of the copy time or of the rest of the micro-batch up to the last
     host-resident layer, whichever is less (a copy can hide only behind the layers before its own)."""
     cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
@@ -252,7 +293,7 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
             if cpu_layers:
                 if threshold is not None and b >= threshold and sp.gpu_mem_bw:
                     off = offload_expert_time(costs, cpu_layers, b, sp, sums, cached_fraction)
-                    if staged and prefill_stageable(costs.n_expert, costs.n_expert_used, b):
+                    if staged and prefill_stageable(costs.n_expert, costs.n_expert_used, b, stage_min_batch):
                         copy = offload_copy_seconds(costs, cpu_layers, b, sp, sums, cached_fraction)
                         rest = (t - t_before + off - copy) * span
                         off -= R.PREFILL_STAGED_OVERLAP * min(copy, rest)

@@ -165,6 +165,10 @@ PREFILL_READ_OVERHEAD_S = 12.3e-6
 # pairs generation went 0.96-1.01x (W1 0.98-1.01x, W2 0.96x) where the curve at the fewer slots predicted 0.92-0.97x,
 # and the hit rates fell 0.1-1.7 points where it said 1.0-6.0. PREFILL_STAGE_SLOT_COST is the share of the buffers'
 # bytes the plan takes from the slots when it predicts staged generation (least squares on the five ratios).
+# The patch's rule assumes uniform routing; where the routing was measured, the plan applies the same share to the
+# profile's distinct experts per window and passes the smallest micro-batch that meets it
+# (--moe-cache-prefill-ahead-min-batch, patch 0010; predict.staging_min_batch): a 128-token window of W1's and W2's
+# traces uses 91 and 84 of their 128 experts.
 PREFILL_STAGE_UNUSED_MAX = 1.0 / 16.0
 PREFILL_STAGED_OVERLAP = 0.79
 PREFILL_STAGE_BUFFERS = 2

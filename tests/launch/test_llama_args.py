@@ -97,6 +97,25 @@ def test_prompt_staging_only_with_a_cache_and_a_binary_that_has_it():
         replace(S, moe_cache_prefill_ahead=-1)
 
 
+def test_the_smallest_staged_micro_batch_goes_with_staging_and_a_binary_that_has_it():
+    staged = replace(S, moe_cache_mib=4096, moe_cache_prefill_ahead=2, moe_cache_prefill_ahead_min_batch=401)
+    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefill_ahead",
+                                                          "moe_cache_prefill_ahead_min_batch"})
+    args = server_args(staged, has)
+    assert _value(args, "--moe-cache-prefill-ahead-min-batch") == "401"
+    back = parse_server_args(args)
+    assert (back.moe_cache_prefill_ahead, back.moe_cache_prefill_ahead_min_batch) == (2, 401)
+    assert backend_seen_in(args).has("moe_cache_prefill_ahead_min_batch")
+    lacks = replace(has, features=has.features - {"moe_cache_prefill_ahead_min_batch"})
+    assert "--moe-cache-prefill-ahead-min-batch" not in server_args(staged, lacks)
+    assert "--moe-cache-prefill-ahead" in server_args(staged, lacks)          # staging itself stays
+    assert "--moe-cache-prefill-ahead-min-batch" not in server_args(replace(staged, moe_cache_prefill_ahead=0), has)
+    assert "--moe-cache-prefill-ahead-min-batch" not in server_args(
+        replace(staged, moe_cache_prefill_ahead_min_batch=0), has)
+    with pytest.raises(ValueError):
+        replace(S, moe_cache_prefill_ahead_min_batch=-1)
+
+
 @pytest.mark.parametrize("backend", [MAINLINE, IK], ids=["mainline", "ik"])
 def test_rendered_flags_read_back_to_the_same_settings(backend):
     """What launch renders, parse_server_args reads back (the NUMA binding is numactl's, not llama-server's)."""

@@ -17,7 +17,7 @@ from orchestrator.plan import rates as R
 from orchestrator.plan.costs import model_costs
 from orchestrator.plan.placement import layer_split_placement
 from orchestrator.plan.predict import (
-    SpeedInputs, experts_used, offload_copy_seconds, predict_pp, prefill_stageable,
+    STAGE_NEVER, SpeedInputs, experts_used, offload_copy_seconds, predict_pp, prefill_stageable, staging_min_batch,
 )
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
@@ -38,12 +38,12 @@ def _backend(features=STAGING, cuda: bool = True):
     return dataclasses.replace(b, features=b.features | set(features))
 
 
-def _worker(models, h200, back=None, budget: int = 12 * GiB, **kw):
+def _worker(models, h200, back=None, budget: int = 12 * GiB, routing=None, **kw):
     fixed = dict(expert_layers_on_cpu=tuple(range(30)), expert_cache=3362 * MiB, ubatch=2048)
     fixed.update(kw)
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=budget, vram_reserve=256 * MiB),), **fixed)
     return make_plan(machines={"h200": with_gpu_free(h200, budget)}, model=models("qwen3-30b-a3b"), request=req,
-                     backend=back or _backend()).workers[0]
+                     backend=back or _backend(), routing=routing).workers[0]
 
 
 def _cache_decision(w) -> str:
@@ -159,3 +159,93 @@ def test_objectives_weigh_the_slots_against_the_prompts(models, h200, objective,
         # a larger cache loses a smaller share of its slots to the buffers: every objective stages
         assert auto.settings.moe_cache_prefill_ahead == 2
 
+
+
+# --- micro-batches too small to use nearly every expert under the measured routing -------------------------------
+
+RUN = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "h200-2026-12-04-staged"
+
+
+def _profile(name: str):
+    import json
+    import lzma
+
+    from orchestrator.model.routing_profile import RoutingProfile
+    return RoutingProfile.from_json(json.loads(lzma.decompress((RUN / f"{name}.profile.json.xz").read_bytes()))
+                                    ["profile"])
+
+
+def _uniform(n_expert: int, k: int, windows=(8, 32, 128, 512)):
+    return tuple((w, experts_used(n_expert, k, w)) for w in windows)
+
+
+def test_the_measured_routing_sets_the_smallest_micro_batch_staged():
+    w1, w2 = (_profile(f"routing-{m}-default").curve().distinct for m in ("w1", "w2"))
+    # the H200 runs' traces: 128-token windows use 91 (W1) and 84 (W2) of 128 experts, 512-token ones 126 and 124
+    assert [w for w, _ in w1] == [8, 32, 128, 512] and round(dict(w1)[128]) == 91 and round(dict(w2)[128]) == 84
+    n1, n2 = staging_min_batch(128, 8, w1), staging_min_batch(128, 8, w2)
+    assert 300 < n1 < n2 < 450, (n1, n2)        # between the windows, where the unused share crosses 1/16
+    assert not prefill_stageable(128, 8, 128, n2) and prefill_stageable(128, 8, 512, n2)
+    assert prefill_stageable(128, 8, n1, n1) and not prefill_stageable(128, 8, n1 - 1, n1)
+
+
+def test_routing_as_uniform_as_the_rule_assumes_needs_no_minimum():
+    assert staging_min_batch(128, 8, _uniform(128, 8)) == 0
+    assert staging_min_batch(128, 8, ()) == 0 and staging_min_batch(0, 8, _uniform(128, 8)) == 0
+    # the smallest window already uses all but a sixteenth: nothing beyond the uniform rule
+    assert staging_min_batch(128, 8, ((8, 121.0), (32, 127.0))) == 0
+
+
+def test_the_crossing_is_interpolated_and_extrapolated_on_the_unused_share():
+    import math
+    # unused share 1/2 at 100 tokens, 1/32 at 500: it crosses 1/16 three quarters of the way (halving per 100)
+    assert staging_min_batch(128, 8, ((100, 64.0), (500, 124.0))) == 400
+    # past the largest window at the last two windows' rate: 1/4 at 100, 1/8 at 200 -> 1/16 at 300
+    assert staging_min_batch(128, 8, ((100, 96.0), (200, 112.0))) == 300
+    # a share that does not fall: never staged
+    assert staging_min_batch(128, 8, ((128, 60.0), (512, 60.0))) == STAGE_NEVER
+    assert math.isfinite(staging_min_batch(128, 8, ((128, 60.0), (512, 100.0))))
+
+
+def test_a_prompt_below_the_minimum_is_predicted_as_unstaged(models):
+    costs = model_costs(models("qwen3-30b-a3b"))
+    p = layer_split_placement(costs, [0] * costs.n_layers, [costs.n_layers], range(30))
+    sp = SpeedInputs(gpu_mem_bw=(4.8e12,), gpu_flops=(700e12,), h2d=55e9, host_bw=87e9, cpu_flops=0.4e12,
+                     h2d_pinned=55e9)
+    lengths = (128, 400, 401, 4096)
+    plain = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cached_fraction=0.32)
+    any_batch = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cached_fraction=0.32, staged=True)
+    from_401 = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cached_fraction=0.32, staged=True,
+                          stage_min_batch=401)
+    assert any_batch[128] > plain[128] and from_401[128] == plain[128] and from_401[400] == plain[400]
+    assert from_401[401] == any_batch[401] and from_401[4096] == any_batch[4096]
+
+
+def test_the_plan_passes_the_minimum_where_the_server_has_the_option(models, h200):
+    w2 = _profile("routing-w2-default").curve()
+    need = staging_min_batch(128, 8, w2.distinct)
+    with_option = _backend(STAGING | {"moe_cache_prefill_ahead_min_batch"})
+    w = _worker(models, h200, back=with_option, routing=w2, objective="prompt")
+    assert w.settings.moe_cache_prefill_ahead == 2 and w.settings.moe_cache_prefill_ahead_min_batch == need
+    argv = list(w.args)
+    assert argv[argv.index("--moe-cache-prefill-ahead-min-batch") + 1] == str(need)
+    assert f"micro-batches from {need} tokens" in _cache_decision(w)
+    assert w.expert_cache.to_json()["chosen"]["prefill_stage_min_batch"] == need
+    # the prediction follows: a 128-token prompt as unstaged, 512 staged
+    off = _worker(models, h200, back=with_option, routing=w2, objective="prompt", expert_cache_staging="off")
+    assert w.predicted.pp[512] > 1.05 * off.predicted.pp[512]
+    # a server without the option stages every micro-batch by the uniform rule: no flag, no minimum
+    old = _worker(models, h200, routing=w2, objective="prompt")
+    assert old.settings.moe_cache_prefill_ahead == 2 and old.settings.moe_cache_prefill_ahead_min_batch == 0
+    assert "--moe-cache-prefill-ahead-min-batch" not in old.args
+    # nothing measured (the default curve): no minimum either
+    assert _worker(models, h200, back=with_option, objective="prompt").settings \
+        .moe_cache_prefill_ahead_min_batch == 0
+
+
+def test_a_micro_batch_below_the_measured_minimum_is_not_staged_and_the_plan_says_so(models, h200):
+    w2 = _profile("routing-w2-default").curve()
+    with_option = _backend(STAGING | {"moe_cache_prefill_ahead_min_batch"})
+    w = _worker(models, h200, back=with_option, routing=w2, ubatch=256, expert_cache_staging="on")
+    assert w.settings.moe_cache_prefill_ahead == 0
+    assert "the measured routing needs" in _cache_decision(w)
