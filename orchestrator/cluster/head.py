@@ -207,12 +207,33 @@ def start_head(*, node_name: str, gcs_port: int | None, dashboard_host: str, das
             if _started(log_path) and _connects(host, gcs_port):
                 return info
             if time.monotonic() > deadline:
-                raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s (log: {log_path}); "
+                where = _component_cause(temp_dir)
+                raise ClusterError(f"ray: the embedded Ray head did not start within {timeout:g}s "
+                                   f"({where + '; ' if where else ''}log: {log_path}); "
                                    "a slow machine may need a longer ray.start_timeout")
             time.sleep(0.25)
     except BaseException:       # failed, or Ctrl-C while it starts: nothing of it stays
         stop_head(info.pid, info.started, temp_dir)
         raise
+
+
+RAY_COMPONENT_LOGS = ("gcs_server.err", "gcs_server.out", "raylet.err", "raylet.out")
+
+
+def _component_cause(temp_dir: str) -> str:
+    """Where a head that did not start stopped, from Ray's own logs before its temp dir goes: the last error (or
+    last line) of the component log written last, named; "" when there is none."""
+    logs = Path(temp_dir) / "session_latest" / "logs"
+    found = []
+    for name in RAY_COMPONENT_LOGS:
+        try:
+            found.append(((logs / name).stat().st_mtime, name))
+        except OSError:
+            pass
+    for _mtime, name in sorted(found, reverse=True):
+        if cause := _log_cause(logs / name):
+            return f"{name}: {cause}"
+    return "no GCS or raylet log yet" if not found else ""
 
 
 def _started(log_path: Path) -> bool:

@@ -69,8 +69,10 @@ def test_a_head_given_too_little_time_is_stopped_with_the_key_to_change(tmp_path
 
     lim = StartLimits.from_start_timeout(40)
     t0 = time.monotonic()
-    with pytest.raises(ClusterError, match=r"did not start within 0\.5s .*a slow machine may need a longer "
-                                           r"ray\.start_timeout"):
+    # where Ray stopped, from its own logs: half a second in, nothing of the GCS or raylet has written one yet
+    with pytest.raises(ClusterError, match=r"did not start within 0\.5s \((no GCS or raylet log yet|"
+                                           r"(gcs_server|raylet)\.(err|out): .+); log: .*a slow machine may need a "
+                                           r"longer ray\.start_timeout"):
         headmod.start_head(node_name="local", gcs_port=None, dashboard_host="127.0.0.1",
                            dashboard_port=free_port("127.0.0.1", set()), metrics_port=None, log_dir=tmp_path,
                            timeout=0.5, on_spawn=on_spawn, ray_env=lim.ray_env())
@@ -145,3 +147,20 @@ def test_a_refusal_in_the_resolve_phase_undoes_only_what_started(tmp_path, monke
                             "state.NamespaceLock.acquire('refused')\nprint('taken')"],
                            capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert other.stdout.strip() == "taken", other.stderr           # another process can take the lock now
+
+
+def test_a_head_that_did_not_start_is_told_by_the_component_log_written_last(tmp_path):
+    import os
+
+    from orchestrator.cluster.head import _component_cause
+
+    assert _component_cause(str(tmp_path)) == "no GCS or raylet log yet"
+    logs = tmp_path / "session_latest" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "gcs_server.out").write_text("[info] GCS started\n[error] Failed to bind port 41234: in use\n"
+                                         "[info] retrying\n")
+    (logs / "raylet.out").write_text("[info] waiting for the GCS\n")
+    os.utime(logs / "gcs_server.out", (1, 1))                     # the raylet wrote last: its last line
+    assert _component_cause(str(tmp_path)) == "raylet.out: [info] waiting for the GCS"
+    os.utime(logs / "raylet.out", (0, 0))                         # the GCS last: its last error, not its last line
+    assert _component_cause(str(tmp_path)) == "gcs_server.out: [error] Failed to bind port 41234: in use"
