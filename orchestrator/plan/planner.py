@@ -343,7 +343,7 @@ def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], po
         moe_cache_prefill_ahead=(side.cache.chosen.stage_buffers if side.cache_mib and side.cache is not None
                                  else 0),
         moe_cache_prefill_ahead_min_batch=(side.cache.chosen.stage_min_batch if side.cache_mib and side.cache is not None
-                                           and side.cache.chosen.stage_buffers else 0),
+                                           else 0),
         numa=cpu.numa, numa_flag=cpu.numa_flag,
         disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
         threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=ctx.n_batch(side.ubatch),

@@ -114,16 +114,14 @@ def staging_min_batch(n_expert: int, k: int, distinct) -> int:
         return 0
     target = R.PREFILL_STAGE_UNUSED_MAX
     pts = sorted((int(w), min(1.0, max(1e-9, 1.0 - float(d) / n_expert))) for w, d in distinct if int(w) > 0)
-    if not pts:
+    if not pts or pts[0][1] <= target:       # the smallest window measured already uses enough of them
         return 0
     crossing = None
     for (w0, u0), (w1, u1) in zip(pts, pts[1:]):
         if u0 > target >= u1:
             crossing = w0 + (math.log(u0) - math.log(target)) / (math.log(u0) - math.log(u1)) * (w1 - w0)
             break
-    if pts[0][1] <= target:
-        crossing = 0.0                       # the smallest window measured already uses enough of them
-    elif crossing is None:
+    if crossing is None:
         if len(pts) < 2 or pts[-1][1] >= pts[-2][1]:
             return STAGE_NEVER
         (w0, u0), (w1, u1) = pts[-2], pts[-1]
