@@ -28,6 +28,7 @@ import errno
 import hmac
 import itertools
 import json
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -39,8 +40,34 @@ import httptools
 
 from orchestrator.cluster.latency import RATE_BUCKETS, SECONDS_BUCKETS, RecentWindow, quantile
 
-PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-QUARANTINE_S = 2.0
+# llama-server's routes (tools/server/server.cpp of the pinned build) passed on to a replica of the request's model
+POST_ROUTES = frozenset({
+    "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion",
+    "/v1/responses", "/responses", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/chat/completions/input_tokens", "/chat/completions/input_tokens", "/v1/responses/input_tokens",
+    "/responses/input_tokens", "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/v1/reranking",
+    "/rerank", "/reranking", "/infill", "/tokenize", "/detokenize", "/apply-template", "/v1/audio/transcriptions",
+    "/audio/transcriptions"})
+GET_ROUTES = frozenset({"/props"})
+MODEL_ROUTES = ("/v1/models", "/models")      # answered by the gateway: the deployment's aliases
+OPEN_ROUTES = ("/health", "/v1/health")       # answered by the gateway, without the key (probes)
+# one worker's own state or settings, which an address in front of several workers cannot stand for
+PER_WORKER = frozenset({"/metrics", "/slots", "/lora-adapters", "/v1/chat/completions/control", "/v1/stream",
+                        "/v1/streams/lookup", "/router-trace", "/tools", "/cors-proxy", "/models/load",
+                        "/models/unload", "/models/sse"})
+# headers that describe one hop, not the message (RFC 9110 7.6.1), and the ones the gateway sets itself
+_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
+                  "trailer", "transfer-encoding", "upgrade", "content-length", "http2-settings"})
+# not passed to a replica: the client's key (the replica gets the deployment's own), what the gateway decides
+# (compression would hide the SSE events it relays; CORS is its policy, not the replica's), the target's host
+_NOT_UPSTREAM = _HOP | {"host", "expect", "authorization", "x-api-key", "accept-encoding", "origin",
+                        "access-control-request-method", "access-control-request-headers"}
+# not passed back: content-type is set from the answer's own, CORS is the gateway's, server names the replica
+_NOT_BACK = _HOP | {"content-type", "server", "access-control-allow-origin", "access-control-allow-credentials",
+                    "access-control-allow-methods", "access-control-allow-headers", "access-control-expose-headers",
+                    "access-control-max-age", "vary"}
+CORS_MAX_AGE_S = 600
+_STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 # llama-server (cpp-httplib) closes a kept-alive connection after 5 s idle; the pool lets go of idle connections
 # sooner, so a request is not sent down a connection the server has just closed
 UPSTREAM_KEEPALIVE_S = 4.0
@@ -58,10 +85,13 @@ BODY_TIMEOUT_S = 30.0        # longest pause while a request body arrives, and t
 MIN_BODY_RATE = 64 * 2**10   # bytes/s a body must average beyond that allowance (a byte every few seconds expires)
 IDLE_TIMEOUT_S = 30.0        # a kept-alive connection with no request
 SEND_TIMEOUT_S = 60.0        # a client that reads nothing of its answer for this long is dropped
-UPSTREAM_IDLE_S = 600.0      # a replica that sends nothing for this long (no head, no token) is given up on
+UPSTREAM_IDLE_S = 600.0      # a streamed answer: longest wait for its head, and for each piece after it
+UPSTREAM_ANSWER_S = 3600.0   # a non-streamed answer: longest wait for it (llama-server sends none of it until the
+                             # generation ends, so a long generation is silence, not a fault of the replica)
 LINGER_S = 2.0               # after a close, what the client still sends is read and dropped this long
 MAX_UPSTREAM_HEAD = 64 * 2**10   # the head of a replica's answer (llama-server's are a few hundred bytes)
 SMALL_BODY = 256 * 2**10     # a body up to this size goes upstream in one write with its head (copying it is cheap)
+MAX_HELD_EVENT = 1 * 2**20   # a streamed answer's unfinished SSE event kept back (one event is a token's JSON)
 MAX_SHOWN_NAME = 64          # characters of a client's unknown model name repeated in the error
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
@@ -74,7 +104,6 @@ class Replica:
     healthy: bool
     detail: str = ""
     inflight: int = 0
-    quarantined_until: float = 0.0
     pid: int | None = None
     epoch: int = 0          # bumped when the process behind the URL changed or died: its pooled connections go
 
@@ -116,26 +145,17 @@ class Router:
         return None
 
     def pick(self, model: str, exclude: set[str] = frozenset()) -> Replica | None:
-        now = self.clock()
-        cands = [r for r in self.replicas.values()
-                 if r.model == model and r.healthy and r.name not in exclude and r.quarantined_until <= now]
+        """Only the health checks (the routing table) take a replica out: a request that failed on one (timed
+        out, a malformed answer, a refused connect) excludes it for that request alone."""
+        cands = [r for r in self.replicas.values() if r.model == model and r.healthy and r.name not in exclude]
         if not cands:
             return None
         low = min(r.inflight for r in cands)
         best = [r for r in cands if r.inflight == low]
         return best[next(self._rr) % len(best)]
 
-    def mark_failed(self, name: str, detail: str) -> None:
-        r = self.replicas.get(name)
-        if r is not None:
-            r.quarantined_until = self.clock() + QUARANTINE_S
-            r.detail = detail
-            r.epoch += 1
-
     def healthy_count(self, model: str | None = None) -> int:
-        now = self.clock()
-        return sum(1 for r in self.replicas.values()
-                   if r.healthy and r.quarantined_until <= now and (model is None or r.model == model))
+        return sum(1 for r in self.replicas.values() if r.healthy and (model is None or r.model == model))
 
     def why_unavailable(self, model: str) -> str:
         rs = [r for r in self.replicas.values() if r.model == model]
@@ -194,6 +214,17 @@ def shown_name(name: Any) -> str:
     return repr(name if len(name) <= MAX_SHOWN_NAME else name[:MAX_SHOWN_NAME] + "…")
 
 
+def asks_to_stream(body: list[bytes]) -> bool:
+    """Whether a JSON body says ``"stream": true``, without parsing it (a 32 MiB body is not parsed for one key). A
+    key of that name nested deeper also counts: it only gives the answer the streamed bound on silence."""
+    return any(_STREAM_TRUE.search(piece) for piece in body)
+
+
+def origin_is_localhost(origin: str) -> bool:
+    host = urlsplit(origin).hostname or ""
+    return host in ("localhost", "127.0.0.1", "::1") or host.endswith(".localhost")
+
+
 def _unauthorized() -> tuple[int, bytes]:
     return 401, error_body("invalid or missing API key", "invalid_request_error", "invalid_api_key")
 
@@ -210,11 +241,14 @@ def _connection_room() -> int:
     return max(16, (soft - 128) // 2)
 
 
-def _response(status: int, body: bytes, ctype: str, connection: str | None, head_only: bool = False) -> bytes:
+def _response(status: int, body: bytes, ctype: str, connection: str | None, head_only: bool = False,
+              extra: str = "") -> bytes:
     """A whole answer; ``connection``: the Connection header's value, if one is needed; ``head_only``: the answer
-    to HEAD, whose head says how long the body would be and which has none (RFC 9110 9.3.2)."""
+    to HEAD, whose head says how long the body would be and which has none (RFC 9110 9.3.2); ``extra``: more
+    header lines, each ending in CRLF."""
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\n" + (f"Connection: {connection}\r\n" if connection else "") + "\r\n")
+            f"Content-Length: {len(body)}\r\n" + (f"Connection: {connection}\r\n" if connection else "") + extra
+            + "\r\n")
     return head.encode("latin-1") + (b"" if head_only else body)
 
 
@@ -262,6 +296,9 @@ class _ClientConn(asyncio.Protocol):
         self.discard = False                       # refused: the rest of what the client sends is not read
         self.linger_until: float | None = None
         self._replay: bytes | None = None          # an Upgrade request's head, to parse again without the Upgrade
+        self.cors = ""                             # CORS header lines for the answer being written
+        self.continue_owed = False                 # the request being read asked for 100 Continue while answers
+                                                   # to earlier ones were still going out: sent after them
         self._reset()
 
     def _reset(self) -> None:
@@ -389,6 +426,7 @@ class _ClientConn(asyncio.Protocol):
     # --- httptools callbacks ---------------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset()
+        self.continue_owed = False
         self._set_deadline(self.gw.header_timeout_s, "header")
 
     def on_url(self, url: bytes) -> None:
@@ -426,7 +464,8 @@ class _ClientConn(asyncio.Protocol):
             except ValueError:
                 length = 0
             path = self._target.split(b"?", 1)[0].decode("latin-1")
-            if self.gw.api_key and path in PROXIED + ("/v1/models",) and not self.gw._authorized(headers):
+            if (self.gw.api_key and path not in OPEN_ROUTES and self.parser.get_method() != b"OPTIONS"
+                    and not self.gw._authorized(headers)):
                 self._reject = _unauthorized()
                 self.gw._count("-", 401)
             elif length > MAX_BODY:
@@ -441,7 +480,12 @@ class _ClientConn(asyncio.Protocol):
         self._body_started = self._now()
         self._set_deadline(self.gw.body_timeout_s, "body")
         if headers.get("expect", "").lower() == "100-continue":
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self.task is None and not self.queue:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:
+                # an interim answer goes right before the answer it belongs to: written now it would land in the
+                # middle of the answer (a running stream) to a request pipelined before this one
+                self.continue_owed = True
 
     def on_body(self, body: bytes) -> None:
         if self._reject is not None:
@@ -461,6 +505,7 @@ class _ClientConn(asyncio.Protocol):
         self.deadline, self.why_deadline = min(now + self.gw.body_timeout_s, allowance), "body"
 
     def on_message_complete(self) -> None:
+        self.continue_owed = False                 # the body came without it (the client stopped waiting)
         if self._reject is not None or self.closed:
             return
         if self.parser.should_upgrade():
@@ -518,7 +563,7 @@ class _ClientConn(asyncio.Protocol):
                     self._failed(e)
                     break
                 finally:
-                    self.current = None
+                    self.current, self.cors = None, ""
                 if not keep or self.closed:
                     self.close()
                     break
@@ -533,6 +578,9 @@ class _ClientConn(asyncio.Protocol):
             pass
         finally:
             self.task = None
+            if self.continue_owed and not self.closed and not self.discard:
+                self.continue_owed = False
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             if not self.closed and not self.queue and self.in_head and self.head_bytes == 0:
                 self._set_deadline(self.gw.idle_timeout_s, "idle")
 
@@ -579,17 +627,19 @@ class _ClientConn(asyncio.Protocol):
             return "close"
         return "keep-alive" if req is not None and req.http10 else None
 
-    def respond(self, status: int, body: bytes, ctype: str = "application/json", close: bool = False) -> None:
+    def respond(self, status: int, body: bytes, ctype: str = "application/json", close: bool = False,
+                extra: str = "") -> None:
         if self.closed:
             return
         connection = self._connection_header(close)
         self.answered = True
         head_only = self.current is not None and self.current.method == "HEAD"
-        self.transport.write(_response(status, body, ctype, connection, head_only))
+        self.transport.write(_response(status, body, ctype, connection, head_only, extra + self.cors))
         if connection == "close":
             self.close()
 
-    def start_stream(self, status: int, ctype: str) -> None:
+    def start_stream(self, status: int, ctype: str, extra: str = "") -> None:
+        """The head of a streamed answer; ``extra``: the replica's own headers to pass on."""
         if self.closed:
             return
         self.answered = self.stream_open = True
@@ -599,8 +649,9 @@ class _ClientConn(asyncio.Protocol):
         else:
             framing = "Transfer-Encoding: chunked\r\n" + ("Connection: close\r\n" if req is not None and
                                                           not req.keep_alive else "")
+        cache = "" if "cache-control:" in extra.lower() else "Cache-Control: no-cache\r\n"
         self.transport.write(f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\nContent-Type: {ctype}\r\n"
-                             f"Cache-Control: no-cache\r\n{framing}\r\n".encode("latin-1"))
+                             f"{cache}{extra}{self.cors}{framing}\r\n".encode("latin-1"))
 
     @property
     def http10(self) -> bool:
@@ -718,6 +769,7 @@ class _Exchange:
         self.last_rx = loop.time()
         self.status = 0
         self.ctype = "application/json"
+        self.passed = []           # the replica's header lines passed back to the client
         self.streaming = False
         self.body: list[bytes] = []
         self.error = ""
@@ -732,6 +784,8 @@ class _Exchange:
         self.last_at = 0.0
         self.events = 0            # SSE events relayed ("data: ..."), about one per token
         self.saw_done = False      # the last piece was the "data: [DONE]" that ends an OpenAI stream
+        self.held = b""            # the start of an SSE event whose end has not arrived: relayed with its end, and
+                                   # dropped if the answer is cut, so an error event never lands inside it
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -739,10 +793,13 @@ class _Exchange:
             self.extra = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.finished:
+        if self.finished or self.interim:
             return
-        if name.lower() == b"content-type":
+        key = name.decode("latin-1").lower()
+        if key == "content-type":
             self.ctype = value.decode("latin-1")
+        elif key not in _NOT_BACK:
+            self.passed.append(f"{name.decode('latin-1')}: {value.decode('latin-1')}\r\n")
 
     def on_headers_complete(self) -> None:
         if self.finished:
@@ -756,11 +813,12 @@ class _Exchange:
                 return
             self.interim = True            # 100 Continue, 103 Early Hints: the real answer follows
             self.ctype = "application/json"
+            self.passed = []
             return
         self.status = status
         self.streaming = self.ctype.startswith("text/event-stream")
         if self.streaming:
-            self.client.start_stream(self.status, self.ctype)
+            self.client.start_stream(self.status, self.ctype, "".join(self.passed))
         if not self.head.done():
             self.head.set_result(None)
 
@@ -772,6 +830,17 @@ class _Exchange:
             if self.first_at is None:
                 self.first_at = now
             self.last_at = now
+            if self.held:
+                data, self.held = self.held + data, b""
+            if not data.endswith(b"\n\n"):
+                # relay whole events only (llama-server writes one or more whole events per piece, so this is
+                # rare): an event ends at a blank line, "\n\n" or "\r\n\r\n"
+                lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\n\r\n")
+                end = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+                if len(data) - end <= MAX_HELD_EVENT:
+                    data, self.held = data[:end], data[end:]
+                if not data:
+                    return
             self.events += data.count(b"data: ")
             self.saw_done = data.endswith(b"data: [DONE]\n\n")
             self.client.write_chunk(data)
@@ -787,6 +856,9 @@ class _Exchange:
             return
         if self.done.done():               # failed already (cut short): not an answer
             return
+        if self.held:                      # the answer ended without a blank line after its last event
+            self.client.write_chunk(self.held)
+            self.held = b""
         self.keep = self.parser.should_keep_alive()
         self.finished = True               # released by the connection once this read is parsed to its end
         self.done.set_result(True)
@@ -835,7 +907,8 @@ class Gateway:
                  max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S,
                  body_timeout_s: float = BODY_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
                  send_timeout_s: float = SEND_TIMEOUT_S, upstream_idle_s: float = UPSTREAM_IDLE_S,
-                 max_per_address: int = MAX_PER_ADDRESS, min_body_rate: float = MIN_BODY_RATE) -> None:
+                 max_per_address: int = MAX_PER_ADDRESS, min_body_rate: float = MIN_BODY_RATE,
+                 upstream_answer_s: float = UPSTREAM_ANSWER_S, cors_origins: str | None = "localhost") -> None:
         self.router = router or Router()
         self.api_key = api_key or None
         self.upstream_key = upstream_key or None     # llama-server's own key: added upstream, never shown
@@ -844,7 +917,8 @@ class Gateway:
         self.max_connections = max_connections
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
-        self.upstream_idle_s = upstream_idle_s
+        self.upstream_idle_s, self.upstream_answer_s = upstream_idle_s, upstream_answer_s
+        self.cors_origins = cors_origins or ""    # "*", "localhost" or "origin, origin"; "" answers no origin
         self.max_per_address, self.min_body_rate = max_per_address, min_body_rate
         self.counts: dict[tuple[str, str], int] = {}
         self.recent: dict[tuple[str, str], RecentWindow] = {}      # (metric, replica) -> the last minutes
@@ -997,61 +1071,156 @@ class Gateway:
     async def _handle(self, conn: _ClientConn, req: _Request) -> bool:
         """Serves one request; True when the connection stays open for the next."""
         path, method = req.path, req.method
-        if path in PROXIED:
+        conn.cors = self._cors(req.headers)
+        if method == "OPTIONS":
+            self._preflight(conn, req)
+        elif path in POST_ROUTES:
             if method != "POST":
-                conn.respond(405, error_body(f"{path} takes POST", "invalid_request_error", 405))
+                conn.respond(405, error_body(f"{path} takes POST", "invalid_request_error", 405),
+                             extra="Allow: POST\r\n")
             else:
                 await self._proxy(conn, req)
-        elif path == "/v1/models" and method in ("GET", "HEAD"):
-            if not self._authorized(req.headers):
-                conn.respond(*_unauthorized())
-            else:
-                data = [{"id": m, "object": "model", "created": 0, "owned_by": "orchestrator"}
-                        for m in self.router.models()]
-                conn.respond(200, json.dumps({"object": "list", "data": data}).encode())
-        elif path == "/health" and method in ("GET", "HEAD"):
+        elif path in GET_ROUTES and method == "GET":
+            await self._proxy(conn, req)
+        elif path in GET_ROUTES:
+            conn.respond(405, error_body(f"{method} {path} would change one worker's settings: send it to the worker "
+                                         "(`orchestrator status` shows their addresses); through the gateway "
+                                         f"{path} takes GET", "invalid_request_error", 405), extra="Allow: GET\r\n")
+        elif (path in MODEL_ROUTES or path.startswith("/v1/models/")) and method in ("GET", "HEAD"):
+            self._models(conn, req)
+        elif path in OPEN_ROUTES and method in ("GET", "HEAD"):
             n = self.router.healthy_count()
             if n:
                 conn.respond(200, json.dumps({"status": "ok", "healthy_replicas": n}).encode())
             else:
                 conn.respond(503, error_body("no healthy replica", "service_unavailable", 503))
-        elif path in ("/v1/models", "/health"):
-            conn.respond(405, error_body(f"{path} takes GET", "invalid_request_error", 405))
+        elif path in MODEL_ROUTES or path in OPEN_ROUTES or path.startswith("/v1/models/"):
+            conn.respond(405, error_body(f"{path} takes GET", "invalid_request_error", 405),
+                         extra="Allow: GET, HEAD\r\n")
+        elif path in PER_WORKER or path.startswith("/slots/"):
+            conn.respond(404, error_body(f"{path} is one worker's own state, not served through the gateway: send it "
+                                         "to the worker (`orchestrator status` shows their addresses)",
+                                         "invalid_request_error", 404))
         else:
             conn.respond(404, error_body(f"no route {path}", "invalid_request_error", 404))
         return req.keep_alive and not conn.closed
+
+    # --- CORS and the models list --------------------------------------------------------------------------------
+    def _cors(self, headers: Mapping[str, str]) -> str:
+        """The CORS header lines for an answer to a request from ``Origin`` (none when the policy does not allow
+        it, and then a browser withholds the answer from the page): ``*`` allows any origin, ``localhost`` the
+        pages of this machine, else a comma-separated list of origins. The origin is echoed, never ``*``, so an
+        answer to a request with credentials is usable too (as llama-server does)."""
+        origin = headers.get("origin")
+        if not origin or not self.cors_origins:
+            return ""
+        policy = self.cors_origins.strip()
+        if policy == "*" or (policy == "localhost" and origin_is_localhost(origin)) or \
+                origin in {o.strip() for o in policy.split(",")}:
+            return f"Access-Control-Allow-Origin: {origin}\r\nVary: Origin\r\n"
+        return ""
+
+    def _preflight(self, conn: _ClientConn, req: _Request) -> None:
+        """A CORS preflight (``OPTIONS``), answered without the key: browsers never send credentials with it."""
+        extra = "Allow: GET, HEAD, POST, OPTIONS\r\n"
+        if conn.cors:
+            asked = req.headers.get("access-control-request-headers", "")
+            extra += ("Access-Control-Allow-Methods: GET, HEAD, POST, OPTIONS\r\n"
+                      f"Access-Control-Allow-Headers: {asked or 'Authorization, Content-Type, X-Api-Key'}\r\n"
+                      f"Access-Control-Allow-Credentials: true\r\nAccess-Control-Max-Age: {CORS_MAX_AGE_S}\r\n")
+        conn.respond(204, b"", extra=extra)
+
+    def _models(self, conn: _ClientConn, req: _Request) -> None:
+        """``/v1/models`` (and llama-server's ``/models``): the deployment's aliases; ``/v1/models/{id}``: one."""
+        entry = lambda m: {"id": m, "object": "model", "created": 0, "owned_by": "orchestrator"}  # noqa: E731
+        if req.path in MODEL_ROUTES:
+            return conn.respond(200, json.dumps({"object": "list",
+                                                 "data": [entry(m) for m in self.router.models()]}).encode())
+        from urllib.parse import unquote
+
+        wanted = unquote(req.path[len("/v1/models/"):])
+        if wanted in self.router.models():
+            return conn.respond(200, json.dumps(entry(wanted)).encode())
+        conn.respond(404, error_body(f"model {shown_name(wanted)} not found; available: "
+                                     f"{', '.join(self.router.models())}", "invalid_request_error", "model_not_found"))
+
+    # --- proxying ------------------------------------------------------------------------------------------------
+    def _model_for(self, req: _Request) -> tuple[str | None, bool, tuple[int, bytes] | None]:
+        """The alias a request goes to, whether it asks for a stream, or the error it gets. With one alias every
+        request goes to it and the body is not parsed; with several, ``model`` in the JSON body picks (or the
+        ``model`` query parameter, for a body that is not JSON and for GET)."""
+        models = self.router.models()
+        if len(models) <= 1:
+            return (models[0] if models else None), req.method == "POST" and asks_to_stream(req.body), None
+        doc: Any = None
+        ctype = req.headers.get("content-type", "application/json").lower()
+        if req.method == "POST" and ("json" in ctype or not ctype):
+            try:
+                doc = json.loads(req.body_bytes())
+            except (ValueError, RecursionError):       # RecursionError: JSON nested too deep
+                doc = None
+            if not isinstance(doc, dict):
+                return None, False, (400, error_body("request body is not a JSON object", "invalid_request_error",
+                                                     400))
+        requested = doc.get("model") if doc is not None and "model" in doc else self._query_model(req)
+        stream = doc is not None and doc.get("stream") is True
+        if requested is None:
+            return None, stream, (400, error_body(
+                f"{req.method} {req.path} does not say which model: this gateway serves {', '.join(models)}; give "
+                "\"model\" in the body (or ?model= in the URL)", "invalid_request_error", "model_not_given"))
+        model = self.router.resolve_model(requested)
+        if model is None:
+            return None, stream, (404, error_body(f"model {shown_name(requested)} not found; available: "
+                                                  f"{', '.join(models)}", "invalid_request_error", "model_not_found"))
+        return model, stream, None
+
+    @staticmethod
+    def _query_model(req: _Request) -> str | None:
+        from urllib.parse import parse_qs
+
+        _, _, query = req.url.partition(b"?")
+        values = parse_qs(query.decode("latin-1")).get("model") if query else None
+        return values[0] if values else None
+
+    def _upstream_head(self, req: _Request, host: bytes) -> bytes:
+        """The request line and headers for the replica: the client's end-to-end headers, not its key."""
+        skip = _NOT_UPSTREAM
+        if "connection" in req.headers:          # headers the client names in Connection are for this hop only
+            skip = skip | {t.strip().lower() for t in req.headers["connection"].split(",")}
+        lines = [f"{name}: {value}\r\n" for name, value in req.headers.items() if name not in skip]
+        if req.method == "POST":
+            if "content-type" not in req.headers:
+                lines.append("content-type: application/json\r\n")
+            lines.append(f"Content-Length: {req.size}\r\n")
+        if self.upstream_key:
+            lines.append(f"Authorization: Bearer {self.upstream_key}\r\n")
+        return (req.method.encode("latin-1") + b" " + req.url + b" HTTP/1.1\r\nHost: " + host + b"\r\n"
+                + "".join(lines).encode("latin-1") + b"\r\n")
 
     async def _proxy(self, conn: _ClientConn, req: _Request) -> None:
         if not self._authorized(req.headers):      # checked at the head already; kept as the last word
             self._count("-", 401)
             return conn.respond(*_unauthorized())
-        requested = None
-        if len(self.router.models()) > 1:
-            try:
-                requested = json.loads(req.body_bytes()).get("model")
-            except (ValueError, AttributeError, RecursionError):    # RecursionError: JSON nested too deep
-                self._count("-", 400)
-                return conn.respond(400, error_body("request body is not a JSON object", "invalid_request_error",
-                                                    400))
-        model = self.router.resolve_model(requested)
+        model, stream, refusal = self._model_for(req)
+        if refusal is not None:
+            self._count("-", refusal[0])   # never the requested name: a label per made-up name grows forever
+            return conn.respond(*refusal)
         if model is None:
-            self._count("-", 404)          # never the requested name: a label per made-up name grows forever
-            return conn.respond(404, error_body(f"model {shown_name(requested)} not found; available: "
-                                                f"{', '.join(self.router.models())}", "invalid_request_error",
-                                                "model_not_found"))
-        extra = f"Content-Type: {req.headers.get('content-type', 'application/json')}\r\n"
-        if self.upstream_key:
-            extra += f"Authorization: Bearer {self.upstream_key}\r\n"
-        if "accept" in req.headers:
-            extra += f"Accept: {req.headers['accept']}\r\n"
-        tail = (extra + f"Content-Length: {req.size}\r\n\r\n").encode("latin-1")
+            self._count("-", 503)
+            return conn.respond(503, error_body("no replica serves any model yet", "service_unavailable", 503))
+        # a streamed answer's head comes when its first token is ready; a non-streamed answer's only when the
+        # whole generation is done, so silence until then is no fault of the replica
+        head_wait = self.upstream_idle_s if stream else max(self.upstream_idle_s, self.upstream_answer_s)
         tried: set[str] = set()
+        failures: list[str] = []
         stale = 0
         while True:
             rep = self.router.pick(model, tried)
             if rep is None:
                 self._count(model, 503)
-                return conn.respond(503, error_body(self.router.why_unavailable(model), "service_unavailable", 503))
+                why = (f"no replica of model {model!r} could take the request: {'; '.join(failures)}" if failures
+                       else self.router.why_unavailable(model))
+                return conn.respond(503, error_body(why, "service_unavailable", 503))
             tried.add(rep.name)
             rep.inflight += 1
             try:
@@ -1060,13 +1229,14 @@ class Gateway:
                 except (OSError, asyncio.TimeoutError) as e:
                     if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
                                                               errno.ENOMEM):
-                        # out of file descriptors here, not a sick replica: do not mark it unreachable
+                        # out of file descriptors here, not a sick replica
                         self._count(model, 503)
                         return conn.respond(503, error_body("the gateway is overloaded (out of file descriptors)",
                                                             "service_unavailable", 503), close=True)
-                    # refused / reset / no answer to connect: nothing reached the client, try another replica
-                    self.router.mark_failed(rep.name, f"unreachable ({type(e).__name__})")
-                    self.prune_sessions()
+                    # refused / reset / no answer to connect: nothing reached the client, so another replica may
+                    # take it. Only this request learns of it: the health checks decide whether the replica is
+                    # out, and its open connections (other requests' streams) are left alone
+                    failures.append(f"{rep.name} unreachable ({type(e).__name__})")
                     continue
                 ex = _Exchange(self, conn, up)
                 up.exchange = ex
@@ -1074,7 +1244,7 @@ class Gateway:
                 if conn.closed:
                     ex.abort()
                     return
-                head = b"POST " + req.url + b" HTTP/1.1\r\nHost: " + up.pool.host_header + b"\r\n" + tail
+                head = self._upstream_head(req, up.pool.host_header)
                 if req.size <= SMALL_BODY:
                     # one write, one segment: the replica wakes once for the whole request
                     up.transport.write(head + req.body_bytes())
@@ -1083,33 +1253,29 @@ class Gateway:
                     for piece in req.body:         # as it arrived: a big body is not copied into one
                         up.transport.write(piece)
                 try:
-                    await self._progress(ex, ex.head)
+                    await self._progress(ex, ex.head, head_wait)
                 except _Disconnected:
                     if conn.closed:
                         return
-                    if ex.hung:                     # it took the request and went silent: not retried
-                        self.router.mark_failed(rep.name, f"hung ({ex.error})")
+                    if ex.hung:                     # it took the request and went silent: this request's 504
                         self._count(model, 504)
                         return conn.respond(504, error_body(f"replica {rep.name}: {ex.error}", "gateway_timeout",
                                                             504))
                     if ex.got_bytes:
-                        # it answered, badly (a broken or endless head): this request fails, and only it; the
-                        # replica is alive and stays in the rotation (a dead one is seen by its next connect)
+                        # it answered, badly (a broken or endless head): this request fails, and only it
                         self._count(model, 502)
                         return conn.respond(502, error_body(f"replica {rep.name} sent a malformed answer: "
                                                             f"{ex.error or 'closed in the middle of its head'}",
                                                             "bad_gateway", 502))
                     # closed before any answer: most often a pooled connection the server had just closed (idle
-                    # timeout, its keep-alive limit), not a dead server: pick again (a fresh connection) before
-                    # calling the replica unreachable
-                    if stale < STALE_RETRIES and not ex.got_bytes:
+                    # timeout, its keep-alive limit), not a dead server: a fresh connection is tried first
+                    if stale < STALE_RETRIES:
                         stale += 1
                         tried.discard(rep.name)
                         continue
-                    self.router.mark_failed(rep.name, "unreachable (ServerDisconnectedError)")
-                    self.prune_sessions()
+                    failures.append(f"{rep.name} unreachable (closed the connection without an answer)")
                     continue
-                complete = await self._progress(ex, ex.done)
+                complete = await self._progress(ex, ex.done, self.upstream_idle_s)
                 if complete:
                     self._observe(model, rep.name, req, ex)
                 if not ex.streaming:
@@ -1118,11 +1284,12 @@ class Gateway:
                         return conn.respond(502, error_body(f"replica {rep.name} failed mid-answer: {ex.error}",
                                                             "bad_gateway", 502))
                     self._count(model, ex.status)
-                    return conn.respond(ex.status, b"".join(ex.body), ex.ctype)
+                    return conn.respond(ex.status, b"".join(ex.body), ex.ctype, extra="".join(ex.passed))
                 self._count(model, ex.status)
                 if not complete:
-                    # cut short (the replica died, hung or broke the framing): an error event, then the
-                    # connection ends without the last chunk, so any HTTP client sees an incomplete answer
+                    # cut short (the replica died, hung or broke the framing): an error event (after the last
+                    # whole event: an unfinished one was held back), then the connection ends without the last
+                    # chunk, so any HTTP client sees an incomplete answer
                     self._count(model, 502)
                     conn.write_chunk(b"data: " + error_body(f"replica {rep.name} failed mid-stream: {ex.error}",
                                                             "bad_gateway", 502) + b"\n\n")
@@ -1135,18 +1302,18 @@ class Gateway:
                 rep.inflight -= 1
                 conn.exchange = None
 
-    async def _progress(self, ex: "_Exchange", fut: asyncio.Future):
-        """``await fut``, giving up on a replica that sends nothing for ``upstream_idle_s`` (one timer per request,
-        nothing per token)."""
+    async def _progress(self, ex: "_Exchange", fut: asyncio.Future, limit: float):
+        """``await fut``, giving up on a replica that sends nothing for ``limit`` seconds (one timer per request,
+        nothing per token). Giving up ends this request's connection to the replica, nothing else."""
         loop = asyncio.get_running_loop()
         while not fut.done():
             quiet = loop.time() - ex.last_rx
-            if quiet >= self.upstream_idle_s:
+            if quiet >= limit:
                 ex.hung = True
-                ex.fail(f"no answer for {self.upstream_idle_s:g}s")
+                ex.fail(f"no answer for {limit:g}s")
                 ex.up.transport.abort()
                 break
-            await asyncio.wait({fut}, timeout=self.upstream_idle_s - quiet)
+            await asyncio.wait({fut}, timeout=limit - quiet)
         return await fut
 
     # --- metrics -------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 import orchestrator.cluster.gateway as gateway_mod
-from orchestrator.cluster.gateway import QUARANTINE_S, Gateway, Router
+from orchestrator.cluster.gateway import Gateway, Router
 from orchestrator.cluster.metrics import DictSink
 
 
@@ -45,15 +45,13 @@ def test_router_picks_fewest_in_flight_and_rotates_ties():
     assert all(r.pick("m").name == "c" for _ in range(3))
 
 
-def test_router_skips_unhealthy_excluded_and_quarantined():
-    clock = Clock()
-    r = Router(clock)
+def test_router_skips_unhealthy_and_excluded_and_only_the_table_takes_a_replica_out():
+    r = Router(Clock())
     r.set_replicas(table(("a", "m", True), ("b", "m", False), ("c", "m", True)))
     assert r.pick("m", exclude={"a"}).name == "c"
-    r.mark_failed("c", "unreachable")
-    assert r.pick("m", exclude={"a"}) is None
-    clock.t += QUARANTINE_S + 0.1
-    assert r.pick("m", exclude={"a"}).name == "c"
+    assert r.pick("m", exclude={"a", "c"}) is None
+    r.set_replicas(table(("a", "m", True), ("b", "m", False), ("c", "m", False)))
+    assert r.pick("m", exclude={"a"}) is None and r.healthy_count("m") == 1
 
 
 def test_router_keeps_in_flight_counts_across_table_updates():
@@ -216,7 +214,8 @@ def test_refused_replica_is_skipped_and_the_request_succeeds_elsewhere():
                 for _ in range(4):
                     async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
                         assert r.status == 200 and (await r.json())["replica"] == "b"
-                assert "unreachable" in gw.router.replicas["dead"].detail
+                # only the health checks (the routing table) take a replica out, not one refused connect
+                assert gw.router.replicas["dead"].healthy and gw.router.healthy_count("m") == 2
             await with_gateway([{"name": "dead", "url": dead, "model": "m", "healthy": True},
                                 {"name": "b", "url": b.url, "model": "m", "healthy": True}], fn)
         finally:

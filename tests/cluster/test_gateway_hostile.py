@@ -338,14 +338,21 @@ def test_interim_1xx_answers_are_skipped():
 
 
 def test_a_hung_replica_is_given_up_on():
+    """A streamed request waits ``upstream_idle_s`` for the answer's head; a non-streamed one, whose answer
+    llama-server sends only when the generation ends, the longer ``upstream_answer_s``."""
     async def go():
         up = await Raw(lambda n: None).start()
-        gw, port = await gateway([up.row], upstream_idle_s=1.0)
+        gw, port = await gateway([up.row], upstream_idle_s=1.0, upstream_answer_s=2.0)
         try:
             t = time.monotonic()
-            got = await exchange(port, POST + b"Content-Length: 2\r\nConnection: close\r\n\r\n{}", timeout=10)
+            body = b'{"stream": true}'
+            got = await exchange(port, POST + b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(body), body),
+                                 timeout=10)
             assert got.startswith(b"HTTP/1.1 504") and b"no answer for 1s" in got
-            assert time.monotonic() - t < 4
+            assert time.monotonic() - t < 1.8
+            got = await exchange(port, POST + b"Content-Length: 2\r\nConnection: close\r\n\r\n{}", timeout=10)
+            assert got.startswith(b"HTTP/1.1 504") and b"no answer for 2s" in got
+            assert time.monotonic() - t < 5
         finally:
             await gw.stop()
             await up.stop()
@@ -513,9 +520,9 @@ def test_any_exception_in_a_handler_is_a_500_and_the_gateway_serves_on(monkeypat
         up = await Raw(lambda n: ok(b"{}")).start()
         gw, port = await gateway([up.row])
         try:
-            def broken(requested):
+            def broken(req):
                 raise KeyError("a bug")
-            monkeypatch.setattr(gw.router, "resolve_model", broken)
+            monkeypatch.setattr(gw, "_model_for", broken)
             got = await exchange(port, POST + b"Content-Length: 2\r\n\r\n{}")
             assert got.startswith(b"HTTP/1.1 500") and b"internal error (KeyError)" in got
             assert b"Connection: close" in got
