@@ -1,21 +1,23 @@
 """The OpenAI-compatible gateway: one endpoint in front of every replica.
 
-``/v1/chat/completions``, ``/v1/completions`` (and ``/v1/embeddings``) are proxied to the healthy replica of the
-requested model with the fewest requests in flight; streamed answers (SSE) are passed through chunk by chunk as
-they arrive. ``/v1/models`` lists the deployment's model aliases; ``/health`` is 200 while a replica is healthy.
-With no healthy replica the answer is 503 with an OpenAI-style JSON error that says why. A replica that refuses
-the connection is skipped for a moment and the request goes to another one (nothing was sent to the client yet).
+Every route of llama-server's API that serves a request (chat, completions, responses, Anthropic messages,
+embeddings, rerank, infill, tokenize, ...: :data:`POST_ROUTES`, :data:`GET_ROUTES`) is proxied to the healthy
+replica of the request's model with the fewest requests in flight; streamed answers (SSE) are passed through event
+by event as they arrive. ``/v1/models`` and ``/v1/models/{id}`` answer from the deployment's aliases; ``/health``
+is 200 while a replica is healthy. With no healthy replica the answer is 503 with an OpenAI-style JSON error that
+says why. A request's fault (a timeout, a malformed answer, a refused connect) is that request's alone: only the
+health checks take a replica out, and no request's failure closes connections that carry other requests.
 
 Built on asyncio protocols with httptools (llhttp, the parser behind uvicorn) on both sides: a streamed answer is
 written to the client from the upstream connection's callback, without a task switch per token (behind an ASGI
 server the same relay costs about 0.13 ms more per event at 16 streams and about 2 ms more on the first token of
-16 simultaneous streams, at about twice the CPU per event). What a client may send is bounded the
-way well-kept servers bound it (head 64 KiB, 100 headers, URL 8 KiB, body 32 MiB, head/body/idle/unread-answer
-deadlines, a connection cap; the API key checked on the head, before any body or ``100 Continue``), and what a
-replica sends is checked (one answer per request, 1xx skipped, silence timed out, a cut stream visibly cut, a
-malformed answer one 502): see the constants below and ``docs/cluster.md``. Each answer's latency (time to first
-token, duration, tokens/s per stream) goes to histograms and to a window of the last minutes that ``status`` reads. The :class:`Router` is pure and
-unit-tested; :class:`Gateway` is the HTTP server; :class:`GatewayActor` runs it inside a Ray actor (the
+16 simultaneous streams, at about twice the CPU per event). What a client may send is bounded the way well-kept
+servers bound it (head 64 KiB, 100 headers, URL 8 KiB, body 32 MiB, head/body/idle/unread-answer deadlines,
+connection caps that hold with every client behind one address; the API key checked on the head, before any body
+or ``100 Continue``), and what a replica sends is checked (one answer per request, 1xx skipped, silence timed out,
+a cut stream visibly cut, a malformed answer one 502): see the constants below and ``docs/cluster.md``. Each
+answer's latency (time to first token, duration, tokens/s per stream) goes to histograms and to a window of the
+last minutes that ``status`` reads. The :class:`Router` is pure and unit-tested; :class:`Gateway` is the HTTP server; :class:`GatewayActor` runs it inside a Ray actor (the
 controller creates it on the node where ``up`` runs, so ``down`` stops it with the rest); ``python -m
 orchestrator.cluster.gateway`` runs it standalone with a fixed replica list (benchmarks, debugging).
 """
@@ -77,8 +79,20 @@ MAX_BODY = 32 * 2**20        # a request body (a 1M-token prompt is about 4 MiB 
 MAX_HEAD = 64 * 2**10        # request line and headers together
 MAX_HEADERS = 100
 MAX_URL = 8 * 2**10
-MAX_CONNECTIONS = 2048       # per gateway process; more get 503 and are closed
-MAX_PER_ADDRESS = 512        # connections from one client address (so one address cannot take them all)
+# Connections per gateway process: at least MIN_CONNECTIONS, and CONNECTIONS_PER_SLOT for each slot of the
+# deployment (requests beyond the slots wait in llama-server's queue: clients of a busy deployment, not attackers),
+# within what the file descriptors allow. At the cap the connection idle longest between requests is closed for the
+# new one; when every connection is being answered the new one gets 503.
+MIN_CONNECTIONS = 2048
+CONNECTIONS_PER_SLOT = 64
+DEFAULT_SLOTS = 4            # a replica whose row does not give its slots counts as this many
+# Connections of one address that have waited WAITING_AFTER_S or longer without being answered (sending a head or
+# a body slowly, idle between requests): at most this many; a new one closes the one of that address waiting
+# longest. Connections being answered (a stream, a long generation) are not limited per address, since every local
+# client, and every client behind a reverse proxy, has the same address; nor are those that just connected (a
+# burst of clients connects before any has sent its request).
+MAX_WAITING_PER_ADDRESS = 256
+WAITING_AFTER_S = 1.0
 MAX_PIPELINED = 16           # parsed requests waiting on one connection before it is read no further
 HEADER_TIMEOUT_S = 10.0      # from the first byte of a request (or the connection) to the end of its headers
 BODY_TIMEOUT_S = 30.0        # longest pause while a request body arrives, and the allowance for the whole body
@@ -237,7 +251,7 @@ def _connection_room() -> int:
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
+        return 1 << 20
     return max(16, (soft - 128) // 2)
 
 
@@ -275,7 +289,8 @@ class _ClientConn(asyncio.Protocol):
     def __init__(self, gw: "Gateway") -> None:
         self.gw = gw
         self.transport = None
-        self.address: str | None = None            # counted in gw._per_address while open
+        self.address: str | None = None            # in gw._by_address while open
+        self.waiting_since = 0.0                   # when it last began to wait for a request (loop time)
         self.parser = httptools.HttpRequestParser(self)
         self.queue: collections.deque[_Request] = collections.deque()
         self.task: asyncio.Task | None = None
@@ -323,7 +338,8 @@ class _ClientConn(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         _nodelay(transport)
-        if len(self.gw._clients) >= self.gw.max_connections:
+        self.waiting_since = self._now()
+        if len(self.gw._clients) >= self.gw.max_connections and not self.gw._close_longest_idle():
             self.closed = True
             transport.write(_response(503, error_body("too many connections", "service_unavailable", 503),
                                       "application/json", "close"))
@@ -331,17 +347,31 @@ class _ClientConn(asyncio.Protocol):
             return
         peer = transport.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) and peer else None
-        held = self.gw._per_address.get(address, 0)
-        if address is not None and held >= self.gw.max_per_address:
-            self.closed = True
-            transport.write(_response(503, error_body(f"too many connections from {address}", "service_unavailable",
-                                                      503), "application/json", "close"))
-            transport.close()
-            return
+        peers = self.gw._by_address.setdefault(address, set())
+        if address is not None and len(peers) >= self.gw.max_waiting_per_address:
+            since = self.waiting_since - WAITING_AFTER_S
+            waiting = [c for c in peers if c.waiting and c.waiting_since <= since]
+            if len(waiting) >= self.gw.max_waiting_per_address:
+                min(waiting, key=lambda c: c.waiting_since).evict(f"too many unanswered connections from "
+                                                                  f"{address}")
         self.address = address
-        self.gw._per_address[address] = held + 1
+        peers.add(self)
         self.gw._clients.add(self)
         self._set_deadline(self.gw.header_timeout_s, "header")
+
+    @property
+    def waiting(self) -> bool:
+        """Open and not being answered: new, sending a request, or idle between requests."""
+        return self.task is None and not self.closed
+
+    def evict(self, why: str) -> None:
+        """Closes a waiting connection to make room: a request half sent gets 503 saying why; an idle one is
+        just closed (at once: its descriptor is wanted), as a kept-alive connection may be at any time."""
+        if self.in_head and self.head_bytes == 0:
+            self.closed = True
+            self.transport.abort()
+        else:
+            self.respond(503, error_body(why, "service_unavailable", 503), close=True)
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self.discard:
@@ -400,11 +430,11 @@ class _ClientConn(asyncio.Protocol):
         self.closed = True
         if self in self.gw._clients:
             self.gw._clients.discard(self)
-            n = self.gw._per_address.get(self.address, 0) - 1
-            if n > 0:
-                self.gw._per_address[self.address] = n
-            else:
-                self.gw._per_address.pop(self.address, None)
+            peers = self.gw._by_address.get(self.address)
+            if peers is not None:
+                peers.discard(self)
+                if not peers:
+                    del self.gw._by_address[self.address]
         self.writable.set()
         if self.exchange is not None:
             self.exchange.abort()          # the answer has nobody to go to: drop the upstream connection
@@ -578,6 +608,7 @@ class _ClientConn(asyncio.Protocol):
             pass
         finally:
             self.task = None
+            self.waiting_since = self._now()
             if self.continue_owed and not self.closed and not self.discard:
                 self.continue_owed = False
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -904,31 +935,33 @@ class Gateway:
 
     def __init__(self, router: Router | None = None, api_key: str | None = None, sink: Any = None,
                  connect_timeout_s: float = 5.0, *, upstream_key: str | None = None,
-                 max_connections: int = MAX_CONNECTIONS, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 max_connections: int | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
                  body_timeout_s: float = BODY_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
                  send_timeout_s: float = SEND_TIMEOUT_S, upstream_idle_s: float = UPSTREAM_IDLE_S,
-                 max_per_address: int = MAX_PER_ADDRESS, min_body_rate: float = MIN_BODY_RATE,
+                 max_waiting_per_address: int = MAX_WAITING_PER_ADDRESS, min_body_rate: float = MIN_BODY_RATE,
                  upstream_answer_s: float = UPSTREAM_ANSWER_S, cors_origins: str | None = "localhost") -> None:
         self.router = router or Router()
         self.api_key = api_key or None
         self.upstream_key = upstream_key or None     # llama-server's own key: added upstream, never shown
         self.sink = sink
         self.connect_timeout_s = connect_timeout_s
-        self.max_connections = max_connections
+        self.fixed_max_connections = max_connections   # None: sized from the slots (set_replicas)
+        self.max_connections = max_connections or MIN_CONNECTIONS
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
         self.upstream_idle_s, self.upstream_answer_s = upstream_idle_s, upstream_answer_s
         self.cors_origins = cors_origins or ""    # "*", "localhost" or "origin, origin"; "" answers no origin
-        self.max_per_address, self.min_body_rate = max_per_address, min_body_rate
+        self.max_waiting_per_address, self.min_body_rate = max_waiting_per_address, min_body_rate
         self.counts: dict[tuple[str, str], int] = {}
         self.recent: dict[tuple[str, str], RecentWindow] = {}      # (metric, replica) -> the last minutes
         self._observed: list[tuple[str, float, dict[str, str]]] = []   # histogram observations not yet flushed
-        self._per_address: dict[str | None, int] = {}
+        self._by_address: dict[str | None, set[_ClientConn]] = {}
         self.loop_time: Callable[[], float] = time.monotonic     # the event loop's clock once started
         self._flushed: dict[tuple[str, str], int] = {}
         self._server: asyncio.AbstractServer | None = None
         self._pools: dict[str, _Pool] = {}          # replica -> its pool (of the replica's current epoch)
         self._clients: set[_ClientConn] = set()
+        self.slots = 0
         self._house_task: asyncio.Task | None = None
         self.url = ""
 
@@ -936,8 +969,7 @@ class Gateway:
     async def start(self, host: str, port: int, reuse_port: bool = False) -> str:
         """Listen on ``host:port``; ``reuse_port``: share the port with the deployment's other gateway processes
         (SO_REUSEPORT: the kernel spreads new connections over them)."""
-        self.max_connections = min(self.max_connections, _connection_room())
-        self.max_per_address = min(self.max_per_address, self.max_connections)
+        self._size_connections()
         loop = asyncio.get_running_loop()
         self.loop_time = loop.time
         self._server = await loop.create_server(lambda: _ClientConn(self), host, port, reuse_address=True,
@@ -1052,9 +1084,26 @@ class Gateway:
                 pool.close()
 
     def set_replicas(self, table: Iterable[Mapping[str, Any]]) -> int:
+        table = list(table)
         self.router.set_replicas(table)
+        self.slots = sum(int(row.get("slots") or DEFAULT_SLOTS) for row in table)
+        self._size_connections()
         self.prune_sessions()
         return self.router.version
+
+    def _size_connections(self) -> None:
+        """The connection cap: as given, else from the deployment's slots; within the file descriptors."""
+        cap = self.fixed_max_connections or max(MIN_CONNECTIONS, CONNECTIONS_PER_SLOT * self.slots)
+        self.max_connections = min(cap, _connection_room())
+
+    def _close_longest_idle(self) -> bool:
+        """At the connection cap: closes the connection idle longest between requests (a client keeping a
+        connection alive reconnects when it is closed); False when every one is in a request."""
+        idle = [c for c in self._clients if c.waiting and c.in_head and c.head_bytes == 0]
+        if not idle:
+            return False
+        min(idle, key=lambda c: c.waiting_since).evict("too many connections")
+        return True
 
     # --- handlers ------------------------------------------------------------------------------------------------
     def _authorized(self, headers: Mapping[str, str]) -> bool:

@@ -230,21 +230,35 @@ def test_slowloris_heads_bodies_and_idle_connections_are_closed():
     run(go())
 
 
-def test_connections_over_the_cap_get_503_and_the_rest_are_served():
+def test_at_the_connection_cap_the_longest_idle_goes_and_when_all_are_answered_503():
     async def go():
-        gw, port = await gateway([], max_connections=5)
+        up = await Raw(lambda n: None).start()               # answers nothing: its requests stay in flight
+        gw, port = await gateway([up.row], max_connections=5)
         try:
-            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
-            await asyncio.sleep(0.1)
+            idle = await asyncio.open_connection("127.0.0.1", port)
+            busy = []
+            for _ in range(4):
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(POST + b"Content-Length: 2\r\n\r\n{}")
+                busy.append((r, w))
+            await asyncio.sleep(0.2)
+            got = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert got.startswith(b"HTTP/1.1 200")               # served: the idle connection made room
+            assert await asyncio.wait_for(idle[0].read(), 2) == b""
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(POST + b"Content-Length: 2\r\n\r\n{}")
+            busy.append((r, w))
+            await asyncio.sleep(0.2)
             got = await exchange(port, b"GET /health HTTP/1.1\r\n\r\n")
             assert got.startswith(b"HTTP/1.1 503") and b"too many connections" in got
-            for _, w in held:
+            for _, w in busy:
                 w.close()
             await asyncio.sleep(0.2)
             got = await exchange(port, b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n")
             assert got.startswith(b"HTTP/1.1 200")
         finally:
             await gw.stop()
+            await up.stop()
     run(go())
 
 
@@ -399,8 +413,8 @@ def test_smuggling_is_400_and_close(smuggle):
 
 
 def test_the_connection_cap_follows_the_file_descriptor_limit(tmp_path):
-    """A gateway process allowed 200 descriptors takes (200 - 128) // 2 = 36 clients and answers the rest 503
-    at once, instead of running out of descriptors and calling a healthy replica unreachable."""
+    """A gateway process allowed 200 descriptors keeps (200 - 128) // 2 = 36 clients (the longest idle closed for
+    a new one), instead of running out of descriptors and calling a healthy replica unreachable."""
     import os
     import resource
     import subprocess
@@ -420,15 +434,17 @@ def test_the_connection_cap_follows_the_file_descriptor_limit(tmp_path):
         assert "listening" in p.stdout.readline()
         conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
         time.sleep(1.0)
-        refused = 0
+        closed = 0
         for c in conns:
             c.setblocking(False)
             try:
-                if c.recv(4096).startswith(b"HTTP/1.1 503"):
-                    refused += 1
-            except OSError:         # nothing to read: an accepted connection waiting for its request
+                if c.recv(4096) == b"":
+                    closed += 1
+            except BlockingIOError:     # nothing to read: an accepted connection waiting for its request
                 pass
-        assert refused == 4
+            except ConnectionResetError:
+                closed += 1
+        assert closed == 4          # the longest idle made room for the newest
         for c in conns:
             c.close()
     finally:
@@ -612,13 +628,14 @@ def test_an_unknown_model_name_is_not_echoed_whole():
     run(go())
 
 
-def test_a_body_that_trickles_expires_and_one_address_cannot_take_every_connection():
+def test_a_body_that_trickles_expires_and_one_address_cannot_keep_every_connection_waiting():
     """A body sent a byte at a time never expired (the deadline moved with each byte), and nothing limited the
     connections of one address, so a few thousand such clients held the connection cap. Now a body has an
-    allowance for the whole (body timeout plus its size at MIN_BODY_RATE), and one address a share of the cap."""
+    allowance for the whole (body timeout plus its size at MIN_BODY_RATE), and an address's connections that
+    are not being answered are capped: a new one closes the one of that address waiting longest."""
     async def go():
         up = await Raw(lambda n: ok(b"{}")).start()
-        gw, port = await gateway([up.row], body_timeout_s=1.0, max_connections=8, max_per_address=3)
+        gw, port = await gateway([up.row], body_timeout_s=2.0, max_connections=8, max_waiting_per_address=3)
         try:
             async def trickle():
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -642,21 +659,22 @@ def test_a_body_that_trickles_expires_and_one_address_cannot_take_every_connecti
             held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
             trickling = asyncio.ensure_future(trickle())
             async with Bystander(port, source="127.0.0.2"):      # another address: served throughout
-                await asyncio.sleep(0.2)
-                # a fourth connection from 127.0.0.1 is refused; another address is served
+                await asyncio.sleep(G.WAITING_AFTER_S + 0.2)       # all three count as waiting now
+                # a fourth waiting connection from 127.0.0.1 is served: the longest idle one of it is closed
                 got = await exchange(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
-                assert got.startswith(b"HTTP/1.1 503") and b"too many connections from 127.0.0.1" in got
+                assert got.startswith(b"HTTP/1.1 200")
+                assert await asyncio.wait_for(held[0][0].read(), 2) == b""
                 r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
                 w.write(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
                 assert (await asyncio.wait_for(r.read(4096), 5)).startswith(b"HTTP/1.1 200")
                 w.close()
                 got, took = await trickling
             assert got.startswith(b"HTTP/1.1 408") and b"body not received" in got, got
-            assert took < 3, took
+            assert took < 4, took
             for _, w in held:
                 w.close()
             await asyncio.sleep(0.2)
-            assert gw._per_address == {} or set(gw._per_address) == {"127.0.0.1"}
+            assert gw._by_address == {} or set(gw._by_address) == {"127.0.0.1"}
         finally:
             await gw.stop()
             await up.stop()

@@ -241,3 +241,90 @@ def test_100_continue_for_a_pipelined_request_waits_for_the_stream_before_it():
             await gw.stop()
             up.stop_listening()
     run(go())
+
+
+# --- 2: connection limits that hold with many clients behind one address ------------------------------------------
+def test_many_streams_from_one_address_are_all_served():
+    """Every local client, and every client behind a reverse proxy, has one address: the per-address cap on all
+    connections refused streams beyond it (600 from one address: 88 refused). Connections being answered are
+    not capped per address now, only those waiting."""
+    async def go():
+        up = await Scripted().start()
+        gw, url = await gateway([up.row], max_waiting_per_address=8)
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                got = await asyncio.gather(*(stream(s, url, 10, 0.05) for _ in range(48)))
+            assert all(len(events) == 11 and events[-1] == b"data: [DONE]" for events in got)
+        finally:
+            await gw.stop()
+            up.stop_listening()
+    run(go())
+
+
+def test_slow_bodies_from_one_address_do_not_hold_off_its_other_clients():
+    """Clients sending their bodies slowly held every connection their address was allowed, and the other
+    clients of that address were refused until the bodies expired. Now a new connection is served, and when
+    its address has as many connections waiting for WAITING_AFTER_S as allowed, the one waiting longest is
+    closed (503 saying why)."""
+    async def go():
+        up = await Scripted().start()
+        gw, url = await gateway([up.row], max_waiting_per_address=3)
+        port = int(url.rsplit(":", 1)[1])
+        try:
+            slow = []
+            for _ in range(3):
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 100\r\n\r\n{")
+                slow.append((r, w))
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(G.WAITING_AFTER_S)
+            t = time.monotonic()
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                for _ in range(5):
+                    async with s.post(url + "/v1/completions", json={}) as r:
+                        assert r.status == 200
+            assert time.monotonic() - t < 2
+            got = await asyncio.wait_for(slow[0][0].read(), 2)
+            assert got.startswith(b"HTTP/1.1 503") and b"too many unanswered connections from 127.0.0.1" in got
+            assert sum(1 for c in gw._by_address["127.0.0.1"] if c.waiting) == 2     # the cap holds
+            for _, w in slow:
+                w.close()
+        finally:
+            await gw.stop()
+            up.stop_listening()
+    run(go())
+
+
+def test_the_connection_cap_is_sized_from_the_deployments_slots():
+    gw = Gateway(Router())
+    gw.set_replicas([{"name": f"w{i}", "url": "http://127.0.0.1:1", "model": "m", "healthy": True, "slots": 32}
+                     for i in range(4)])
+    room = G._connection_room()
+    assert gw.max_connections == min(room, max(G.MIN_CONNECTIONS, 4 * 32 * G.CONNECTIONS_PER_SLOT))
+    gw.set_replicas([{"name": "w0", "url": "http://127.0.0.1:1", "model": "m", "healthy": True}])
+    assert gw.max_connections == min(room, max(G.MIN_CONNECTIONS, G.DEFAULT_SLOTS * G.CONNECTIONS_PER_SLOT))
+    assert Gateway(Router(), max_connections=5).max_connections == 5
+
+
+def test_the_docs_state_the_limits_the_code_has():
+    """docs/cluster.md's gateway section names each limit; the numbers there are the constants here."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cluster.md").read_text()
+    section = doc[doc.index("## The gateway"):doc.index("## Metrics")]
+    text = " ".join(section.split())
+    expect = [
+        f"at least {G.MIN_CONNECTIONS} connections per gateway process",
+        f"{G.CONNECTIONS_PER_SLOT} per slot",
+        f"counting a replica whose slots the table does not give as {G.DEFAULT_SLOTS}",
+        f"at most {G.MAX_WAITING_PER_ADDRESS} waiting connections per client address",
+        f"request line + headers {G.MAX_HEAD >> 10} KiB", f"{G.MAX_HEADERS} headers", f"URL {G.MAX_URL >> 10} KiB",
+        f"body {G.MAX_BODY >> 20} MiB", f"{G.HEADER_TIMEOUT_S:g} s from a request's first byte",
+        f"{G.BODY_TIMEOUT_S:g} s of silence", f"{G.MIN_BODY_RATE >> 10} KiB/s", f"{G.IDLE_TIMEOUT_S:g} s keep-alive idle",
+        f"{G.SEND_TIMEOUT_S:g} s of a client reading nothing", f"{G.MAX_PIPELINED} requests wait",
+        f"sends nothing for {G.UPSTREAM_IDLE_S:g} s", f"up to {G.UPSTREAM_ANSWER_S / 3600:g} h",
+        f"once it has waited {G.WAITING_AFTER_S:g} s", f"up to {G.MAX_HELD_EVENT >> 20} MiB",
+        f"max age of {G.CORS_MAX_AGE_S} s",
+    ]
+    missing = [e for e in expect if e not in text]
+    assert not missing, missing
+    # and no number the code no longer has
+    assert "512 from one client address" not in text and "skipped for 2 s" not in text
