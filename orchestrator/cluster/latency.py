@@ -134,3 +134,31 @@ def recent_from_page(text: str, prefix: str = "ray_") -> dict[str, dict[str, flo
         else:
             row["tokens_per_s_p50"] = quantile(0.5, h)
     return out
+
+
+WORKER_RATES = {"orchestrator_worker_prompt_tokens_per_second": "prompt_tps",
+                "orchestrator_worker_generation_tokens_per_second": "generation_tps"}
+
+
+def worker_rates_from_page(text: str, prefix: str = "ray_") -> dict[str, dict[str, float]]:
+    """Per worker, the tokens/s gauges as Ray's metrics endpoint exports them (``prompt_tps``,
+    ``generation_tps``): what Prometheus and Grafana read, so ``status`` shows the same numbers. A worker whose
+    actor was re-created may have a series of the old process too; the larger value is taken."""
+    names = {prefix + k: v for k, v in WORKER_RATES.items()}
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix + "orchestrator_worker_"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) not in names:
+            continue
+        worker = dict(_LABEL.findall(m.group(2))).get("worker")
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if worker is not None:
+            row = out.setdefault(worker, {})
+            key = names[m.group(1)]
+            row[key] = max(row.get(key, value), value)
+    return out

@@ -15,6 +15,7 @@ Values go to a :class:`MetricsSink`; in an actor that is :class:`orchestrator.cl
 
 from __future__ import annotations
 
+import collections
 import http.client
 import os
 import re
@@ -29,8 +30,8 @@ from orchestrator.hardware.nvml import Nvml
 METRICS: dict[str, tuple[str, str]] = {
     "orchestrator_worker_healthy": ("gauge", "1 when the worker's llama-server answers /health, else 0"),
     "orchestrator_worker_restarts": ("counter", "llama-server restarts of the worker"),
-    "orchestrator_worker_prompt_tokens_per_second": ("gauge", "prompt tokens processed per second (last interval)"),
-    "orchestrator_worker_generation_tokens_per_second": ("gauge", "tokens generated per second (last interval)"),
+    "orchestrator_worker_prompt_tokens_per_second": ("gauge", "prompt tokens processed per second (last 30 s)"),
+    "orchestrator_worker_generation_tokens_per_second": ("gauge", "tokens generated per second (last 30 s)"),
     "orchestrator_worker_requests_in_flight": ("gauge", "requests llama-server is processing"),
     "orchestrator_worker_requests_deferred": ("gauge", "requests waiting for a free llama-server slot"),
     "orchestrator_worker_resident_memory_bytes": ("gauge", "resident memory of the llama-server process tree"),
@@ -158,25 +159,36 @@ def fetch_text(url: str, path: str, timeout: float, headers: Mapping[str, str] |
         conn.close()
 
 
+RATE_WINDOW_S = 30.0
+
+
 @dataclass
 class TokenRates:
-    """Tokens/s from llama-server's cumulative counters between two scrapes (a restart resets them)."""
+    """Tokens/s from llama-server's cumulative counters over the last :data:`RATE_WINDOW_S` of scrapes (a restart
+    resets them). llama-server adds a request's prompt and generated tokens to its counters when the request ends
+    (the slot's reset, ``metrics_on_prediction`` in tools/server/server-context.cpp), not as it goes: between two
+    scrapes 2 s apart a deployment generating 762 tokens/s in long streams often finished none, and its rate
+    read 0. Over a window of several request lengths the rate is the tokens of the requests that ended in it."""
 
-    prev: dict[str, float] | None = None
-    prev_t: float = 0.0
+    window_s: float = RATE_WINDOW_S
+    samples: collections.deque = field(default_factory=collections.deque)   # (t, prompt, generated)
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
 
     def update(self, sample: Mapping[str, float], t: float) -> None:
-        cur = {"p": sample.get("llamacpp:prompt_tokens_total", 0.0),
-               "g": sample.get("llamacpp:tokens_predicted_total", 0.0)}
-        if self.prev is not None and t > self.prev_t and cur["p"] >= self.prev["p"] and cur["g"] >= self.prev["g"]:
-            dt = t - self.prev_t
-            self.prompt_tps = (cur["p"] - self.prev["p"]) / dt
-            self.generation_tps = (cur["g"] - self.prev["g"]) / dt
+        p = sample.get("llamacpp:prompt_tokens_total", 0.0)
+        g = sample.get("llamacpp:tokens_predicted_total", 0.0)
+        last = self.samples[-1] if self.samples else None
+        if last is None or t <= last[0] or p < last[1] or g < last[2]:
+            self.samples.clear()                 # the first scrape, or a restarted server: nothing to compare
+        self.samples.append((t, p, g))
+        while len(self.samples) > 2 and self.samples[1][0] <= t - self.window_s:
+            self.samples.popleft()               # the oldest that is still at least the window back stays
+        t0, p0, g0 = self.samples[0]
+        if t > t0:
+            self.prompt_tps, self.generation_tps = (p - p0) / (t - t0), (g - g0) / (t - t0)
         else:
             self.prompt_tps = self.generation_tps = 0.0
-        self.prev, self.prev_t = cur, t
 
 
 # --- process tree memory --------------------------------------------------------------------------------------------

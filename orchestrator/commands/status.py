@@ -48,11 +48,13 @@ def run(args: argparse.Namespace) -> int:
 
 def add_recent_latency(st: dict, timeout: float = 3.0) -> None:
     """Puts each worker's recent latency, as the gateway exported it to Ray's metrics endpoint, under its
-    ``latency`` key; or says in ``latency_error`` why it cannot (the rest of the status stands either way)."""
+    ``latency`` key, and its tokens/s as exported there (the gauges Prometheus and Grafana read) over the ones its
+    actor sampled last, so ``status`` and the dashboards agree; or says in ``latency_error`` why it cannot (the
+    rest of the status stands either way, with the actor's own tokens/s)."""
     import urllib.error
     import urllib.request
 
-    from orchestrator.cluster.latency import recent_from_page
+    from orchestrator.cluster.latency import recent_from_page, worker_rates_from_page
 
     url = st.get("metrics_url")
     if not url:
@@ -65,5 +67,9 @@ def add_recent_latency(st: dict, timeout: float = 3.0) -> None:
         st["latency_error"] = f"Ray's metrics endpoint {url} did not answer ({getattr(e, 'reason', None) or e})"
         return
     recent = recent_from_page(page)
+    rates = worker_rates_from_page(page)
     for w in st.get("workers") or []:
         w["latency"] = recent.get(w.get("name"), {})
+        exported = rates.get(w.get("name"))
+        if exported:
+            w["metrics"] = {**(w.get("metrics") or {}), **exported}
