@@ -801,6 +801,7 @@ class _Exchange:
         self.status = 0
         self.ctype = "application/json"
         self.passed = []           # the replica's header lines passed back to the client
+        self.sent_at = 0.0         # when the request was written to the replica (loop time)
         self.streaming = False
         self.body: list[bytes] = []
         self.error = ""
@@ -848,10 +849,22 @@ class _Exchange:
             return
         self.status = status
         self.streaming = self.ctype.startswith("text/event-stream")
+        self.passed.append(self.server_timing())
         if self.streaming:
             self.client.start_stream(self.status, self.ctype, "".join(self.passed))
         if not self.head.done():
             self.head.set_result(None)
+
+    def server_timing(self) -> str:
+        """Where the time to this answer's head went (W3C Server-Timing, in ms): ``gateway`` from the end of the
+        request to its last byte written to the replica; ``replica`` from then to the answer's head, which
+        llama-server sends with a stream's first token (after waiting for a slot and the prompt) and with a whole
+        answer at its end."""
+        now = self.gw.loop_time()
+        req = self.client.current
+        received = req.received if req is not None else self.sent_at
+        return (f"Server-Timing: gateway;dur={(self.sent_at - received) * 1e3:.2f}, "
+                f"replica;dur={(now - self.sent_at) * 1e3:.2f}\r\n")
 
     def on_body(self, data: bytes) -> None:
         if self.finished or self.interim:
@@ -1301,6 +1314,7 @@ class Gateway:
                     up.transport.write(head)
                     for piece in req.body:         # as it arrived: a big body is not copied into one
                         up.transport.write(piece)
+                ex.sent_at = self.loop_time()
                 try:
                     await self._progress(ex, ex.head, head_wait)
                 except _Disconnected:

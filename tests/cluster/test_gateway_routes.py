@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -145,6 +146,8 @@ def test_the_replicas_headers_come_back_but_not_hop_by_hop_ones_nor_its_cors():
             async def fn(s, base, gw):
                 async with s.post(base + "/v1/completions", json={}, headers={"Origin": "http://evil.example"}) as r:
                     assert r.status == 200 and r.headers["X-Request-Id"] == "r-1"
+                    # where the time to the head went: the gateway's part and the replica's
+                    assert re.fullmatch(r"gateway;dur=\d+\.\d\d, replica;dur=\d+\.\d\d", r.headers["Server-Timing"])
                     for hop in ("Keep-Alive", "Server", "Access-Control-Allow-Origin"):
                         assert hop not in r.headers, hop
                     assert "origin" not in (await r.json())["headers"]
