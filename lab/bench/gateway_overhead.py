@@ -4,9 +4,18 @@
 Both paths hit the same llama-server, interleaved round by round (direct, gateway, gateway, direct, ...) so drift
 in the machine's load hits both alike. Per request it records the time to the first streamed token, the time to
 the last and the time per token after the first; per round the generated tokens per second over all streams. It
-prints p50/p90/p95 of each, the added latency and the throughput loss, against the targets (<= 1 ms p50 added,
-<= 3 % throughput loss). ``--streams 1,4,16`` measures each count in turn on one deployment (llama-server with as
-many slots as the largest count); each count gets at least ``--min-samples`` requests per path.
+prints p50/p90/p95/p99 of each, the added latency and the throughput loss, against the targets (<= 1 ms p50
+added, <= 3 % throughput loss). ``--streams 1,4,16`` measures each count in turn on one deployment (llama-server
+with as many slots as the largest count); each count gets at least ``--requests`` requests per path (a p99 wants
+200 or more).
+
+Every request is kept (``requests`` in the JSON): when it was sent within its round, its time to the first token
+and to the last, its tokens, llama-server's own timings from the stream's last event (``prompt_ms``: the prompt's
+share of the first token; ``predicted_ms``) and, through the gateway, the gateway's ``Server-Timing`` (the
+gateway's time from the end of the request to the replica, and the replica's to the answer's head). The rest of
+the first token, ``other_ms`` = time to first token - gateway - prompt, is the wait for a slot and for the batch
+in progress (with the first decode step and the network). The report splits the slowest 5 % of each path that
+way, so a tail is put where it comes from.
 
 Modes:
   --mode ray         (default) the real thing: `orchestrator.cluster.up` with one worker under an embedded Ray
@@ -148,43 +157,69 @@ def server_key(port: int) -> str | None:
 RETRIED: dict[str, int] = {}   # url -> requests sent again after the server closed a kept-alive connection
 
 
-async def one_stream(session, url: str, body: bytes, headers: dict | None = None) -> tuple[float, float, int]:
-    """One streamed request: (time to the first token, time to the last, tokens; the time per token after the
-    first is (last - first) / (tokens - 1)). A request whose kept-alive
+async def one_stream(session, url: str, body: bytes, headers: dict | None = None, t_round: float = 0.0) -> dict:
+    """One streamed request: ``ttft``, ``total`` (s), ``tokens`` (the time per token after the first is
+    (total - ttft) / (tokens - 1)), ``sent`` (s after the round began), llama-server's ``prompt_ms`` and
+    ``predicted_ms``, the gateway's ``gateway_ms`` and ``replica_ms`` (Server-Timing). A request whose kept-alive
     connection the server closed before it answered (the usual keep-alive race of HTTP/1.1; aiohttp does not
     resend a POST by itself) is sent once more and counted in RETRIED, which the report prints per path."""
     import aiohttp
 
     try:
-        return await _one_stream(session, url, body, headers)
+        return await _one_stream(session, url, body, headers, t_round)
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
         RETRIED[url] = RETRIED.get(url, 0) + 1
-        return await _one_stream(session, url, body, headers)
+        return await _one_stream(session, url, body, headers, t_round)
 
 
-async def _one_stream(session, url: str, body: bytes, headers: dict | None = None) -> tuple[float, float, int]:
+def server_timing(value: str) -> dict[str, float]:
+    """``gateway;dur=0.08, replica;dur=351.2`` -> {"gateway_ms": 0.08, "replica_ms": 351.2}."""
+    out = {}
+    for part in value.split(","):
+        name, _, params = part.strip().partition(";")
+        for p in params.split(";"):
+            k, _, v = p.strip().partition("=")
+            if k == "dur":
+                try:
+                    out[f"{name}_ms"] = float(v)
+                except ValueError:
+                    pass
+    return out
+
+
+async def _one_stream(session, url: str, body: bytes, headers: dict | None = None, t_round: float = 0.0) -> dict:
     t0 = time.perf_counter()
     first = None
     n = 0
+    last_event = b""
     async with session.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})}) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
+        rec = server_timing(r.headers.get("Server-Timing", ""))
         async for line in r.content:
             if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
                 continue
             if first is None:
                 first = time.perf_counter()
             n += 1
+            last_event = line
     end = time.perf_counter()
-    return (first or end) - t0, end - t0, n
+    try:
+        timings = json.loads(last_event[5:]).get("timings") or {}
+    except ValueError:
+        timings = {}
+    rec.update({"sent": t0 - t_round, "ttft": (first or end) - t0, "total": end - t0, "tokens": n,
+                "prompt_ms": timings.get("prompt_ms"), "prompt_n": timings.get("prompt_n"),
+                "predicted_ms": timings.get("predicted_ms")})
+    return rec
 
 
 async def one_round(session, url: str, streams: int, body: bytes, headers: dict | None = None
                     ) -> tuple[list, float, int]:
     t0 = time.perf_counter()
-    res = await asyncio.gather(*[one_stream(session, url, body, headers) for _ in range(streams)])
+    res = await asyncio.gather(*[one_stream(session, url, body, headers, t0) for _ in range(streams)])
     wall = time.perf_counter() - t0
-    return res, wall, sum(r[2] for r in res)
+    return res, wall, sum(r["tokens"] for r in res)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -195,7 +230,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def rounds_for(streams: int, rounds: int, min_samples: int) -> int:
-    """Rounds of ``streams`` requests so that each path gets at least ``min_samples`` requests (a p95 of 8)."""
+    """Rounds of ``streams`` requests so that each path gets at least ``min_samples`` requests (a p95 wants 20 or
+    more, a p99 200 or more)."""
     return max(rounds, -(-min_samples // streams))
 
 
@@ -205,7 +241,7 @@ async def measure(direct: str, gateway: str, streams: int, rounds: int, max_toke
 
     body = json.dumps({"prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True, "temperature": 0}).encode()
-    out = {p: {"ttft": [], "total": [], "per_token": [], "tps": []} for p in ("direct", "gateway")}
+    out = {p: {"ttft": [], "total": [], "per_token": [], "tps": [], "requests": []} for p in ("direct", "gateway")}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         targets = {"direct": direct + "/v1/completions", "gateway": gateway + "/v1/completions"}
@@ -217,10 +253,12 @@ async def measure(direct: str, gateway: str, streams: int, rounds: int, max_toke
             order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
             for name in order:
                 res, wall, toks = await one_round(s, targets[name], streams, body, headers[name])
-                out[name]["ttft"] += [r[0] for r in res]
-                out[name]["total"] += [r[1] for r in res]
-                out[name]["per_token"] += [(r[1] - r[0]) / (r[2] - 1) for r in res if r[2] > 1]
+                out[name]["ttft"] += [r["ttft"] for r in res]
+                out[name]["total"] += [r["total"] for r in res]
+                out[name]["per_token"] += [(r["total"] - r["ttft"]) / (r["tokens"] - 1) for r in res
+                                           if r["tokens"] > 1]
                 out[name]["tps"].append(toks / wall)
+                out[name]["requests"] += [{"round": i, **r} for r in res]
     return out
 
 
@@ -229,19 +267,43 @@ def summarize(raw: dict, args, extra: dict, streams: int | None = None, rounds: 
     ms = lambda xs, q: pct(xs, q) * 1e3 if xs else float("nan")  # noqa: E731
     s = {"streams": streams if streams is not None else args.streams, "rounds": rounds or args.rounds,
          "max_tokens": args.max_tokens, "samples": {"direct": len(d["ttft"]), "gateway": len(g["ttft"])}}
-    for key, q in (("p50", .5), ("p90", .9), ("p95", .95)):
+    for key, q in (("p50", .5), ("p90", .9), ("p95", .95), ("p99", .99)):
         s[f"ttft_{key}_ms"] = {"direct": ms(d["ttft"], q), "gateway": ms(g["ttft"], q)}
         s[f"per_token_{key}_ms"] = {"direct": ms(d["per_token"], q), "gateway": ms(g["per_token"], q)}
     s["total_p50_ms"] = {"direct": ms(d["total"], .5), "gateway": ms(g["total"], .5)}
     s["tokens_per_s_median"] = {"direct": statistics.median(d["tps"]), "gateway": statistics.median(g["tps"])}
     s["added_p50_ttft_ms"] = s["ttft_p50_ms"]["gateway"] - s["ttft_p50_ms"]["direct"]
     s["added_p95_ttft_ms"] = s["ttft_p95_ms"]["gateway"] - s["ttft_p95_ms"]["direct"]
+    s["added_p99_ttft_ms"] = s["ttft_p99_ms"]["gateway"] - s["ttft_p99_ms"]["direct"]
     s["added_p50_per_token_ms"] = s["per_token_p50_ms"]["gateway"] - s["per_token_p50_ms"]["direct"]
     s["added_p95_per_token_ms"] = s["per_token_p95_ms"]["gateway"] - s["per_token_p95_ms"]["direct"]
     s["added_p50_total_ms"] = s["total_p50_ms"]["gateway"] - s["total_p50_ms"]["direct"]
     s["throughput_loss_pct"] = 100 * (1 - s["tokens_per_s_median"]["gateway"] / s["tokens_per_s_median"]["direct"])
+    s["tail"] = {p: tail_split(raw[p]["requests"]) for p in ("direct", "gateway")}
     s.update(extra)
+    s["requests"] = {p: [{k: (round(v * 1e3, 3) if k in ("sent", "ttft", "total") else v) for k, v in r.items()}
+                         for r in raw[p]["requests"]] for p in ("direct", "gateway")}   # ms, per request
     return s
+
+
+def tail_split(requests: list[dict], share: float = 0.05) -> dict:
+    """The slowest ``share`` of requests by time to first token, and the median of where it went: the gateway's
+    part (Server-Timing; 0 straight to llama-server), llama-server's prompt, and the rest (the wait for a slot and
+    for the batch in progress, the first decode step, the network); the same for all requests beside it."""
+    def split(rs: list[dict]) -> dict:
+        if not rs:
+            return {}
+        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+        ttft = [r["ttft"] * 1e3 for r in rs]
+        gw = [r.get("gateway_ms") or 0.0 for r in rs]
+        prompt = [r["prompt_ms"] if r.get("prompt_ms") is not None else float("nan") for r in rs]
+        other = [t - g - p for t, g, p in zip(ttft, gw, prompt)]
+        sent = [r["sent"] * 1e3 for r in rs]
+        return {"n": len(rs), "ttft_ms": med(ttft), "gateway_ms": med(gw), "prompt_ms": med(prompt),
+                "other_ms": med(other), "sent_ms": med(sent)}
+    ranked = sorted(requests, key=lambda r: r["ttft"])
+    k = max(1, round(len(ranked) * share)) if ranked else 0
+    return {"slowest": split(ranked[len(ranked) - k:]), "all": split(ranked)}
 
 
 def report(s: dict) -> str:
@@ -257,12 +319,14 @@ def report(s: dict) -> str:
         row("time to first token p50", "ttft_p50_ms"),
         row("time to first token p90", "ttft_p90_ms"),
         row("time to first token p95", "ttft_p95_ms"),
+        row("time to first token p99", "ttft_p99_ms"),
         row("per token p50", "per_token_p50_ms"),
         row("per token p95", "per_token_p95_ms"),
         row("request total p50", "total_p50_ms"),
         f"{'tokens/s (median round)':26}{s['tokens_per_s_median']['direct']:>12.1f}"
         f"{s['tokens_per_s_median']['gateway']:>12.1f}{-s['throughput_loss_pct']:>+11.2f}%",
         f"gateway CPU per streamed chunk: {s['gateway_cpu_us_per_chunk']:.1f} us",
+        *tail_lines(s.get("tail") or {}),
         f"requests resent after the server closed a kept-alive connection: direct {s['resent']['direct']}, "
         f"gateway {s['resent']['gateway']}",
         f"target p50 added <= 1 ms: {'met' if s['added_p50_ttft_ms'] <= 1.0 else 'MISSED'} (first token), "
@@ -270,6 +334,19 @@ def report(s: dict) -> str:
         f"throughput loss <= 3 %: {'met' if s['throughput_loss_pct'] <= 3.0 else 'MISSED'}",
     ]
     return "\n".join(lines)
+
+
+def tail_lines(tail: dict) -> list[str]:
+    lines = []
+    for path in ("direct", "gateway"):
+        for part in ("all", "slowest"):
+            t = (tail.get(path) or {}).get(part) or {}
+            if t:
+                lines.append(f"{path:8}{'slowest 5%' if part == 'slowest' else 'all':>11} ({t['n']:>4}): first token "
+                             f"{t['ttft_ms']:8.2f} ms = gateway {t['gateway_ms']:6.2f} + prompt {t['prompt_ms']:8.2f}"
+                             f" + slot wait and the rest {t['other_ms']:8.2f} (medians; sent {t['sent_ms']:.2f} ms "
+                             "into the round)")
+    return lines
 
 
 def stream_counts(text: str) -> list[int]:
@@ -290,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--binary", default=None, help="llama-server (default: $LLAMA_SERVER, PATH, build cache)")
     ap.add_argument("--streams", type=stream_counts, default=[16], help="concurrent streams: 16, or 1,4,16")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--min-samples", type=int, default=0,
-                    help="at least this many requests per path and stream count (more rounds for few streams)")
+    ap.add_argument("--requests", "--min-samples", dest="min_samples", type=int, default=0,
+                    help="at least this many requests per path and stream count (more rounds when needed; a p99 "
+                         "wants 200 or more)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON to this file")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)

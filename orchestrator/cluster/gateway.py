@@ -123,10 +123,9 @@ class Replica:
 
 
 class Router:
-    """Which replica serves the next request. Pure; the clock is injected."""
+    """Which replica serves the next request. Pure."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
+    def __init__(self) -> None:
         self.replicas: dict[str, Replica] = {}
         self._rr = itertools.count()
         self.version = 0

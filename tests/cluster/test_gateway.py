@@ -19,14 +19,6 @@ from orchestrator.cluster.gateway import Gateway, Router
 from orchestrator.cluster.metrics import DictSink
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def table(*rows):
     return [{"name": n, "url": f"http://127.0.0.1:{9000 + i}", "model": m, "healthy": h, "detail": ""}
             for i, (n, m, h) in enumerate(rows)]
@@ -34,7 +26,7 @@ def table(*rows):
 
 # --- router ---------------------------------------------------------------------------------------------------
 def test_router_picks_fewest_in_flight_and_rotates_ties():
-    r = Router(Clock())
+    r = Router()
     r.set_replicas(table(("a", "m", True), ("b", "m", True), ("c", "m", True)))
     r.replicas["a"].inflight = 2
     r.replicas["b"].inflight = 1
@@ -46,7 +38,7 @@ def test_router_picks_fewest_in_flight_and_rotates_ties():
 
 
 def test_router_skips_unhealthy_and_excluded_and_only_the_table_takes_a_replica_out():
-    r = Router(Clock())
+    r = Router()
     r.set_replicas(table(("a", "m", True), ("b", "m", False), ("c", "m", True)))
     assert r.pick("m", exclude={"a"}).name == "c"
     assert r.pick("m", exclude={"a", "c"}) is None
@@ -55,7 +47,7 @@ def test_router_skips_unhealthy_and_excluded_and_only_the_table_takes_a_replica_
 
 
 def test_router_keeps_in_flight_counts_across_table_updates():
-    r = Router(Clock())
+    r = Router()
     r.set_replicas(table(("a", "m", True)))
     r.replicas["a"].inflight = 3
     r.set_replicas(table(("a", "m", False)))
@@ -63,7 +55,7 @@ def test_router_keeps_in_flight_counts_across_table_updates():
 
 
 def test_router_model_resolution():
-    r = Router(Clock())
+    r = Router()
     r.set_replicas(table(("a", "m", True)))
     assert r.resolve_model("gpt-4o") == "m"        # one alias: any name goes there
     r.set_replicas(table(("a", "m", True), ("b", "n", True)))
@@ -71,7 +63,7 @@ def test_router_model_resolution():
 
 
 def test_router_explains_why_nothing_is_healthy():
-    r = Router(Clock())
+    r = Router()
     r.set_replicas([{"name": "w0", "url": "u", "model": "m", "healthy": False, "detail": "backoff (killed by SIGKILL)"},
                     {"name": "w1", "url": "u", "model": "m", "healthy": False, "detail": "starting"}])
     msg = r.why_unavailable("m")

@@ -6,7 +6,6 @@ upstream that records what reached it, then against a real llama-server with the
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import socket
 import subprocess
