@@ -24,7 +24,8 @@ cd "$(dirname "$0")/../.."
 die() { echo "gateway-gpu.sh: $*" >&2; exit 2; }
 [ $# -eq 2 ] || die "usage: bash lab/device/gateway-gpu.sh LLAMA_SERVER|build MODEL.gguf|w1"
 SERVER=$1 MODEL=$2
-[ "$SERVER" = build ] || { [ -x "$SERVER" ] && [ -f "$SERVER" ]; } || die "llama-server: $SERVER is not an executable file"
+[ "$SERVER" = build ] || { [ -x "$SERVER" ] && [ -f "$SERVER" ]; } ||
+  die "llama-server: $SERVER is not an executable file"
 [ "$MODEL" = w1 ] || [ -f "$MODEL" ] || die "model: $MODEL is not a file"
 OUT=${OUT:-./gateway-gpu-out}
 STREAMS=${STREAMS:-1,4,16} ROUNDS=${ROUNDS:-10} REQUESTS=${REQUESTS:-${MIN_SAMPLES:-48}} MAX_TOKENS=${MAX_TOKENS:-64}
@@ -50,7 +51,8 @@ mkdir -p "$OUT"
 
 # the CUDA build and W1, side by side, when asked for
 if [ "$SERVER" = build ]; then
-  [ -f "${BUNDLE:-}/llama-src.tar.xz" ] || die "build: ${BUNDLE:-BUNDLE}/llama-src.tar.xz is missing (the llama.cpp source to build)"
+  [ -f "${BUNDLE:-}/llama-src.tar.xz" ] ||
+    die "build: ${BUNDLE:-BUNDLE}/llama-src.tar.xz is missing (the llama.cpp source to build)"
 fi
 if [ "$MODEL" = w1 ]; then
   MODEL=/root/work/models/qwen3-30b-a3b-q4_0.gguf
@@ -91,7 +93,8 @@ fi
 cat "$OUT/machine.txt"
 
 # the measurement: one deployment (llama-server with as many slots as the largest count), each count in turn
-timeout "$MEASURE_SECONDS" "$PY" lab/bench/gateway_overhead.py --mode ray --binary "$SERVER" --model "$MODEL" --ngl "$NGL" \
+timeout "$MEASURE_SECONDS" "$PY" lab/bench/gateway_overhead.py --mode ray --binary "$SERVER" --model "$MODEL" \
+  --ngl "$NGL" \
   --threads "$THREADS" --streams "$STREAMS" --rounds "$ROUNDS" --requests "$REQUESTS" \
   --max-tokens "$MAX_TOKENS" --out "$OUT/gateway-gpu.json" 2>&1 | tee "$OUT/gateway-gpu.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || die "the measurement failed: see $OUT/gateway-gpu.txt"

@@ -17,9 +17,10 @@ connection caps that hold with every client behind one address; the API key chec
 or ``100 Continue``), and what a replica sends is checked (one answer per request, 1xx skipped, silence timed out,
 a cut stream visibly cut, a malformed answer one 502): see the constants below and ``docs/cluster.md``. Each
 answer's latency (time to first token, duration, tokens/s per stream) goes to histograms and to a window of the
-last minutes that ``status`` reads. The :class:`Router` is pure and unit-tested; :class:`Gateway` is the HTTP server; :class:`GatewayActor` runs it inside a Ray actor (the
-controller creates it on the node where ``up`` runs, so ``down`` stops it with the rest); ``python -m
-orchestrator.cluster.gateway`` runs it standalone with a fixed replica list (benchmarks, debugging).
+last minutes that ``status`` reads. The :class:`Router` is pure and unit-tested; :class:`Gateway` is the HTTP
+server; :class:`GatewayActor` runs it inside a Ray actor (the controller creates it on the node where ``up`` runs,
+so ``down`` stops it with the rest); ``python -m orchestrator.cluster.gateway`` runs it standalone with a fixed
+replica list (benchmarks, debugging).
 """
 
 from __future__ import annotations
@@ -1143,7 +1144,7 @@ class Gateway:
                 await self._proxy(conn, req)
         elif path in GET_ROUTES and method == "GET":
             await self._proxy(conn, req)
-        elif path in GET_ROUTES:
+        elif path in GET_ROUTES and method == "POST":
             conn.respond(405, error_body(f"{method} {path} would change one worker's settings: send it to the worker "
                                          "(`orchestrator status` shows their addresses); through the gateway "
                                          f"{path} takes GET", "invalid_request_error", 405), extra="Allow: GET\r\n")
@@ -1155,7 +1156,7 @@ class Gateway:
                 conn.respond(200, json.dumps({"status": "ok", "healthy_replicas": n}).encode())
             else:
                 conn.respond(503, error_body("no healthy replica", "service_unavailable", 503))
-        elif path in MODEL_ROUTES or path in OPEN_ROUTES or path.startswith("/v1/models/"):
+        elif path in GET_ROUTES or path in MODEL_ROUTES or path in OPEN_ROUTES or path.startswith("/v1/models/"):
             conn.respond(405, error_body(f"{path} takes GET", "invalid_request_error", 405),
                          extra="Allow: GET, HEAD\r\n")
         elif path in PER_WORKER or path.startswith("/slots/"):

@@ -107,7 +107,7 @@ async def stream(s: aiohttp.ClientSession, url: str, events: int, every: float) 
     return [e for e in data.split(b"\n\n") if e]
 
 
-# --- 1: fault isolation ---------------------------------------------------------------------------------------------
+# --- fault isolation ------------------------------------------------------------------------------------------------
 def test_a_request_that_times_out_cuts_no_other_stream_and_takes_no_replica_out():
     """A streamed request whose replica sent nothing for the upstream timeout got 504, marked the replica
     failed (503 for everyone for 2 s) and the next request closed the replica's connection pool, cutting the
@@ -159,7 +159,7 @@ def test_a_failed_connect_cuts_no_stream_on_the_same_replica():
     run(go())
 
 
-# --- 3: SSE framing of an error after a partial event ------------------------------------------------------------------
+# --- SSE framing of an error after a partial event ------------------------------------------------------------------
 def test_an_error_after_a_partial_event_starts_at_an_event_boundary():
     """The gateway's error event was written right after ``data: {"id"`` (half an event), so every SSE client
     read one broken event. Now the partial event is dropped and the error is an event of its own."""
@@ -205,7 +205,7 @@ def test_the_openai_client_raises_its_api_error_on_a_stream_cut_mid_event():
     run(go())
 
 
-# --- 4: 100 Continue never inside a running stream -----------------------------------------------------------------
+# --- 100 Continue never inside a running stream ---------------------------------------------------------------------
 def test_100_continue_for_a_pipelined_request_waits_for_the_stream_before_it():
     """The interim answer to a pipelined request's ``Expect: 100-continue`` was written as soon as its head was
     read, into the middle of the chunked stream answering the request before it."""
@@ -242,7 +242,7 @@ def test_100_continue_for_a_pipelined_request_waits_for_the_stream_before_it():
     run(go())
 
 
-# --- 2: connection limits that hold with many clients behind one address ------------------------------------------
+# --- connection limits that hold with many clients behind one address -----------------------------------------------
 def test_many_streams_from_one_address_are_all_served():
     """Every local client, and every client behind a reverse proxy, has one address: the per-address cap on all
     connections refused streams beyond it (600 from one address: 88 refused). Connections being answered are
@@ -317,7 +317,8 @@ def test_the_docs_state_the_limits_the_code_has():
         f"at most {G.MAX_WAITING_PER_ADDRESS} waiting connections per client address",
         f"request line + headers {G.MAX_HEAD >> 10} KiB", f"{G.MAX_HEADERS} headers", f"URL {G.MAX_URL >> 10} KiB",
         f"body {G.MAX_BODY >> 20} MiB", f"{G.HEADER_TIMEOUT_S:g} s from a request's first byte",
-        f"{G.BODY_TIMEOUT_S:g} s of silence", f"{G.MIN_BODY_RATE >> 10} KiB/s", f"{G.IDLE_TIMEOUT_S:g} s keep-alive idle",
+        f"{G.BODY_TIMEOUT_S:g} s of silence", f"{G.MIN_BODY_RATE >> 10} KiB/s",
+        f"{G.IDLE_TIMEOUT_S:g} s keep-alive idle",
         f"{G.SEND_TIMEOUT_S:g} s of a client reading nothing", f"{G.MAX_PIPELINED} requests wait",
         f"sends nothing for {G.UPSTREAM_IDLE_S:g} s", f"up to {G.UPSTREAM_ANSWER_S / 3600:g} h",
         f"once it has waited {G.WAITING_AFTER_S:g} s", f"up to {G.MAX_HELD_EVENT >> 20} MiB",
