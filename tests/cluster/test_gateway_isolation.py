@@ -32,7 +32,7 @@ def run(coro):
 
 class Scripted:
     """An upstream that does what each request's JSON body says: ``{"stream": true, "events": n, "every": s}``
-    streams n SSE events; ``{"hang": true}`` never answers; ``{"delay": s}`` answers JSON after s seconds;
+    streams n SSE events; ``{"hang": true}`` never answers; ``{"malformed": true}`` answers a broken head; ``{"delay": s}`` answers JSON after s seconds;
     ``{"partial": true, "stream": true}`` sends one event and half of the next, then drops the connection."""
 
     def __init__(self) -> None:
@@ -50,6 +50,10 @@ class Scripted:
                 self.requests += 1
                 if body.get("hang"):
                     await asyncio.sleep(3600)
+                if body.get("malformed"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n{}")
+                    await writer.drain()
+                    continue
                 if body.get("stream"):
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                  b"Transfer-Encoding: chunked\r\n\r\n")
@@ -111,8 +115,9 @@ async def stream(s: aiohttp.ClientSession, url: str, events: int, every: float) 
 def test_a_request_that_times_out_cuts_no_other_stream_and_takes_no_replica_out():
     """A streamed request whose replica sent nothing for the upstream timeout got 504, marked the replica
     failed (503 for everyone for 2 s) and the next request closed the replica's connection pool, cutting the
-    healthy streams on it. Now: 504 for that request only; the others stream to their end, new requests are
-    served at once, and a non-streamed answer slower than that timeout (a long generation) is waited for."""
+    healthy streams on it. Now: 504 for that request only (and 502 for a malformed answer); the others stream to
+    their end, new requests are served at once, and a non-streamed answer slower than that timeout (a long
+    generation) is waited for."""
     async def go():
         up = await Scripted().start()
         gw, url = await gateway([up.row], upstream_idle_s=0.5)
@@ -122,6 +127,8 @@ def test_a_request_that_times_out_cuts_no_other_stream_and_takes_no_replica_out(
                 await asyncio.sleep(0.1)
                 async with s.post(url + "/v1/completions", json={"stream": True, "hang": True}) as r:
                     assert r.status == 504
+                async with s.post(url + "/v1/completions", json={"malformed": True}) as r:
+                    assert r.status == 502
                 async with s.post(url + "/v1/completions", json={"delay": 0}) as r:
                     assert r.status == 200, await r.text()         # not 503: the replica is in the rotation
                 for events in await asyncio.gather(*running):      # none cut
