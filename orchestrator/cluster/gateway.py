@@ -547,7 +547,8 @@ class _ClientConn(asyncio.Protocol):
         self.head_bytes = 0
         self._set_deadline(None)
         req = _Request(self.parser.get_method().decode("latin-1"), self._target, self._head_done, self._body,
-                       self.parser.should_keep_alive(), None, self.parser.get_http_version() == "1.0", self._now())
+                       self.parser.should_keep_alive(), None, self.parser.get_http_version() == "1.0",
+                       self.gw.clock())
         self._reset()
         self.queue.append(req)
         if len(self.queue) > MAX_PIPELINED and not self.reading_paused:   # pipelining without reading
@@ -860,7 +861,7 @@ class _Exchange:
         request to its last byte written to the replica; ``replica`` from then to the answer's head, which
         llama-server sends with a stream's first token (after waiting for a slot and the prompt) and with a whole
         answer at its end."""
-        now = self.gw.loop_time()
+        now = self.gw.clock()
         req = self.client.current
         received = req.received if req is not None else self.sent_at
         return (f"Server-Timing: gateway;dur={(self.sent_at - received) * 1e3:.2f}, "
@@ -870,7 +871,7 @@ class _Exchange:
         if self.finished or self.interim:
             return
         if self.streaming:
-            now = self.gw.loop_time()
+            now = self.gw.clock()
             if self.first_at is None:
                 self.first_at = now
             self.last_at = now
@@ -969,7 +970,9 @@ class Gateway:
         self.recent: dict[tuple[str, str], RecentWindow] = {}      # (metric, replica) -> the last minutes
         self._observed: list[tuple[str, float, dict[str, str]]] = []   # histogram observations not yet flushed
         self._by_address: dict[str | None, set[_ClientConn]] = {}
-        self.loop_time: Callable[[], float] = time.monotonic     # the event loop's clock once started
+        # the clock of latencies: time.monotonic, not the event loop's (uvloop's is cached per loop iteration and
+        # counts whole milliseconds, too coarse for a gateway that adds a fraction of one)
+        self.clock: Callable[[], float] = time.monotonic
         self._flushed: dict[tuple[str, str], int] = {}
         self._server: asyncio.AbstractServer | None = None
         self._pools: dict[str, _Pool] = {}          # replica -> its pool (of the replica's current epoch)
@@ -984,7 +987,6 @@ class Gateway:
         (SO_REUSEPORT: the kernel spreads new connections over them)."""
         self._size_connections()
         loop = asyncio.get_running_loop()
-        self.loop_time = loop.time
         self._server = await loop.create_server(lambda: _ClientConn(self), host, port, reuse_address=True,
                                                 reuse_port=reuse_port or None, backlog=1024)
         self.url = f"http://{host}:{port}"
@@ -1314,7 +1316,7 @@ class Gateway:
                     up.transport.write(head)
                     for piece in req.body:         # as it arrived: a big body is not copied into one
                         up.transport.write(piece)
-                ex.sent_at = self.loop_time()
+                ex.sent_at = self.clock()
                 try:
                     await self._progress(ex, ex.head, head_wait)
                 except _Disconnected:
@@ -1385,7 +1387,7 @@ class Gateway:
         byte and its tokens per second after the first (events after the first over the time between them)."""
         if not 200 <= ex.status < 300:
             return
-        now = self.loop_time()
+        now = self.clock()
         tags = {"model": model, "replica": replica}
         out = [("orchestrator_gateway_request_duration_seconds", now - req.received)]
         if ex.streaming and ex.first_at is not None:
@@ -1410,7 +1412,7 @@ class Gateway:
 
     def recent_latency(self) -> dict[str, dict[str, float | int | None]]:
         """Per replica over the last minutes: streams, p50/p95 time to first token (s), p50 tokens/s."""
-        now = self.loop_time()
+        now = self.clock()
         out: dict[str, dict[str, float | int | None]] = {}
         for (name, replica), w in self.recent.items():
             cum = w.cumulative(now)
@@ -1434,7 +1436,7 @@ class Gateway:
             self.sink.set("orchestrator_gateway_requests_in_flight", r.inflight, {"replica": r.name})
         for m in self.router.models():
             self.sink.set("orchestrator_gateway_healthy_replicas", self.router.healthy_count(m), {"model": m})
-        now = self.loop_time()
+        now = self.clock()
         for (name, replica), w in list(self.recent.items()):
             for le, n in w.cumulative(now).items():
                 self.sink.set(name, n, {"replica": replica, "le": le})
