@@ -13,9 +13,10 @@ Every request is kept (``requests`` in the JSON): when it was sent within its ro
 and to the last, its tokens, llama-server's own timings from the stream's last event (``prompt_ms``: the prompt's
 share of the first token; ``predicted_ms``) and, through the gateway, the gateway's ``Server-Timing`` (the
 gateway's time from the end of the request to the replica, and the replica's to the answer's head). The rest of
-the first token, ``other_ms`` = time to first token - gateway - prompt, is the wait for a slot and for the batch
-in progress (with the first decode step and the network). The report splits the slowest 5 % of each path that
-way, so a tail is put where it comes from.
+the first token splits into the gateway's part, the prompt, the wait for a slot and for the batch in progress (the
+replica's time to the head, which comes with the first token, less the prompt) and the relay (the rest: the
+request into the gateway and the first token back through it). The report splits the slowest 5 % of each path
+that way, so a tail is put where it comes from.
 
 Modes:
   --mode ray         (default) the real thing: `orchestrator.cluster.up` with one worker under an embedded Ray
@@ -287,9 +288,12 @@ def summarize(raw: dict, args, extra: dict, streams: int | None = None, rounds: 
 
 
 def tail_split(requests: list[dict], share: float = 0.05) -> dict:
-    """The slowest ``share`` of requests by time to first token, and the median of where it went: the gateway's
-    part (Server-Timing; 0 straight to llama-server), llama-server's prompt, and the rest (the wait for a slot and
-    for the batch in progress, the first decode step, the network); the same for all requests beside it."""
+    """The slowest ``share`` of requests by time to first token, and the median of where it went: ``gateway_ms``
+    (Server-Timing: from the end of the request to the replica; 0 straight to llama-server), ``prompt_ms``
+    (llama-server's), ``wait_ms`` (the rest of the replica's time to the head, which comes with the first token:
+    the wait for a slot and for the batch in progress, the first decode step; straight to llama-server, all of the
+    first token's time but the prompt), ``relay_ms`` (through the gateway: the rest, the request into the gateway
+    and the first token back through it to the client); the same for all requests beside it."""
     def split(rs: list[dict]) -> dict:
         if not rs:
             return {}
@@ -297,10 +301,12 @@ def tail_split(requests: list[dict], share: float = 0.05) -> dict:
         ttft = [r["ttft"] * 1e3 for r in rs]
         gw = [r.get("gateway_ms") or 0.0 for r in rs]
         prompt = [r["prompt_ms"] if r.get("prompt_ms") is not None else float("nan") for r in rs]
-        other = [t - g - p for t, g, p in zip(ttft, gw, prompt)]
+        replica = [r.get("replica_ms", t - g) for r, t, g in zip(rs, ttft, gw)]   # direct: all but the gateway's
+        wait = [rp - p for rp, p in zip(replica, prompt)]
+        relay = [t - g - rp for t, g, rp in zip(ttft, gw, replica)]
         sent = [r["sent"] * 1e3 for r in rs]
         return {"n": len(rs), "ttft_ms": med(ttft), "gateway_ms": med(gw), "prompt_ms": med(prompt),
-                "other_ms": med(other), "sent_ms": med(sent)}
+                "wait_ms": med(wait), "relay_ms": med(relay), "sent_ms": med(sent)}
     ranked = sorted(requests, key=lambda r: r["ttft"])
     k = max(1, round(len(ranked) * share)) if ranked else 0
     return {"slowest": split(ranked[len(ranked) - k:]), "all": split(ranked)}
@@ -344,8 +350,8 @@ def tail_lines(tail: dict) -> list[str]:
             if t:
                 lines.append(f"{path:8}{'slowest 5%' if part == 'slowest' else 'all':>11} ({t['n']:>4}): first token "
                              f"{t['ttft_ms']:8.2f} ms = gateway {t['gateway_ms']:6.2f} + prompt {t['prompt_ms']:8.2f}"
-                             f" + slot wait and the rest {t['other_ms']:8.2f} (medians; sent {t['sent_ms']:.2f} ms "
-                             "into the round)")
+                             f" + slot/batch wait {t['wait_ms']:8.2f} + relay {t['relay_ms']:6.2f} (medians; sent "
+                             f"{t['sent_ms']:.2f} ms into the round)")
     return lines
 
 

@@ -116,10 +116,13 @@ for n, s in sorted(by.items(), key=lambda kv: int(kv[0])):
     print(f"| {n} | {s['samples']['gateway']} | {cell('ttft_p50_ms')} | {cell('ttft_p95_ms')} | {cell('ttft_p99_ms')} "
           f"| {cell('per_token_p50_ms')} | {cell('per_token_p95_ms')} | {s['throughput_loss_pct']:+.1f}% |")
 print(f"\n{d.get('max_tokens')} tokens per request, {d.get('mode')} mode, commit {commit}")
-print("\nWhere the first token's time went (medians, ms): gateway (its Server-Timing) + llama-server's prompt + the "
-      "rest (the wait for a slot and for the batch in progress, the first decode step, the network)\n")
-print("| streams | path | requests | time to first token | gateway | prompt | the rest | sent into the round |")
-print("|---|---|---|---|---|---|---|---|")
+print("\nWhere the first token's time went (medians, ms): gateway (its Server-Timing: the end of the request to the "
+      "replica) + llama-server's prompt + the wait for a slot and for the batch in progress (the replica's time to "
+      "the head, which comes with the first token, less the prompt; straight to llama-server all but the prompt) + "
+      "the relay (the request into the gateway, the first token back through it)\n")
+print("| streams | path | requests | time to first token | gateway | prompt | slot/batch wait | relay "
+      "| sent into the round |")
+print("|---|---|---|---|---|---|---|---|---|")
 fields = ["streams", "path", "round", "sent", "ttft", "total", "tokens", "gateway_ms", "replica_ms", "prompt_ms",
           "prompt_n", "predicted_ms"]
 with open(sys.argv[3], "w", newline="") as f:
@@ -130,7 +133,7 @@ with open(sys.argv[3], "w", newline="") as f:
             for part, label in (("all", "all"), ("slowest", "slowest 5%")):
                 t = s["tail"][path][part]
                 print(f"| {n} | {path} | {label} ({t['n']}) | {t['ttft_ms']:.2f} | {t['gateway_ms']:.2f} "
-                      f"| {t['prompt_ms']:.2f} | {t['other_ms']:.2f} | {t['sent_ms']:.2f} |")
+                      f"| {t['prompt_ms']:.2f} | {t['wait_ms']:.2f} | {t['relay_ms']:.2f} | {t['sent_ms']:.2f} |")
             for r in s["requests"][path]:
                 w.writerow({"streams": n, "path": path, **r})
 EOF
