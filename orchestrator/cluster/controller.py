@@ -298,6 +298,7 @@ class Controller:
             pid = st.get("pid") if s.phase == "running" and st.get("state") in ("starting", "ready") else None
             rows.append({"name": s.spec.name, "url": s.route_url or s.spec.connect_url, "model": s.spec.model_alias,
                          "healthy": healthy, "pid": pid,
+                         "slots": s.spec.settings.parallel if s.spec.settings else None,
                          "detail": detail})
         return rows
 

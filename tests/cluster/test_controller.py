@@ -408,3 +408,13 @@ def test_a_restarted_controller_restarts_workers_instead_of_failing():
 def test_status_carries_the_plan():
     c, api, clock = make([spec("w0"), spec("w1", port=9001)])
     assert c.status()["plan"] == {"workers": 2}
+
+
+def test_the_replica_table_gives_each_planned_workers_slots_to_the_gateway():
+    from dataclasses import replace
+    from orchestrator.launch.settings import WorkerSettings
+    planned = replace(spec("w0", port=9000), settings=WorkerSettings(parallel=3))
+    c, api, clock = make([planned, spec("w1", port=9001)])
+    tick(c, clock)
+    slots = {r["name"]: r["slots"] for r in c.replica_table()}
+    assert slots == {"w0": 3, "w1": None}        # a hand-written argv says nothing: the gateway assumes its default
