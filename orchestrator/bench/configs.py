@@ -28,6 +28,11 @@ from orchestrator.launch.wrappers import wrap
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.plan.types import WorkerPlan
 
+# What a CPU llama-server holds resident beyond the buffers llama.cpp logs: the demo's replica (-c 8192 -np 2 -t 1)
+# peaked at 202.8 MiB against 109.1 MiB of buffers (orchestrator bench topologies/demo.yaml on the dev VM, the
+# `replica` row); the rest (93.7 MiB) is the process itself.
+LLAMA_SERVER_CPU_PROCESS_BYTES = 94 << 20
+
 GROUPS = ("plan", "fit", "fit-pinned", "cpu-moe", "ncmoe-sweep", "offload-sweep", "cache-grid")
 OPTIONAL_GROUPS = ("control", "threads-sweep")          # asked for by name only
 # a plan that runs on the CPU only: the choices it made there (threads, micro-batch, NUMA policy), each against
@@ -284,6 +289,10 @@ def _predicted(worker: WorkerPlan) -> dict[str, Any]:
     if pred.streams > 1 and pred.tg_streams:
         predicted["tg_streams"] = {int(pred.streams): float(pred.tg_streams)}
     mem = {machine_gpu_key(m.device, worker.gpus): int(m.total) for m in worker.memory}
+    if mem and "CPU" in mem and not worker.gpus:
+        # the bench compares with the server's resident size: llama.cpp's buffers (the plan's memory) and the
+        # process's own (code, libraries, the HTTP server, the vocabulary's tables), measured for a CPU build
+        mem["CPU"] += LLAMA_SERVER_CPU_PROCESS_BYTES
     if mem:
         predicted["memory"] = mem
     return predicted
