@@ -64,10 +64,21 @@ def model_summary(path: str) -> dict:
             "n_layers": c.n_compute_layers, "costs": dataclasses.asdict(c)}
 
 
+# Records made before the model summary had attention's width: heads x (key + value width) per layer of the
+# shapes they name (docs/benchmarks.md, "Without a GPU"): Qwen3-30B-A3B's 32 heads of 128 at full width
+# (w1-6l, qwen3-30b-a3b-q4_0), 4 heads of 128 at synth-model's --scale 0.125 (the demo and its --layers variants).
+OLDER_RECORD_ATTN_WIDTH = {"w1-6l.gguf": 32 * 256, "qwen3-30b-a3b-q4_0.gguf": 32 * 256}
+DEMO_ATTN_WIDTH = 4 * 256
+
+
 def costs_of(summary: dict):
     from orchestrator.plan.costs import ModelCosts
 
-    return ModelCosts(**{k: tuple(v) if isinstance(v, list) else v for k, v in summary["costs"].items()})
+    d = {k: tuple(v) if isinstance(v, list) else v for k, v in summary["costs"].items()}
+    if "attn_pair_macs" not in d:
+        width = OLDER_RECORD_ATTN_WIDTH.get(summary["name"], DEMO_ATTN_WIDTH)
+        d["attn_pair_macs"] = width * d["n_compute_layers"]
+    return ModelCosts(**d)
 
 
 # ---- measuring -------------------------------------------------------------------------------------------------
@@ -214,13 +225,14 @@ def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
     return [a[i][n] / a[i][i] for i in range(n)]
 
 
-def _inputs(p: dict, per_core: float):
+def _inputs(p: dict, per_core: float, cpu_rate: float | None = None):
     from orchestrator.plan.placement import place_cpu_only
     from orchestrator.plan.predict import SpeedInputs
 
     costs = costs_of(p["model"])
-    return costs, place_cpu_only(costs, [0] * costs.n_layers), SpeedInputs((), (), 1.0, p["host_bw"],
-                                                                           per_core * p["threads"])
+    rate = p.get("cpu_rate", 0.0) if cpu_rate is None else cpu_rate
+    return costs, place_cpu_only(costs, [0] * costs.n_layers), SpeedInputs(
+        (), (), 1.0, p["host_bw"], per_core * p["threads"], threads=p["threads"], cpu_rate=rate)
 
 
 @contextlib.contextmanager
@@ -240,7 +252,7 @@ def constants(**values):
 
 def predict(p: dict) -> float:
     """Tokens/s the product predicts for a point with the constants in rates.py (predict_tg / predict_pp on a
-    CPU-only placement, at the point's measured bandwidth and thread count)."""
+    CPU-only placement, at the point's measured bandwidth, thread count and machine cpu_rate)."""
     from orchestrator.plan import rates as R
     from orchestrator.plan.predict import predict_pp, predict_tg
 
@@ -252,11 +264,12 @@ def predict(p: dict) -> float:
 
 
 def fit_tg(pts: list[dict]) -> dict:
-    """CPU_ONLY_TG_EFFICIENCY, CPU_LAYER_OVERHEAD_S, CPU_TOKEN_OVERHEAD_S from the generation points: the time per
-    token is linear in (1 / efficiency, per layer, per token), least squares on the relative error."""
+    """CPU_ONLY_TG_EFFICIENCY, CPU_LAYER_OVERHEAD_S, CPU_TOKEN_OVERHEAD_S from the reference machine's generation
+    points: the time per token is linear in (1 / efficiency, per layer, per token), least squares on the relative
+    error."""
     from orchestrator.plan.predict import predict_tg
 
-    tg = [p for p in pts if p["n_gen"] and not p["n_prompt"]]
+    tg = [p for p in pts if p["n_gen"] and not p["n_prompt"] and p["machine"] == REFERENCE_MACHINE]
     rows, ys = [], []
     for p in tg:
         costs, placement, sp = _inputs(p, 1.0)
@@ -271,41 +284,110 @@ def fit_tg(pts: list[dict]) -> dict:
             "points": len(tg)}
 
 
-def fit_pp(pts: list[dict]) -> dict:
-    """CPU_ONLY_PP_FLOPS_FACTOR (the share of rates.py's per-core FLOP/s table llama.cpp's CPU-only prompt path
-    reaches) and CPU_PP_LAYER_TOKEN_S that make predict_pp closest to the prompt points (least squares on the
-    relative error; a grid, refined twice: predict_pp is not linear in them, since reading and computing the
-    experts overlap)."""
+# The machine the CPU prompt constants are fitted on (cpu_rate 1.0): the dev VM where the demo runs. Another
+# machine's cpu_rate is what its probe point says: the demo model's 512-token prompt on one core (what
+# `orchestrator probe` measures), measured over predicted at rate 1.
+REFERENCE_MACHINE = "AMD EPYC"
+PROBE_POINT = ("demo-moe.gguf", 1, 512)
+
+
+def _minimize(f, x0: list[float], steps: list[float], iters: int = 400) -> list[float]:
+    """Nelder-Mead on ``f`` (a handful of unknowns, each in log space by the caller)."""
+    pts = [list(x0)] + [[x + (s if i == j else 0.0) for j, x in enumerate(x0)] for i, s in enumerate(steps)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = sorted(range(len(pts)), key=vals.__getitem__)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        n = len(x0)
+        c = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
+        refl = [c[j] + (c[j] - pts[-1][j]) for j in range(n)]
+        fr = f(refl)
+        if fr < vals[0]:
+            exp = [c[j] + 2 * (c[j] - pts[-1][j]) for j in range(n)]
+            fe = f(exp)
+            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            con = [c[j] + 0.5 * (pts[-1][j] - c[j]) for j in range(n)]
+            fc = f(con)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = con, fc
+            else:
+                pts = [pts[0]] + [[pts[0][j] + 0.5 * (p[j] - pts[0][j]) for j in range(n)] for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    return pts[min(range(len(pts)), key=vals.__getitem__)]
+
+
+def _pp_error(inputs, **values) -> float:
+    from orchestrator.plan.predict import predict_pp
+
+    with constants(**values):
+        tot = 0.0
+        for p, (costs, placement, sp) in inputs:
+            pred = predict_pp(costs, placement, sp, p["n_ubatch"], None, lengths=(p["n_prompt"],))
+            tot += (pred[p["n_prompt"]] / p["ts"] - 1.0) ** 2
+        return tot
+
+
+def machine_rates(pts: list[dict]) -> dict[str, float]:
+    """Each machine's cpu_rate from its probe point (the reference machine: 1.0), with the constants in rates.py."""
     from orchestrator.plan import rates as R
     from orchestrator.plan.predict import predict_pp
 
+    out = {REFERENCE_MACHINE: 1.0}
+    for machine in sorted({p["machine"] for p in pts} - {REFERENCE_MACHINE}):
+        probe = [p for p in pts if p["machine"] == machine and p["n_prompt"] == PROBE_POINT[2]
+                 and p["threads"] == PROBE_POINT[1] and p["model"]["name"] == PROBE_POINT[0]]
+        if not probe:
+            continue
+        p = max(probe, key=lambda q: q["ts"])
+        costs, placement, sp = _inputs(p, R.cpu_flops_per_core(p["machine"])[0], cpu_rate=1.0)
+        pred = predict_pp(costs, placement, sp, p["n_ubatch"], None, lengths=(p["n_prompt"],))[p["n_prompt"]]
+        out[machine] = p["ts"] / pred
+    return out
+
+
+def with_rates(pts: list[dict], rates: dict[str, float]) -> list[dict]:
+    return [{**p, "cpu_rate": rates.get(p["machine"], 0.0)} for p in pts]
+
+
+def fit_pp(pts: list[dict]) -> dict:
+    """The CPU-only prompt constants that make predict_pp closest to the prompt points (least squares on the
+    relative error, Nelder-Mead in log space: predict_pp is not linear in them). On the reference machine's
+    one-thread points: CPU_ONLY_PP_FLOPS_FACTOR (the share of rates.py's per-core FLOP/s table the matrix
+    products reach), CPU_PP_LAYER_TOKEN_S and CPU_PP_ATTN_MAC_S (attention, from prompts of several lengths).
+    Then each other machine's cpu_rate from its probe point, and CPU_PP_THREAD_EXPONENT on every point with more
+    than one thread."""
+    import math
+
+    from orchestrator.plan import rates as R
+
     pp = [p for p in pts if p["n_prompt"]]
-    if not pp:
+    ref = [p for p in pp if p["machine"] == REFERENCE_MACHINE and p["threads"] == 1]
+    if not ref:
         return {}
-    inputs = [(p, _inputs(p, R.cpu_flops_per_core(p["machine"])[0])) for p in pp]
+    inputs = [(p, _inputs(p, R.cpu_flops_per_core(p["machine"])[0], cpu_rate=1.0)) for p in ref]
+    lengths = {p["n_prompt"] for p in ref}
 
-    def err(factor: float, layer: float) -> float:
-        with constants(CPU_ONLY_PP_FLOPS_FACTOR=factor, CPU_PP_LAYER_TOKEN_S=layer):
-            tot = 0.0
-            for p, (costs, placement, sp) in inputs:
-                pred = predict_pp(costs, placement, sp, p["n_ubatch"], None, lengths=(p["n_prompt"],))
-                tot += (pred[p["n_prompt"]] / p["ts"] - 1.0) ** 2
-            return tot
+    def err(x):
+        f, layer, attn = (math.exp(v) for v in x)
+        return _pp_error(inputs, CPU_ONLY_PP_FLOPS_FACTOR=f, CPU_PP_LAYER_TOKEN_S=layer,
+                         CPU_PP_ATTN_MAC_S=attn if len(lengths) > 2 else 0.0)
 
-    lo_f, hi_f, lo_l, hi_l = 0.1, 10.0, 0.0, 200e-6
-    best = (float("inf"), 0.0, 0.0)
-    for _ in range(3):
-        for i in range(21):
-            for j in range(21):
-                f = lo_f + (hi_f - lo_f) * i / 20
-                layer = lo_l + (hi_l - lo_l) * j / 20
-                e = err(f, layer)
-                if e < best[0]:
-                    best = (e, f, layer)
-        _, f, layer = best
-        df, dl = (hi_f - lo_f) / 10, (hi_l - lo_l) / 10
-        lo_f, hi_f, lo_l, hi_l = max(0.01, f - df), f + df, max(0.0, layer - dl), layer + dl
-    return {"CPU_ONLY_PP_FLOPS_FACTOR": best[1], "CPU_PP_LAYER_TOKEN_S": best[2], "points": len(pp)}
+    x = _minimize(err, [math.log(3.0), math.log(30e-6), math.log(1e-9)], [0.5, 0.5, 1.0])
+    f, layer, attn = (math.exp(v) for v in x)
+    out = {"CPU_ONLY_PP_FLOPS_FACTOR": f, "CPU_PP_LAYER_TOKEN_S": layer,
+           "CPU_PP_ATTN_MAC_S": attn if len(lengths) > 2 else 0.0, "points": len(ref)}
+    with constants(**{k: v for k, v in out.items() if k.isupper()}):
+        rates = machine_rates(pts)
+        multi = [p for p in with_rates(pp, rates) if p["threads"] > 1 and p["machine"] in rates]
+        if multi:
+            m_inputs = [(p, _inputs(p, R.cpu_flops_per_core(p["machine"])[0])) for p in multi]
+            best = min((_pp_error(m_inputs, CPU_PP_THREAD_EXPONENT=e / 100), e / 100) for e in range(30, 101))
+            out["CPU_PP_THREAD_EXPONENT"] = best[1]
+    out["cpu_rate"] = rates
+    return out
 
 
 def fit(args) -> int:
@@ -317,8 +399,16 @@ def fit(args) -> int:
           f"CPU_TOKEN_OVERHEAD_S {tg['CPU_TOKEN_OVERHEAD_S'] * 1e6:.1f} us")
     pp = fit_pp(pts)
     if pp:
-        print(f"fitted on {pp['points']} prompt points: CPU_ONLY_PP_FLOPS_FACTOR {pp['CPU_ONLY_PP_FLOPS_FACTOR']:.2f}, "
-              f"CPU_PP_LAYER_TOKEN_S {pp['CPU_PP_LAYER_TOKEN_S'] * 1e6:.1f} us")
+        print(f"fitted on {pp['points']} prompt points of the reference machine ({REFERENCE_MACHINE}, one thread): "
+              f"CPU_ONLY_PP_FLOPS_FACTOR {pp['CPU_ONLY_PP_FLOPS_FACTOR']:.2f}, "
+              f"CPU_PP_LAYER_TOKEN_S {pp['CPU_PP_LAYER_TOKEN_S'] * 1e6:.1f} us, "
+              f"CPU_PP_ATTN_MAC_S {pp['CPU_PP_ATTN_MAC_S'] * 1e12:.3f} ps; "
+              f"CPU_PP_THREAD_EXPONENT {pp.get('CPU_PP_THREAD_EXPONENT', float('nan')):.2f}")
+    rates = machine_rates(pts)
+    print("cpu_rate with rates.py's constants (probe point: "
+          f"{PROBE_POINT[0]} pp{PROBE_POINT[2]}, {PROBE_POINT[1]} thread): "
+          + ", ".join(f"{m} {r:.3f}" for m, r in rates.items()))
+    pts = with_rates(pts, rates)
     print()
     print(f"{'set':>3s} {'model':24s} {'thr':>3s} {'test':7s} {'GB/s':>6s} {'fastest':>9s} {'median':>9s} "
           f"{'slowest':>9s} {'predicted':>9s} {'ratio':>6s}")

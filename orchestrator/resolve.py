@@ -43,7 +43,7 @@ def measured(machine: Machine, notes: list[str]) -> Machine:
     from orchestrator.hardware.probe import run_probe
 
     try:
-        res = run_probe(machine)
+        res = run_probe(machine, cpu_prompt=cpu_prompt_probe)
     except (HardwareError, OSError) as e:
         notes.append(f"bandwidth: not measured ({e}); assumed values are used")
         return machine
@@ -53,6 +53,31 @@ def measured(machine: Machine, notes: list[str]) -> Machine:
     notes.append(f"bandwidth: {what} measured {'now ' if not res.cached else ''}by `orchestrator probe` (cached in "
                  f"{res.cache_file}; `orchestrator probe --refresh` measures again)")
     return replace(machine, bandwidth=res.bandwidth)
+
+
+def cpu_prompt_probe(machine: Machine, records: list, log=lambda s: None) -> tuple[float, str]:
+    """The probe's CPU prompt measurement with this installation's llama-bench (beside the llama-server it would
+    run) and the probe's small model (written once into the cache)."""
+    import os
+
+    from orchestrator.backend.detect import find_llama_server
+    from orchestrator.errors import BackendError
+    from orchestrator.hardware.probe import CPU_PROBE_SHAPE, cpu_probe_model_path, probe_cpu_prompt
+
+    try:
+        server, _ = find_llama_server(None)
+    except BackendError:
+        return 0.0, "CPU prompt speed not measured: no llama.cpp build (`orchestrator build`)"
+    model = cpu_probe_model_path()
+    if not model.is_file():
+        from orchestrator.model.synth import write_model
+
+        like, scale, quant = CPU_PROBE_SHAPE
+        model.parent.mkdir(parents=True, exist_ok=True)
+        part = model.with_name(model.name + ".part")
+        write_model(part, like, scale=scale, quant=quant, fsync=False)
+        os.replace(part, model)
+    return probe_cpu_prompt(machine, records, os.path.join(os.path.dirname(server), "llama-bench"), model, log)
 
 
 def assumed_host_bandwidth(machines: dict[str, Machine]) -> list[str]:

@@ -33,17 +33,18 @@ def test_probed_when_gpus_and_nothing_cached(h200, monkeypatch):
     calls = []
     import orchestrator.hardware.probe as probe
 
-    monkeypatch.setattr(probe, "run_probe", lambda m: calls.append(m) or FakeResult(h200.bandwidth))
+    monkeypatch.setattr(probe, "run_probe", lambda m, **kw: calls.append((m, kw)) or FakeResult(h200.bandwidth))
     notes = []
     m = resolve.measured(replace(h200, bandwidth=None), notes)
     assert len(calls) == 1 and m.bandwidth == h200.bandwidth
+    assert calls[0][1] == {"cpu_prompt": resolve.cpu_prompt_probe}        # the CPU's prompt speed measured too
     assert any("measured now" in n for n in notes)
 
 
 def test_not_probed_when_cached(h200, monkeypatch):
     import orchestrator.hardware.probe as probe
 
-    monkeypatch.setattr(probe, "run_probe", lambda m: pytest.fail("probed"))
+    monkeypatch.setattr(probe, "run_probe", lambda m, **kw: pytest.fail("probed"))
     assert resolve.measured(h200, []) is h200                                   # cached bandwidth present
 
 
@@ -52,7 +53,7 @@ def test_probed_without_gpus_too(h200, monkeypatch):
     calls = []
     import orchestrator.hardware.probe as probe
 
-    monkeypatch.setattr(probe, "run_probe", lambda m: calls.append(m) or FakeResult(h200.bandwidth))
+    monkeypatch.setattr(probe, "run_probe", lambda m, **kw: calls.append(m) or FakeResult(h200.bandwidth))
     notes = []
     m = resolve.measured(replace(h200, gpus=(), bandwidth=None), notes)
     assert len(calls) == 1 and m.bandwidth == h200.bandwidth
@@ -63,7 +64,7 @@ def test_probed_without_gpus_too(h200, monkeypatch):
 def test_a_probe_that_cannot_run_leaves_assumed_values_with_a_note(h200, monkeypatch):
     import orchestrator.hardware.probe as probe
 
-    def boom(m):
+    def boom(m, **kw):
         raise HardwareError("probe: no C compiler (apt-get install gcc)")
 
     monkeypatch.setattr(probe, "run_probe", boom)

@@ -15,7 +15,9 @@
 # $OUT/serve-w1.json (the plan's worker argv through llama-server, timed by the server),
 # $OUT/summary.json (predicted and measured tg and pp512 of the plan), $OUT/log.txt. CPU_CALIB_ROUNDS (default 3)
 # interleaved rounds. CPU_CALIB_W1=FILE plans and measures that model instead of writing W1 (a small one tries the
-# script out on another machine), CPU_CALIB_SMALL_THREADS (default 1,4) the thread counts of the small models.
+# script out on another machine), CPU_CALIB_SMALL_THREADS (default 1,4) the thread counts of the small models,
+# CPU_CALIB_PROMPTS (default 32,512,4096: the prompt lengths, 4096 for attention's growth with the context) and
+# CPU_CALIB_REPS (default 3) llama-bench's repetitions per run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/cpu-calib-out}
@@ -72,14 +74,16 @@ EOF
 log "plan: -t $T -ub $UB -fa $FA"
 
 ROUNDS=${CPU_CALIB_ROUNDS:-3}
+PROMPTS=${CPU_CALIB_PROMPTS:-32,512,4096}
+REPS=${CPU_CALIB_REPS:-3}
 log "the plan's configuration: llama-bench -t $T -ub $UB -fa $FA, $ROUNDS rounds, interleaved with the small models"
 python3 -m lab.cpu_speed measure --bench "$W/bin/llama-bench" --model "$W1" --model "$DEMO" --model "$DEMO24" \
-  --threads "$T" --rounds "$ROUNDS" --reps 3 --gen 64 --prompts 32,512 --ubatch "$UB" --flash-attn "$FA" \
+  --threads "$T" --rounds "$ROUNDS" --reps "$REPS" --gen 64 --prompts "$PROMPTS" --ubatch "$UB" --flash-attn "$FA" \
   --out "$OUT/cpu-speed.json" || die "measure failed"
 SMALL_THREADS=${CPU_CALIB_SMALL_THREADS:-1,4}
 log "small models at $SMALL_THREADS threads (the overhead-bound regime)"
 python3 -m lab.cpu_speed measure --bench "$W/bin/llama-bench" --model "$DEMO" --model "$DEMO24" --threads "$SMALL_THREADS" \
-  --rounds "$ROUNDS" --reps 3 --gen 64 --prompts 32,512 --out "$OUT/cpu-speed-small.json" || die "measure failed"
+  --rounds "$ROUNDS" --reps "$REPS" --gen 64 --prompts "$PROMPTS" --out "$OUT/cpu-speed-small.json" || die "measure failed"
 python3 -m lab.cpu_speed fit "$OUT/cpu-speed.json" "$OUT/cpu-speed-small.json" > "$OUT/fit.txt" 2>&1
 cat "$OUT/fit.txt"
 log "the plan's worker as up starts it, timed by llama-server"

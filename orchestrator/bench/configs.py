@@ -28,6 +28,11 @@ from orchestrator.launch.wrappers import wrap
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.plan.types import WorkerPlan
 
+# What a CPU llama-server holds resident beyond the buffers llama.cpp logs: the demo's replica (-c 8192 -np 2 -t 1)
+# peaked at 202.8 MiB against 109.1 MiB of buffers (orchestrator bench topologies/demo.yaml on the dev VM, the
+# `replica` row); the rest (93.7 MiB) is the process itself.
+LLAMA_SERVER_CPU_PROCESS_BYTES = 94 << 20
+
 GROUPS = ("plan", "fit", "fit-pinned", "cpu-moe", "ncmoe-sweep", "offload-sweep", "cache-grid")
 OPTIONAL_GROUPS = ("control", "threads-sweep")          # asked for by name only
 # a plan that runs on the CPU only: the choices it made there (threads, micro-batch, NUMA policy), each against
@@ -111,7 +116,8 @@ class BenchConfig:
     coordinates in that family (n_cpu_moe, ubatch, load_mode, op_offload_min_batch). ``predicted``: what the plan
     predicted ({"pp": {len: t/s}, "tg": t/s, "memory": {"gpu0": bytes, "CPU": bytes}}), compared in the summary.
     ``server``: this configuration's own llama-server (another build, e.g. ik_llama.cpp beside mainline); None =
-    the run's. ``settings``: what ``args``/``env`` say, typed (read from them when not given); ``backend``: the
+    the run's. ``members``: a deployment of several replicas, every one started and serving at once (the
+    requests spread over them as the gateway spreads them); its own flags are the first replica's. ``settings``: what ``args``/``env`` say, typed (read from them when not given); ``backend``: the
     binary the settings were rendered for (None: what the flags show of it), so alternatives render the same way.
     """
 
@@ -125,6 +131,7 @@ class BenchConfig:
     server: str | None = None
     settings: WorkerSettings | None = None
     backend: BackendInfo | None = None
+    members: tuple["BenchConfig", ...] = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+=@-]*", self.name):
@@ -148,6 +155,35 @@ class BenchConfig:
         return self.settings.parallel
 
     @property
+    def replicas(self) -> int:
+        return len(self.members) or 1
+
+    def cores(self, machine_cpus: int) -> int:
+        """The cores this configuration computes on: its pinned CPUs (numactl), else its threads (prompt or
+        generation, the larger; llama.cpp's default is every CPU), at most the machine's; a deployment the sum
+        over its replicas."""
+        if self.members:
+            return min(machine_cpus, sum(m.cores(machine_cpus) for m in self.members))
+        s = self.settings
+        pinned = s.numa.n_cpus
+        if pinned:
+            return min(pinned, machine_cpus)
+        threads = [t for t in (s.threads, s.threads_batch) if t]
+        return min(max(threads), machine_cpus) if threads else machine_cpus
+
+    def scope(self, machine_cpus: int) -> str:
+        """What it runs as, in words: ``2 replicas × 1 core``, ``one server on 2 cores``."""
+        if self.members:
+            each = {m.cores(machine_cpus) for m in self.members}
+            per = f"{next(iter(each))} core{'s' * (next(iter(each)) > 1)}" if len(each) == 1 else "cores each"
+            return f"{len(self.members)} replicas × {per}"
+        n = self.cores(machine_cpus)
+        of = self.params.get("replica_of")
+        if of:
+            return f"one replica of {of}, on {n} core{'s' * (n > 1)}"
+        return f"one server on {n} core{'s' * (n > 1)}"
+
+    @property
     def renders_for(self) -> BackendInfo:
         """The backend alternatives are rendered for: the plan's, or what its flags show of it."""
         return self.backend or backend_seen_in(self.args, self.server or "llama-server")
@@ -167,7 +203,8 @@ class BenchConfig:
                 "wrapper": list(self.wrapper), "params": dict(self.params), "predicted": _jsonable(self.predicted),
                 **({"server": self.server} if self.server else {}),
                 "settings": self.settings.to_dict(),
-                **({"backend": self.backend.to_dict()} if self.backend is not None else {})}
+                **({"backend": self.backend.to_dict()} if self.backend is not None else {}),
+                **({"members": [m.to_dict() for m in self.members]} if self.members else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "BenchConfig":
@@ -176,7 +213,8 @@ class BenchConfig:
                    wrapper=tuple(d.get("wrapper", ())), predicted=dict(d.get("predicted", {})),
                    server=d.get("server") or None,
                    settings=WorkerSettings.from_dict(d["settings"]) if d.get("settings") else None,
-                   backend=BackendInfo.from_dict(d["backend"]) if d.get("backend") else None)
+                   backend=BackendInfo.from_dict(d["backend"]) if d.get("backend") else None,
+                   members=tuple(cls.from_dict(m) for m in d.get("members") or ()))
 
 
 def _jsonable(x: Any) -> Any:
@@ -251,6 +289,10 @@ def _predicted(worker: WorkerPlan) -> dict[str, Any]:
     if pred.streams > 1 and pred.tg_streams:
         predicted["tg_streams"] = {int(pred.streams): float(pred.tg_streams)}
     mem = {machine_gpu_key(m.device, worker.gpus): int(m.total) for m in worker.memory}
+    if mem and "CPU" in mem and not worker.gpus:
+        # the bench compares with the server's resident size: llama.cpp's buffers (the plan's memory) and the
+        # process's own (code, libraries, the HTTP server, the vocabulary's tables), measured for a CPU build
+        mem["CPU"] += LLAMA_SERVER_CPU_PROCESS_BYTES
     if mem:
         predicted["memory"] = mem
     return predicted

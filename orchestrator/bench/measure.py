@@ -7,6 +7,11 @@
   ``n`` tokens with ``ignore_eos``; the rate is ``timings.predicted_per_second``.
 - Time to first token: streamed requests, measured on the client from sending to the first event, ``c`` at a
   time.
+- Load: ``S`` requests of ``load_prompt`` prompt tokens and ``tg_tokens`` generated, all sent at once: the
+  aggregate (every request's prompt and generated tokens over the wall time from the first send to the last
+  answer) and each request's own rate. The same load for every configuration, so a deployment of several
+  replicas (its requests spread over them, as the gateway spreads them) and one server over the machine are
+  compared as they serve it.
 - Expert cache: llama-server's ``/metrics`` counters (``llamacpp:moe_cache_hits_total``, ``..._lookups_total``)
   read before and after the generation requests; their difference is the generation's hit rate.
 
@@ -30,7 +35,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 FIT_SLACK = 0.05          # a prompt may be shortened by this fraction to fit the slot's context
 
@@ -61,10 +66,12 @@ def fit_length(want: int, extra: int, slot_ctx: int) -> int | None:
 
 
 class Client:
-    """An aiohttp session on one server."""
+    """An aiohttp session on one server, or on the replicas of a deployment: each request goes to the next
+    replica in turn (as the gateway's round robin does)."""
 
-    def __init__(self, url: str, *, timeout: float, rng: random.Random):
-        self.url = url.rstrip("/")
+    def __init__(self, url: str | Sequence[str], *, timeout: float, rng: random.Random):
+        self.urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
+        self._next = 0
         self.timeout = timeout
         self.rng = rng
         self._session = None
@@ -80,6 +87,13 @@ class Client:
 
     async def __aexit__(self, *exc) -> None:
         await self._session.close()
+
+    @property
+    def url(self) -> str:
+        """The replica the next request goes to (then the one after it)."""
+        u = self.urls[self._next % len(self.urls)]
+        self._next += 1
+        return u
 
     async def _json(self, method: str, path: str, body: dict | None = None) -> dict:
         import aiohttp
@@ -119,7 +133,7 @@ class Client:
         import aiohttp
 
         try:
-            async with self._session.get(self.url + "/metrics") as r:
+            async with self._session.get(self.urls[0] + "/metrics") as r:
                 if r.status != 200:
                     return None
                 text = await r.text()
@@ -192,6 +206,8 @@ class Workload:
     ttft_prompt: int = 128
     ttft_tokens: int = 4
     ttft_requests: int = 8
+    load_streams: int = 0                # requests sent at once for the load measurement (0: skipped)
+    load_prompt: int = 512
     warmup: bool = True
 
 
@@ -347,10 +363,44 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
                 return out
             samples += [r[0] for r in res if r is not None]
         out["ttft"][str(c)] = samples
+
+    if w.load_streams:
+        await _load(client, w, out, guarded, on_step)
     return out
 
 
-def run_measure(url: str, w: Workload, *, timeout: float, seed: int, on_step: Callable[[str], None] = lambda s: None,
+async def _load(client: Client, w: Workload, out: dict, guarded, on_step) -> None:
+    """``w.load_streams`` requests at once, ``w.tg_reps`` times: aggregate and per-request tokens/s."""
+    info = client.info
+    n = fit_length(w.load_prompt, w.tg_tokens, info.slot_ctx)
+    s = w.load_streams
+    if n is None:
+        out["skipped"].append(f"load x{s}: a {w.load_prompt}-token prompt does not fit the slot context")
+        return
+    on_step(f"load x{s}")
+    runs = []
+
+    async def one() -> tuple[float, dict | None]:
+        t0 = time.perf_counter()
+        t = await guarded(f"load x{s}", lambda: client.completion(n, w.tg_tokens))
+        return time.perf_counter() - t0, t
+
+    for _ in range(w.tg_reps):
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one() for _ in range(s)))
+        wall = time.perf_counter() - t0
+        if out["crashed"]:
+            return
+        done = [(dt, t) for dt, t in res if t]
+        if len(done) == s:
+            tokens = [t["prompt_n"] + t["predicted_n"] for _dt, t in done]
+            runs.append({"streams": s, "wall_s": wall, "tokens": sum(tokens), "tps": sum(tokens) / wall,
+                         "per_request_s": [dt for dt, _t in done],
+                         "per_request_tps": [k / dt for k, (dt, _t) in zip(tokens, done)]})
+    out.setdefault("load", {})[str(s)] = {"prompt": n, "tokens": w.tg_tokens, "runs": runs}
+
+
+def run_measure(url: str | Sequence[str], w: Workload, *, timeout: float, seed: int, on_step: Callable[[str], None] = lambda s: None,
                 alive: Callable[[], bool] = lambda: True) -> dict:
     async def main() -> dict:
         async with Client(url, timeout=timeout, rng=random.Random(seed)) as client:

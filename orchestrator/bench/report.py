@@ -11,13 +11,14 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from orchestrator.bench.summary import _metric_order
+from orchestrator.bench.summary import _metric_order, comparison
 from orchestrator.fsutil import write_atomic
 from orchestrator.units import fmt_bytes
 
 _PP = re.compile(r"^pp(\d+)$")
 _TG = re.compile(r"^tg(\d+)@(\d+)$")
 _TGS = re.compile(r"^tg(\d+)x(\d+)$")
+_LOAD = re.compile(r"^load(_req)?_x(\d+)$")
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
@@ -40,7 +41,8 @@ def _columns(summary: Mapping[str, Any], part: str) -> list[str]:
     for s in summary.values():
         keys.update(s.get("metrics", {}))
     if part == "speed":
-        speed = sorted((k for k in keys if _PP.match(k) or _TG.match(k) or _TGS.match(k)), key=_metric_order)
+        speed = sorted((k for k in keys if _PP.match(k) or _TG.match(k) or _TGS.match(k) or _LOAD.match(k)),
+                       key=_metric_order)
         streams = sorted((k for k in keys if k.startswith("moe_cache_hit_rate_x")), key=lambda k: int(k.rsplit("x", 1)[1]))
         read = sorted((k for k in keys if k.startswith("moe_cache_read_pp")), key=lambda k: int(k[len("moe_cache_read_pp"):]))
         return (["load_s"] * ("load_s" in keys) + speed + ["moe_cache_hit_rate"] * ("moe_cache_hit_rate" in keys)
@@ -62,6 +64,8 @@ def _header(k: str) -> str:
         return f"slots read pp{k[len('moe_cache_read_pp'):]}"
     if _TGS.match(k):
         return f"{k} agg"
+    if m := _LOAD.match(k):
+        return f"x{m.group(2)} {'per req' if m.group(1) else 'agg'}"
     return {"load_s": "load s", "rss_peak": "RSS peak", "moe_cache_hit_rate": "cache hits"}.get(k, k.replace("vram_peak_", "VRAM ")
                                                              .replace("power_mean_w_", "W ")
                                                              .replace("temp_max_c_", "°C "))
@@ -96,11 +100,15 @@ def _buffers_cell(b: Mapping[str, int] | None) -> str:
 def table_rows(summary: Mapping[str, Any], part: str = "speed") -> tuple[list[str], list[list[str]]]:
     cols = _columns(summary, part)
     buffers = part == "latency" and any(s.get("llama_buffers") for s in summary.values())
-    header = ["config"] + (["loaded"] if part == "speed" else []) + [_header(k) for k in cols]
+    scoped = part == "speed" and any((s.get("params") or {}).get("scope") for s in summary.values())
+    header = (["config"] + (["runs as"] if scoped else []) + (["loaded"] if part == "speed" else [])
+              + [_header(k) for k in cols])
     header += ["llama.cpp buffers"] if buffers else []
     rows = []
     for name, s in summary.items():
         row = [name]
+        if scoped:
+            row.append((s.get("params") or {}).get("scope") or "")
         if part == "speed":
             row.append(f"{s['loaded']}/{s['runs']}" + (f" ({s['crashed']} crashed)" if s.get("crashed") else ""))
         row += [_cell(k, s["metrics"].get(k)) for k in cols]
@@ -110,12 +118,23 @@ def table_rows(summary: Mapping[str, Any], part: str = "speed") -> tuple[list[st
     return header, rows
 
 
-TITLES = {"speed": "tokens/s (median ±half the range over all samples)",
+TITLES = {"speed": "tokens/s (median ±half the range over all samples; xS: S requests sent at once, all of them "
+                   "per second of wall time and each request's own)",
           "latency": "time to first token, peak memory, power and temperature; llama.cpp's own buffers"}
 
 
+def comparisons(rs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """What each CPU ratio compares, numbered in order of first use: ``{text: "[n]"}``."""
+    out: dict[str, str] = {}
+    for r in rs:
+        if (c := r.get("compares")) and c not in out:
+            out[c] = f"[{len(out) + 1}]"
+    return out
+
+
 def ratio_rows(rs: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    header = ["ratio", "metric", "value", "90% interval", "target", "against", "met"]
+    keys = comparisons(rs)
+    header = ["ratio", "metric", "value", "90% interval", "target", "against"] + ["compares"] * bool(keys) + ["met"]
     rows = []
     for r in rs:
         t = r.get("target")
@@ -127,7 +146,10 @@ def ratio_rows(rs: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[st
             ok += f" ({'; '.join(notes)})"
         val = "-" if r.get("value") is None else f"{r['value']:.2f}"
         ci = "" if not r.get("ci90") else f"{r['ci90'][0]:.2f}–{r['ci90'][1]:.2f}"
-        rows.append([r["kind"], r["metric"], val, ci, ts, r.get("other_config", ""), ok])
+        if r.get("fewer_cores"):
+            ok = (ok + " " if ok else "") + f"(on fewer cores: {r['fewer_cores']})"
+        rows.append([r["kind"], r["metric"], val, ci, ts, r.get("other_config", "")]
+                    + [keys.get(r.get("compares", ""), "")] * bool(keys) + [ok])
     return header, rows
 
 
@@ -155,7 +177,11 @@ def _renderables(data: Mapping[str, Any]) -> list:
             out.append(_table(TITLES[part], h, rows))
     if data.get("ratios"):
         rh, rr = ratio_rows(data["ratios"])
-        out.append(_table("ratios and their targets", rh, rr, numbers=False, red_when_not_met=True))
+        line = data.get("comparison") or comparison(data.get("configs") or [])
+        title = "ratios and their targets" + (f"\n{line}" if line else "")
+        out.append(_table(title, rh, rr, numbers=False, red_when_not_met=True))
+        if notes := comparisons(data["ratios"]):
+            out.append(Text("\n".join(f"  {key} {text}" for text, key in notes.items())))
     errs = _problems(data)
     if errs:
         out.append(Text("problems:\n" + "\n".join(f"  {n}: {e}" for n, e in errs), style="yellow"))

@@ -58,7 +58,7 @@ class ResourceSampler:
         self.interval = interval
         self._rss_reader = rss_reader
         self._clock = clock
-        self._pid: int | None = None
+        self._pids: tuple[int, ...] = ()
         self._phase = "idle"
         self._gpu = {i: _Gpu() for i in self.gpus}
         self._rss_peak = 0
@@ -85,9 +85,10 @@ class ResourceSampler:
         self._thread.start()
         return self
 
-    def attach(self, pid: int | None) -> None:
+    def attach(self, *pids: int | None) -> None:
+        """The server's process (several: the replicas of a deployment, their memory summed)."""
         with self._lock:
-            self._pid = pid
+            self._pids = tuple(p for p in pids if p)
 
     def phase(self, name: str) -> None:
         """Switch phase; a sample is taken first, so even a phase shorter than the interval is seen."""
@@ -119,8 +120,11 @@ class ResourceSampler:
     def sample(self) -> None:
         """One sample of everything (also callable directly, e.g. by tests with a fake NVML)."""
         with self._lock:
-            pid, phase = self._pid, self._phase
-        rss, pids = self._rss_reader(pid) if pid else (0, set())
+            roots, phase = self._pids, self._phase
+        rss, pids = 0, set()
+        for root in roots:
+            r, p = self._rss_reader(root)
+            rss, pids = rss + r, pids | p
         with self._lock:
             self._n += 1
             self._rss_peak = max(self._rss_peak, rss)

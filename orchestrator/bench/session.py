@@ -1,7 +1,8 @@
 """``run_bench``: start each configuration's llama-server in turn, measure it, stop it; R interleaved rounds.
 
 Design (see docs/bench.md):
-- One server at a time: configurations compete for the same VRAM, so they cannot run side by side.
+- One configuration at a time: configurations compete for the same VRAM and cores, so they cannot run side by
+  side. A deployment of several replicas is one configuration: all its servers run (and serve) together.
 - Every round starts every configuration afresh (load, warm-up, measure, stop). Order is serpentine
   (A B C, C B A, A B C ...) so a slow drift of the machine (heat, other load) lands on every configuration's
   average position alike. A restart costs load time, but it is the honest unit: what ``up`` starts, measured
@@ -32,7 +33,7 @@ from orchestrator.bench.report import render_text, write_charts, write_json
 from orchestrator.fsutil import write_atomic
 from orchestrator.bench.sampler import Nvml, ResourceSampler, gpu_free
 from orchestrator.bench.server import Launcher, default_launcher, free_port
-from orchestrator.bench.summary import ratios, summarize
+from orchestrator.bench.summary import comparison, ratios, summarize
 from orchestrator.errors import BackendError, ConfigError, HardwareError, LaunchError
 from orchestrator.launch.llama_args import LOG_VERBOSITY, log_verbosity_args
 from orchestrator.launch.spec import LaunchSpec
@@ -224,17 +225,33 @@ class _Bench:
             free = gpu_free(self.nvml, self.gpus)
         return free
 
+    def _start(self, cfg: BenchConfig, name: str, log: Path) -> tuple[Any, LaunchSpec]:
+        """Start one server of ``cfg`` on a free port (another one when the port is taken meanwhile)."""
+        o = self.opt
+        for attempt in (1, 2):
+            port = free_port(o.host)
+            spec = LaunchSpec(name=name, argv=self.argv(cfg, port), env=dict(cfg.env), host=o.host, port=port)
+            try:
+                with interrupts_held():
+                    return self.launcher(spec, log), spec
+            except LaunchError as e:
+                if attempt == 2 or not _PORT_TAKEN.search(str(e)):
+                    raise                 # else someone took the port between our check and the start
+        raise AssertionError("unreachable")
+
     def run_one(self, cfg: BenchConfig, round_: int, position: int) -> dict:
         o = self.opt
         if self.ballast is not None and not self.ballast.alive():
             raise HardwareError("the VRAM ballast process is gone: further results would not be under the budget")
-        port = free_port(o.host)
-        spec = LaunchSpec(name=f"bench-{cfg.name}", argv=self.argv(cfg, port), env=dict(cfg.env),
-                          host=o.host, port=port)
-        log = self.out / "logs" / f"r{round_}-{cfg.name}.log"
+        servers = list(cfg.members) or [cfg]
+        logs = [self.out / "logs" / (f"r{round_}-{cfg.name}.log" if len(servers) == 1
+                                     else f"r{round_}-{cfg.name}-{k}.log") for k in range(len(servers))]
+        log = logs[0]
         run: dict[str, Any] = {"config": cfg.name, "round": round_, "position": position, "status": "error",
-                               "loaded": False, "argv": list(spec.argv), "env": dict(spec.env),
+                               "loaded": False, "argv": list(self.argv(servers[0], 0)), "env": dict(cfg.env),
                                "log": str(log.relative_to(self.out)), "warnings": []}
+        if len(servers) > 1:
+            run["replica_logs"] = [str(p.relative_to(self.out)) for p in logs]
         run["gpu_free_before"] = self._settle_gpus()
         if o.vram_budget is not None:
             low = {g: v for g, v in run["gpu_free_before"].items() if v < o.vram_budget - 2 * o.vram_tolerance}
@@ -244,50 +261,53 @@ class _Bench:
         sampler.baseline()
         sampler.start()
         t0 = time.monotonic()
+        procs: list[Any] = []
         proc = None
         try:
-            try:
-                with interrupts_held():
-                    proc = self.launcher(spec, log)
-            except LaunchError as e:
-                if not _PORT_TAKEN.search(str(e)):
-                    raise
-                port = free_port(o.host)                 # someone took the port between our check and the start
-                spec = LaunchSpec(name=spec.name, argv=self.argv(cfg, port), env=spec.env,
-                                  host=o.host, port=port)
-                run["argv"] = list(spec.argv)
-                with interrupts_held():
-                    proc = self.launcher(spec, log)
-            sampler.attach(proc.pid)
+            specs = []
+            for k, (member, member_log) in enumerate(zip(servers, logs)):
+                p, spec = self._start(member, f"bench-{cfg.name}" + (f"-{k}" if len(servers) > 1 else ""),
+                                      member_log)
+                procs.append(p)
+                specs.append(spec)
+            proc = procs[0]
+            run["argv"] = list(specs[0].argv)
+            if len(specs) > 1:
+                run["replica_argv"] = [list(s.argv) for s in specs]
+            sampler.attach(*(p.pid for p in procs))
             sampler.phase("load")
-            run["load_s"] = round(float(proc.wait_healthy(o.load_timeout)), 3)
+            # the replicas load together, as `up` starts them: the deployment is loaded when the last one is
+            run["load_s"] = round(max(float(p.wait_healthy(o.load_timeout)) for p in procs), 3)
             run["loaded"] = True
             sampler.phase("measure")
-            samples = run_measure(spec.url, o.workload, timeout=o.request_timeout,
-                                  seed=o.seed * 100_003 + position, on_step=self.progress.step, alive=proc.running)
+            samples = run_measure([s.url for s in specs], o.workload, timeout=o.request_timeout,
+                                  seed=o.seed * 100_003 + position, on_step=self.progress.step,
+                                  alive=lambda: all(p.running() for p in procs))
             run["errors"] = samples.pop("errors")
             run["crashed"] = samples.pop("crashed")
             run["samples"] = samples
             run["status"] = "ok"
             if run["crashed"]:
                 run["status"] = "crashed"
-                run["error"] = f"llama-server died while measuring: {proc.failure_cause() or '(no reason in the log)'}"
+                dead = next((p for p in procs if not p.running()), proc)
+                run["error"] = f"llama-server died while measuring: {dead.failure_cause() or '(no reason in the log)'}"
             self._check_context(cfg, samples, run)
         except LaunchError as e:
             run["status"] = "load-failed"
             run["error"] = str(e)
         except MeasureError as e:
-            dead = proc is not None and not proc.running()
+            gone = next((p for p in procs if not p.running()), None)
+            dead = gone is not None
             run["status"] = "crashed" if dead else "error"
             run["crashed"] = dead
-            cause = proc.failure_cause() if dead else ""
+            cause = gone.failure_cause() if dead else ""
             run["error"] = f"measuring failed: {e}" + (f"; llama-server died: {cause}" if cause else "")
         finally:
             try:
                 sampler.phase("stop")
-            finally:                                  # the server is stopped even if Ctrl-C lands just here
-                if proc is not None:
-                    _stop_server(proc, o.stop_grace)
+            finally:                                  # the servers are stopped even if Ctrl-C lands just here
+                for p in procs:
+                    _stop_server(p, o.stop_grace)
             sampler.stop()
             run["resources"] = sampler.summary()
             llama = parse_server_log(log)
@@ -422,6 +442,8 @@ def _finish(data: dict, out: Path, charts: bool) -> None:
     data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     data["summary"] = summarize(data["configs"], data["runs"])
     data["ratios"] = ratios(data["summary"], data["configs"], vram_budget=data.get("vram_budget"))
+    if line := comparison(data["configs"]):
+        data["comparison"] = line
     files = {"json": "bench.json", "table": "bench.txt"}
     if charts:
         try:
@@ -441,5 +463,11 @@ def describe(configs: Sequence[BenchConfig], server_binary: str, options: BenchO
     lines = [f"{len(configs)} configurations × {options.rounds} rounds = {len(configs) * options.rounds} server "
              f"starts, {per} requests each ({options.order} order)"]
     for c in configs:
-        lines.append(f"  {c.name:<24} [{c.group}] {c.shell_line(server_binary)}")
+        scope = c.params.get("scope")
+        lines.append(f"  {c.name:<24} [{c.group}]" + (f" {scope}:" if scope else "") + f" {c.shell_line(server_binary)}")
+        for k, m in enumerate(c.members[1:], start=2):
+            lines.append(f"  {'':<24} replica {k}: {m.shell_line(server_binary)}")
+    if options.workload.load_streams:
+        lines.append(f"load: {options.workload.load_streams} requests of {options.workload.load_prompt} + "
+                     f"{options.workload.tg_tokens} tokens at once, on every configuration")
     return "\n".join(lines)

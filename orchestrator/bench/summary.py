@@ -2,7 +2,8 @@
 
 Metric names: ``pp<L>`` (prompt tokens/s at prompt length L), ``tg<N>@<D>`` (generated tokens/s, N tokens after
 a context of D), ``ttft_p50_c<C>`` / ``ttft_p95_c<C>`` (seconds to the first token with C concurrent requests),
-``load_s``, ``vram_peak_gpu<I>`` (bytes the configuration added on GPU I at its peak), ``rss_peak`` (host bytes of
+``load_x<S>`` / ``load_req_x<S>`` (tokens/s of S requests sent at once: all of them over the wall time, and
+each request's own), ``load_s``, ``vram_peak_gpu<I>`` (bytes the configuration added on GPU I at its peak), ``rss_peak`` (host bytes of
 the server's processes), ``power_mean_w_gpu<I>``, ``power_max_w_gpu<I>``, ``temp_max_c_gpu<I>``.
 
 Spread: every metric has the median with min/max and the interquartile range over all samples of every
@@ -24,11 +25,16 @@ FIT_TARGETS = {"tg128@0": 1.05, "pp512": 3.0, "pp4096": 2.5, "pp32": 2.0, "pp64"
 SWEEP_TARGET = 0.97
 THRESHOLD_TARGET = 0.97
 CPU_ALTERNATIVES = ("defaults", "threads-sweep", "ub-sweep", "numa-sweep", "replicas")
+# alternatives that change how one server runs on the plan's cores: a deployment's replica is compared with them,
+# the deployment itself with the alternatives over the whole machine
+PER_SERVER_ALTERNATIVES = ("threads-sweep", "ub-sweep", "numa-sweep")
+REPLICA = "replica"
 PREDICTION_BAND = (0.85, 1.15)
 
 _PP = re.compile(r"^pp(\d+)$")
 _TG = re.compile(r"^tg(\d+)@(\d+)$")
 _TGS = re.compile(r"^tg(\d+)x(\d+)$")      # aggregate generation of N streams at once: tg<tokens>x<streams>
+_LOAD = re.compile(r"^load(_req)?_x(\d+)$")   # S requests at once: aggregate / per request tokens/s
 
 
 def stat(values: Sequence[float]) -> dict:
@@ -89,6 +95,10 @@ def run_metrics(run: Mapping[str, Any]) -> dict[str, list[float]]:
         c = entry.get("moe_cache") or {}
         if c.get("lookups"):
             out[f"moe_cache_hit_rate_x{n}"] = [c["hits"] / c["lookups"]]
+    for n, entry in (s.get("load") or {}).items():
+        for r in entry.get("runs", ()):
+            out.setdefault(f"load_x{n}", []).append(r["tps"])
+            out.setdefault(f"load_req_x{n}", []).extend(r["per_request_tps"])
     res = run.get("resources") or {}
     for g, d in (res.get("gpus") or {}).items():
         out[f"vram_peak_gpu{g}"] = [d.get("peak_process") or d.get("peak_delta", 0)]
@@ -158,7 +168,8 @@ def _best(summary: Mapping[str, Any], names: Sequence[str], metric: str) -> tupl
 
 def _speed_metrics(summary: Mapping[str, Any], config: str) -> list[str]:
     ms = (summary.get(config) or {}).get("metrics", {})
-    return sorted((k for k in ms if _PP.match(k) or _TG.match(k) or _TGS.match(k)), key=_metric_order)
+    return sorted((k for k in ms if _PP.match(k) or _TG.match(k) or _TGS.match(k) or _LOAD.match(k)),
+                  key=_metric_order)
 
 
 def _metric_order(k: str) -> tuple:
@@ -171,7 +182,10 @@ def _metric_order(k: str) -> tuple:
     m = _TGS.match(k)
     if m:
         return (2, int(m.group(2)), int(m.group(1)))
-    return (3, 0, 0)
+    m = _LOAD.match(k)
+    if m:
+        return (3, int(m.group(2)), bool(m.group(1)))
+    return (4, 0, 0)
 
 
 def _entry(kind: str, metric: str, plan: float, other: float, other_config: str, target: float | None,
@@ -243,11 +257,24 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
                 out.append(_entry(kind, m, _med(summary, plan, m), best[1], best[0], target))
 
     # a plan on the CPU only, against the CPU alternatives (llama.cpp's defaults, threads, -ub, NUMA policy, one
-    # replica over the machine): no target, the GPU targets above do not apply to it
-    cpu = [n for n, g in groups.items() if g in CPU_ALTERNATIVES and n in summary]
+    # replica over the machine): no target, the GPU targets above do not apply to it. A plan of several replicas
+    # (a deployment) against the alternatives over the whole machine; its replica against the alternatives that
+    # run one server on the same cores
+    deployment = bool(next((c.get("members") for c in configs if c["name"] == plan), None))
+    whole = CPU_ALTERNATIVES if not deployment else tuple(g for g in CPU_ALTERNATIVES
+                                                          if g not in PER_SERVER_ALTERNATIVES)
+    cpu = [n for n, g in groups.items() if g in whole and n in summary]
     for m in plan_metrics if cpu else ():
         if best := _best(summary, cpu, m):
             out.append(_entry("plan/best-cpu", m, _med(summary, plan, m), best[1], best[0], None))
+    per_server = [n for n, g in groups.items() if g in PER_SERVER_ALTERNATIVES and n in summary]
+    if deployment and REPLICA in summary and per_server:
+        for m in _speed_metrics(summary, REPLICA):
+            if not _LOAD.match(m) and (best := _best(summary, per_server, m)):
+                e = _entry("replica/best-cpu", m, _med(summary, REPLICA, m), best[1], best[0], None)
+                e["config"] = REPLICA
+                out.append(e)
+    _say_what_is_compared(out, configs, plan)
 
     thresholds = [n for n, g in groups.items() if g == "offload-sweep" and n in summary]
     if thresholds:
@@ -258,9 +285,10 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
             out.append(_entry("threshold/best", m, _med(summary, plan, m), v, best, THRESHOLD_TARGET))
 
     for e in out:     # how sure each ratio is: an interval over the samples, and whether it spans the target
-        va = (summary.get(plan) or {}).get("metrics", {}).get(e["metric"], {}).get("values")
+        va = (summary.get(e.get("config", plan)) or {}).get("metrics", {}).get(e["metric"], {}).get("values")
         vb = (summary.get(e["other_config"]) or {}).get("metrics", {}).get(e["metric"], {}).get("values")
-        ci = ratio_ci(va, vb) if va and vb and e["other_config"] != plan else None
+        ci = (ratio_ci(va, vb) if va and vb and e["other_config"] != e.get("config", plan)
+              and e["kind"] != "predicted/measured" else None)
         if ci is not None:
             e["ci90"] = [ci[0], ci[1]]
             if isinstance(e["target"], (int, float)):
@@ -293,12 +321,56 @@ def ratios(summary: Mapping[str, Any], configs: Sequence[Mapping[str, Any]], pla
         meas = _med(summary, plan, f"pp{length}")
         if meas:
             out.append(_entry("predicted/measured", f"pp{length}", v, meas, plan, None))
+    # memory is predicted per server: a deployment's is its replica's row (the deployment's is their sum)
+    one = REPLICA if deployment and REPLICA in summary else plan
     for dev, v in sorted((pred.get("memory") or {}).items()):
         metric = "rss_peak" if dev == "CPU" else f"vram_peak_{dev}"
-        meas = _med(summary, plan, metric)
-        if meas:
-            out.append(_entry("predicted/measured", metric, float(v), meas, plan, None))
+        meas = _med(summary, one, metric)
+        if meas and (one != plan or not deployment):
+            e = _entry("predicted/measured", metric, float(v), meas, one, None)
+            e["config"] = one
+            out.append(e)
     return out
+
+
+def _say_what_is_compared(out: list[dict], configs: Sequence[Mapping[str, Any]], plan: str) -> None:
+    """Each ratio of the CPU comparisons says what it compares: the scope of both sides (``2 replicas × 1 core``
+    against ``one server on 2 cores``), whether it is the same load on the whole deployment or one request at a
+    time, and a note when the plan's side had fewer cores than the other."""
+    by = {c["name"]: c for c in configs}
+    for e in out:
+        if e["kind"] not in ("plan/best-cpu", "replica/best-cpu"):
+            continue
+        mine, other = by.get(e.get("config", plan)) or {}, by.get(e["other_config"]) or {}
+        a, b = (mine.get("params") or {}).get("cores"), (other.get("params") or {}).get("cores")
+        m = _LOAD.match(e["metric"])
+        if m:
+            how = f"the same {m.group(2)} requests at once, " + ("per request" if m.group(1) else "aggregate")
+        elif mine.get("members"):
+            how = f"one request at a time: each served by one replica of {len(mine['members'])}"
+            a = (mine["members"][0].get("params") or {}).get("cores") or a       # one replica serves it
+        else:
+            how = "one request at a time"
+        scope_a = (mine.get("params") or {}).get("scope") or e.get("config", plan)
+        scope_b = (other.get("params") or {}).get("scope") or e["other_config"]
+        e["compares"] = f"{scope_a} vs {scope_b}: {how}"
+        if a and b and a < b:
+            e["fewer_cores"] = f"{a} core{'s' * (a > 1)} against {b}"
+
+
+def comparison(configs: Sequence[Mapping[str, Any]], plan: str = "plan") -> str | None:
+    """One line for the head of the ratios: what the plan is measured as, and against what."""
+    c = next((c for c in configs if c["name"] == plan), None)
+    scope = ((c or {}).get("params") or {}).get("scope")
+    if not scope:
+        return None
+    if c.get("members"):
+        streams = (c.get("params") or {}).get("load_streams")
+        load = f" under the same load ({streams} requests at once: the load_x rows)" if streams else ""
+        return (f"plan = the deployment, {scope}, all replicas serving at once, against one server over the "
+                f"machine{load}; pp/tg rows are one request at a time (one replica serves it); the replica row "
+                f"is one replica on its own cores, against the same-core sweeps")
+    return f"plan = {scope}, against the alternatives each run as one server"
 
 
 def failed_targets(rs: Iterable[Mapping[str, Any]]) -> list[dict]:

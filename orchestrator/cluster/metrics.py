@@ -5,7 +5,8 @@
 - resident memory of the llama-server process tree (psutil);
 - per GPU the worker uses (NVML, when GPUs exist): memory used, utilisation, temperature, power, and the VRAM
   held by the worker's processes;
-- the node's NUMA-balancing state (``/proc/sys/kernel/numa_balancing``, read under a root path);
+- the node's NUMA-balancing state (``/proc/sys/kernel/numa_balancing``, read under a root path), once per node:
+  by the one worker of the node that holds the node's :class:`NodeClaim`;
 - the expert cache's counters (``llamacpp:moe_cache_*``, when llama-server runs one): lookups, misses, uploaded
   bytes, the slots' VRAM and the hit ratio of the last interval.
 
@@ -53,7 +54,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "orchestrator_worker_expert_cache_prompt_copied_bytes": ("counter", "expert cache: bytes prompts on the GPU "
                                                              "copied from host memory"),
     "orchestrator_worker_expert_cache_bytes": ("gauge", "expert cache: GPU memory held by its slots"),
-    "orchestrator_node_numa_balancing": ("gauge", "kernel.numa_balancing on the worker's node (0 = off)"),
+    "orchestrator_node_numa_balancing": ("gauge", "kernel.numa_balancing on the node (0 = off)"),
     "orchestrator_gateway_requests": ("counter", "requests the gateway answered, by model and HTTP status"),
     "orchestrator_gateway_requests_in_flight": ("gauge", "requests the gateway is proxying, per replica"),
     "orchestrator_gateway_healthy_replicas": ("gauge", "replicas the gateway routes to"),
@@ -79,7 +80,7 @@ TAG_KEYS: dict[str, tuple[str, ...]] = {
     **{n: ("worker", "node") for n in METRICS if n.startswith("orchestrator_worker_")},
     "orchestrator_worker_vram_bytes": ("worker", "node", "gpu"),
     **{n: ("worker", "node", "gpu") for n in METRICS if n.startswith("orchestrator_gpu_")},
-    "orchestrator_node_numa_balancing": ("worker", "node"),
+    "orchestrator_node_numa_balancing": ("node",),
     "orchestrator_gateway_requests": ("model", "code"),
     "orchestrator_gateway_requests_in_flight": ("replica",),
     "orchestrator_gateway_healthy_replicas": ("model",),
@@ -254,6 +255,40 @@ def numa_balancing(root: str = "/") -> int | None:
         return None
 
 
+class NodeClaim:
+    """Whether this process writes the node's own metrics: the one that holds an exclusive lock on the node's
+    file (``path``, in the deployment's folder on that node) does. Ray sums a gauge that several processes
+    write with the same tags, so one writer per node, not one per worker. The kernel drops the lock when its
+    holder dies, and the next worker to ask takes it; ``path`` None: always (a lone sampler)."""
+
+    def __init__(self, path: str | os.PathLike | None) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def held(self) -> bool:
+        if self.path is None or self._fd is not None:
+            return True
+        import fcntl
+
+        try:
+            os.makedirs(os.path.dirname(os.fspath(self.path)) or ".", exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            return True                 # no folder to coordinate in: report (a gauge twice beats none)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 # --- GPUs -----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GpuSample:
@@ -323,6 +358,7 @@ class WorkerSampler:
     pids: Callable[[int], list[int]] = tree_pids
     nvml: Any = None
     root: str = "/"
+    node_claim: NodeClaim = field(default_factory=lambda: NodeClaim(None))
     rates: TokenRates = field(default_factory=TokenRates)
     cache: ExpertCacheCounters = field(default_factory=ExpertCacheCounters)
     last: dict = field(default_factory=dict)
@@ -396,7 +432,7 @@ class WorkerSampler:
                                     "worker_vram": g.process_vram})
         nb = numa_balancing(self.root)
         out["numa_balancing"] = nb
-        if nb is not None:
-            s.set("orchestrator_node_numa_balancing", nb, tags)
+        if nb is not None and self.node_claim.held():
+            s.set("orchestrator_node_numa_balancing", nb, {"node": self.node})
         self.last = out
         return out

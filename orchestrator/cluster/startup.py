@@ -53,6 +53,13 @@ from orchestrator.errors import ClusterError
 from orchestrator.sigutil import StopSignals, stop_signals_blocked
 
 
+def ray_cli() -> str:
+    """The ``ray`` command of the Python that runs orchestrator (``.venv/bin/ray`` after the quick start, which
+    puts nothing on PATH), else plain ``ray``."""
+    here = os.path.join(os.path.dirname(sys.executable), "ray")
+    return here if os.access(here, os.X_OK) else "ray"
+
+
 def deployment_from(res) -> Deployment:
     """The Deployment for a resolved topology (the plan's LaunchSpecs + gateway, Ray and restart settings)."""
     from orchestrator.plan.document import PlanDocument
@@ -394,7 +401,7 @@ class Startup:
                          + (f", dashboard {st.dashboard_url}" if st.dashboard_url else "")
                          + (f", metrics {st.metrics_url}" if st.metrics_url else ""))
                 if st.auth_mode == "token" and st.dashboard_url:
-                    self.say("the dashboard asks for the Ray token: ~/.ray/auth_token (`ray get-auth-token`)")
+                    self.say(f"the dashboard asks for the Ray token: ~/.ray/auth_token (`{ray_cli()} get-auth-token`)")
                 self.api.disconnect()
             if not self.detach:
                 res.exit_code, self.stopped_elsewhere = serve_until_stopped(st.namespace, self.say, sigs)

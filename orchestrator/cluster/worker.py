@@ -8,6 +8,7 @@ signal stays armed for the actor's whole life; the Ray methods only flip flags a
 from __future__ import annotations
 
 import functools
+import re
 import os
 import socket
 import threading
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.cluster.deployment import RestartPolicy
-from orchestrator.cluster.metrics import MetricsSink, WorkerSampler, fetch_text
+from orchestrator.cluster.metrics import MetricsSink, NodeClaim, WorkerSampler, fetch_text
 from orchestrator.cluster.procs import RAY_INJECTED_ENV, Launcher, LocalLauncher, server_env
 from orchestrator.cluster.supervisor import FAILED, STARTING, STOPPED, Supervisor, port_busy
 from orchestrator.cluster.view import describe_binding, describe_devices
@@ -57,8 +58,11 @@ class WorkerActor:
             from orchestrator.cluster.ray_api import RayApi
 
             sink = RayApi().metrics_sink()
+        # the node's own metrics come from one worker per node: the one holding this lock in the node's folder
+        node_file = re.sub(r"[^\w.-]", "_", node_name)
+        claim = NodeClaim(log_path / f".node-metrics-{node_file}.lock")
         self.sampler = WorkerSampler(self.spec.name, node_name, self.spec.connect_url,
-                                     self.spec.env.get("CUDA_VISIBLE_DEVICES"), sink)
+                                     self.spec.env.get("CUDA_VISIBLE_DEVICES"), sink, node_claim=claim)
         if upstream_key:     # /metrics wants the deployment's key (only /health is open)
             self.sampler.fetch = functools.partial(fetch_text, headers={"Authorization": f"Bearer {upstream_key}"})
         self._lock = threading.Lock()

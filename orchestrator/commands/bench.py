@@ -16,13 +16,29 @@ and writes bench.json, bench.txt and PNG charts. The plan comes from topology.ya
 would, under --vram-budget as vram_limit), --plan-json (the output of `orchestrator plan --json`) or
 --config plan='FLAGS'; the alternatives (fit, fit-pinned, cpu-moe, ncmoe-sweep, offload-sweep, cache-grid) are
 derived from it; a plan that runs on the CPU only gets CPU alternatives instead (llama.cpp's defaults, threads,
--ub, NUMA policy, one replica over the machine) and no GPU targets. More configurations: --config NAME='FLAGS'
-(leading VAR=value words are environment).
+-ub, NUMA policy, one replica over the machine) and no GPU targets. A CPU plan of several replicas on this
+machine is measured as the deployment (every replica started and serving at once, the requests spread over them)
+against one server over the machine, under the same load (--load-streams requests at once); its `replica` row
+is one replica on its own cores, compared with the sweeps that run on the same cores. Every row says what it
+runs as (cores, replicas). More configurations: --config NAME='FLAGS' (leading VAR=value words are environment).
+Results go to --out DIR, by default a new folder under the state folder (~/.local/state/orchestrator/bench/).
 Generation samples (temperature 1, a seed per request, llama-server's default top_k/top_p); with an expert
 cache the table shows its hit rate during generation (llama-server's /metrics). Example:
 
   orchestrator bench topologies/h200.yaml --vram-budget 12GiB --rounds 2 --out bench-12g
 """
+
+
+def _load_streams(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {n}")
+    return n
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -109,6 +125,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument("--tg-streams", type=_ints, default=(), metavar="N,...",
                      help="streams generating at once, for aggregate generation (default none; the server needs "
                           "-np of at least N)")
+    how.add_argument("--load-streams", type=_load_streams, default=None, metavar="S|auto",
+                     help="requests of --load-prompt + --tg-tokens tokens sent at once to every configuration, "
+                          "for aggregate and per-request rates under load (default auto: a deployment's slots, "
+                          "replicas × parallel; else none; 0 = none)")
+    how.add_argument("--load-prompt", type=int, default=512, help="prompt tokens of the load requests (default 512)")
     how.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of those requests (default 128)")
     how.add_argument("--ttft-requests", type=int, default=8, help="requests per concurrency level (default 8)")
     how.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
@@ -120,7 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="-lv added to every server so its log has llama.cpp's buffer sizes and --fit decisions "
                           "(default 4; none = add nothing)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", metavar="DIR", help="output directory (default bench-YYYYmmdd-HHMMSS)")
+    out.add_argument("--out", metavar="DIR", help="output directory (default: bench-YYYYmmdd-HHMMSS under the state "
+                                                  "folder, ~/.local/state/orchestrator/bench)")
     out.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
     out.add_argument("--progress", default="auto", choices=("auto", "plain", "none"), help="progress display")
     out.add_argument("--json", action="store_true", help="print the summary and ratios as JSON on stdout")
@@ -143,6 +165,7 @@ class _Plan:
     server: str | None = None
     context: dict | None = None
     numa_nodes: tuple[int, ...] = ()
+    replicas: tuple = ()          # every replica of the plan on this node (a deployment when there are several)
 
 
 def _source(args: argparse.Namespace) -> BenchSource:
@@ -179,11 +202,53 @@ def _source(args: argparse.Namespace) -> BenchSource:
                             offload_values=args.offload, thread_values=args.threads,
                             layer_expert_bytes=plan.params.get("layer_expert_bytes"), numa_nodes=p.numa_nodes)
     derived += _replica_alternatives(args, p) if cpu_only and not args.configs else []
+    if cpu_only and len(p.replicas) > 1 and any(c.name == "plan" for c in derived):
+        derived = _as_deployment(derived, p.replicas)
     names = {c.name for c in derived}
     clash = [c.name for c in others if c.name in names]
     if clash:
         raise ConfigError(f"--config {clash[0]}: that name is taken by a derived configuration")
-    return BenchSource(tuple(dedupe(derived + others)), server, p.context)
+    return BenchSource(tuple(_scoped(dedupe(derived + others))), server, p.context)
+
+
+def _as_deployment(derived: list, replicas: tuple) -> list:
+    """The plan as the deployment it is (every replica on the node, serving at once), followed by its first
+    replica alone (``replica``: one replica on its own cores, what the same-core sweeps compare with)."""
+    from dataclasses import replace
+
+    out = []
+    for c in derived:
+        if c.name != "plan":
+            out.append(c)
+            continue
+        n = len(replicas)
+        slots = sum(r.parallel or 1 for r in replicas)
+        out.append(replace(c, members=tuple(replicas),
+                           params={**dict(c.params), "replicas": n, "load_streams": slots}))
+        out.append(replace(c, name="replica", group="replica", params={**dict(c.params), "replica_of": n}))
+    return out
+
+
+def _machine_cpus() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _scoped(configs: list) -> list:
+    """Every configuration with the cores it computes on and what it runs as, in words (``params``)."""
+    from dataclasses import replace
+
+    n = _machine_cpus()
+
+    def scoped(c):
+        members = tuple(scoped(m) for m in c.members)
+        return replace(c, members=members, params={**dict(c.params), "cores": c.cores(n), "scope": c.scope(n)})
+
+    return [scoped(c) for c in configs]
 
 
 def _plan_from_json(args: argparse.Namespace) -> _Plan:
@@ -250,7 +315,9 @@ def _plan_from_topology(args: argparse.Namespace) -> _Plan:
         plan = replace(plan, params={**dict(plan.params),
                                      "layer_expert_bytes": max(costs.layer_experts[i] for i in costs.moe_layers)})
     nodes = tuple(n.id for n in machine.numa_nodes if n.cpus) if machine is not None else ()
-    return _Plan(plan, res.backend.server, context, nodes)
+    replicas = tuple(config_from_launch_spec(s, w) for s, w in zip(res.specs, res.plan.workers)
+                     if w.node == worker.node)
+    return _Plan(plan, res.backend.server, context, nodes, replicas)
 
 
 def _replica_alternatives(args: argparse.Namespace, p: _Plan) -> list:
@@ -265,6 +332,13 @@ def _replica_alternatives(args: argparse.Namespace, p: _Plan) -> list:
     res = _resolve(args, {"workers.replicas": 1})
     one = config_from_launch_spec(res.specs[0], res.plan.workers[0])
     return [replace(one, name="replicas1", group="replicas", params={**dict(one.params), "replicas": 1})]
+
+
+def default_out_dir() -> str:
+    """A new folder under the state folder (never the working directory: a checkout would show it untracked)."""
+    from orchestrator.paths import state_dir
+
+    return str(state_dir() / "bench" / time.strftime("bench-%Y%m%d-%H%M%S"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,9 +360,15 @@ def run(args: argparse.Namespace) -> int:
                     ("--ttft-requests", args.ttft_requests)):
         if v < 1:
             raise ConfigError(f"{flag} must be at least 1, got {v}")
+    if args.load_prompt < 1:
+        raise ConfigError(f"--load-prompt must be at least 1, got {args.load_prompt}")
+    src = _source(args)
+    load = args.load_streams
+    if load is None:                     # auto: the deployment's slots, the load it is planned to serve
+        load = max((int(c.params.get("load_streams") or 0) for c in src.configs), default=0)
     workload = Workload(pp=args.pp, pp_reps=args.pp_reps, tg_depths=args.tg_depths, tg_tokens=args.tg_tokens,
                         tg_reps=args.tg_reps, concurrency=args.concurrency, tg_streams=args.tg_streams,
-                        ttft_prompt=args.ttft_prompt,
+                        ttft_prompt=args.ttft_prompt, load_streams=load, load_prompt=args.load_prompt,
                         ttft_requests=args.ttft_requests, warmup=not args.no_warmup)
     if args.server_verbosity == "none":
         verbosity = None
@@ -296,7 +376,6 @@ def run(args: argparse.Namespace) -> int:
         verbosity = int(args.server_verbosity)
     else:
         raise ConfigError(f"--server-verbosity: expected a number or 'none', got {args.server_verbosity!r}")
-    src = _source(args)
     options = BenchOptions(log_verbosity=verbosity, rounds=args.rounds, workload=workload, order=args.order,
                            load_timeout=args.load_timeout, prime_page_cache=not args.no_prime, seed=args.seed,
                            vram_budget=budget, max_seconds=args.max_minutes * 60 if args.max_minutes else None,
@@ -311,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(describe(configs, server, options))
         return 0
-    out = args.out or time.strftime("bench-%Y%m%d-%H%M%S")
+    out = args.out or default_out_dir()
 
     from orchestrator.sigutil import terminate_as_interrupt
 

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from orchestrator.hardware.probe import GPU_REPS, HOST_REPS, gpu_seconds, run_probe
     from orchestrator.hardware.render import gbps
     from orchestrator.hardware.sysfs import read_machine
+    from orchestrator.resolve import cpu_prompt_probe
 
     if args.reps is not None and args.reps < 1:
         raise HardwareError(f"--reps: at least 1, got {args.reps}")
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda s: None) if args.json else (lambda s: print(f"orchestrator probe: {s}", file=sys.stderr))
     res = run_probe(machine, refresh=args.refresh, host=not args.gpu_only, gpu=not args.host_only,
                     host_bytes=host_bytes, host_reps=args.reps or HOST_REPS, gpu_bytes=gpu_bytes,
-                    gpu_reps=args.reps or GPU_REPS, gpu_backend=args.gpu_backend, gpu_alloc=args.gpu_alloc, log=log)
+                    gpu_reps=args.reps or GPU_REPS, gpu_backend=args.gpu_backend, gpu_alloc=args.gpu_alloc, log=log,
+                    cpu_prompt=cpu_prompt_probe)
     bw = res.bandwidth
     if args.json:
         json.dump(res.to_json(), sys.stdout, indent=1)
@@ -106,4 +108,9 @@ def run(args: argparse.Namespace) -> int:
         for c in cpu_nodes:
             t.add_row(str(c), *(f"{bw.host[(c, j)] / 1e9:.1f}" if (c, j) in bw.host else "-" for j in mem_nodes))
         Console(highlight=False).print(t)
+    if bw.cpu_probe_pp:
+        from orchestrator.plan.rates import CPU_PROBE_REFERENCE_PP
+
+        print(f"CPU prompt speed: {bw.cpu_probe_pp:.0f} tokens/s on one core (the probe's small model, 512 tokens), "
+              f"x{bw.cpu_probe_pp / CPU_PROBE_REFERENCE_PP:.2f} of the machine the CPU model was fitted on")
     return 1 if res.failed else 0

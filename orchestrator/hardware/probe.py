@@ -274,8 +274,10 @@ def _run_lines(argv: list[str], env: dict | None, timeout: float) -> tuple[list[
 def run_probe(m: Machine, *, refresh: bool = False, host: bool = True, gpu: bool = True,
               host_bytes: int | None = None, host_reps: int = HOST_REPS, gpu_bytes: int = GPU_BYTES,
               gpu_reps: int = GPU_REPS, gpu_backend: str = "auto", gpu_alloc: str = "register", save: bool = True,
-              log: Callable[[str], None] = lambda s: None) -> ProbeResult:
-    """Measure (or load from the cache) the bandwidths of the live machine ``m`` (``read_machine("/")``)."""
+              log: Callable[[str], None] = lambda s: None, cpu_prompt: Callable | None = None) -> ProbeResult:
+    """Measure (or load from the cache) the bandwidths of the live machine ``m`` (``read_machine("/")``);
+    ``cpu_prompt(m, records, log) -> (tokens/s, why not)``, when given, measures the CPU's prompt speed too
+    (:func:`probe_cpu_prompt` with a llama-bench and the probe model: orchestrator.resolve.cpu_prompt_probe)."""
     path = cache_file(m)
     if not refresh:
         cached = load_cached(m)
@@ -329,8 +331,15 @@ def run_probe(m: Machine, *, refresh: bool = False, host: bool = True, gpu: bool
                     messages.append(f"host memory probe failed (exit {rc}){': ' + err if err else ''}")
                     failed = True
 
+    cpu_pp = 0.0
+    if host and cpu_prompt is not None:
+        cpu_pp, msg = cpu_prompt(m, records, log)
+        if msg:
+            messages.append(msg)
+        elif cpu_pp:
+            backends["cpu"] = "llama-bench (the probe's small model, one core)"
     bw = Bandwidth(gpu_h2d=FrozenMap(h2d), gpu_d2h=FrozenMap(d2h), host=FrozenMap(hostbw),
-                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), key=machine_key(m))
+                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), key=machine_key(m), cpu_probe_pp=cpu_pp)
     backends["seconds"] = round(time.monotonic() - t0, 3)
     res = ProbeResult(bandwidth=bw, cached=False, cache_file=path, records=records, messages=messages,
                       failed=failed, backends=backends)
@@ -340,6 +349,43 @@ def run_probe(m: Machine, *, refresh: bool = False, host: bool = True, gpu: bool
         except OSError as err:
             res.messages.append(f"cannot write the probe cache {path}: {err.strerror or err}")
     return res
+
+
+# The CPU's prompt speed: the demo's model shape (synth-model --like qwen3-30b-a3b --scale 0.125 --quant q8_0, 70
+# MiB), a 512-token prompt on the first physical core of the first node, the fastest of a few repetitions
+# (plan/rates.py: CPU_PROBE_REFERENCE_PP is what the reference machine does there).
+CPU_PROBE_SHAPE = ("qwen3-30b-a3b", 0.125, "q8_0")
+CPU_PROBE_PROMPT = 512
+CPU_PROBE_REPS = 3
+
+
+def cpu_probe_model_path() -> Path:
+    like, scale, quant = CPU_PROBE_SHAPE
+    return cache_dir() / "probe" / f"cpu-probe-{like}-{scale:g}-{quant}.gguf"
+
+
+def probe_cpu_prompt(m: Machine, records: list, bench: str, model: str | os.PathLike,
+                     log: Callable[[str], None] = lambda s: None) -> tuple[float, str]:
+    """(prompt tokens/s of ``model`` (:data:`CPU_PROBE_SHAPE`) on one core by ``bench`` (llama-bench), "" or why it
+    was not measured)."""
+    if not os.access(bench, os.X_OK):
+        return 0.0, f"CPU prompt speed not measured: no llama-bench beside {os.path.dirname(bench)}"
+    cpus = list(m.physical_cpus(m.allowed_cpus)) or list(m.allowed_cpus or m.pus)
+    argv = [bench, "-m", str(model), "-t", "1", "-C", f"0x{1 << cpus[0]:x}", "--cpu-strict", "1", "-ngl", "0",
+            "-fa", "on", "-ub", "512", "-p", str(CPU_PROBE_PROMPT), "-n", "0", "-r", str(CPU_PROBE_REPS),
+            "-o", "jsonl"]
+    log(f"CPU prompt speed: llama-bench, {CPU_PROBE_PROMPT} tokens on CPU {cpus[0]} ...")
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as e:
+        return 0.0, f"CPU prompt speed not measured: {e}"
+    rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    samples = [float(v) for row in rows for v in row.get("samples_ts") or ()]
+    if r.returncode != 0 or not samples:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return 0.0, f"CPU prompt speed not measured: llama-bench exit {r.returncode}: {tail}"
+    records.append({"kind": "cpu_prompt", "argv": [os.path.basename(bench), *argv[1:]], "samples_ts": samples})
+    return max(samples), ""
 
 
 def _probe_gpus(m: Machine, nbytes: int, reps: int, backend: str, alloc: str, records: list, h2d: dict,

@@ -165,7 +165,9 @@ class Bandwidth:
 
     ``gpu_h2d[(gpu, node)]``: pinned host→device copies with the host buffer on NUMA node ``node``;
     ``gpu_d2h`` the other way; ``host[(cpu_node, mem_node)]``: threads pinned on the CPUs of ``cpu_node``
-    reading memory bound to ``mem_node``. ``key`` identifies the machine the numbers belong to.
+    reading memory bound to ``mem_node``. ``cpu_probe_pp``: prompt tokens/s of the probe's small model on one
+    core (llama-bench; 0: not measured), the machine's CPU speed for prompts. ``key`` identifies the machine the
+    numbers belong to.
     """
 
     gpu_h2d: FrozenMap = field(default_factory=FrozenMap)
@@ -173,6 +175,7 @@ class Bandwidth:
     host: FrozenMap = field(default_factory=FrozenMap)
     measured_at: str = ""
     key: str = ""
+    cpu_probe_pp: float = 0.0
 
     def __post_init__(self):
         for name in ("gpu_h2d", "gpu_d2h", "host"):
@@ -192,6 +195,7 @@ class Bandwidth:
             "host": [{"cpu_node": c, "mem_node": m, "bytes_per_s": v} for (c, m), v in sorted(self.host.items())],
             "measured_at": self.measured_at,
             "key": self.key,
+            **({"cpu_probe_pp": self.cpu_probe_pp} if self.cpu_probe_pp else {}),
         }
 
     @classmethod
@@ -206,6 +210,7 @@ class Bandwidth:
                            for e in r.items("host", default=[])),
             measured_at=str(r.get("measured_at", default="")),
             key=str(r.get("key", default="")),
+            cpu_probe_pp=float(r.get("cpu_probe_pp", default=0.0) or 0.0),
         )
 
 

@@ -150,10 +150,14 @@ class _Cursor:
     def fail(self, what: str) -> ModelError:
         return ModelError(f"{self.path}: {what}")
 
+    def short(self, what: str, claimed: int, at: int) -> ModelError:
+        """``what`` at offset ``at`` needs ``claimed`` bytes and the file ends first: a file cut short (a copy
+        or download that stopped) when the claim is one a real file could make, else a corrupt count."""
+        return _short(self.path, self.end, self.section, what, claimed, at)
+
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > self.end:
-            raise self.fail(f"truncated GGUF: the {self.section} needs {n} more bytes at offset {self.pos} "
-                            f"but the file has {self.end} bytes")
+            raise self.short("the next value", n, self.pos)
         if self.pos + n > self.avail:
             self.buf = self.grow(self.pos + n)
             self.avail = len(self.buf)
@@ -180,8 +184,7 @@ class _Cursor:
     def string(self, what: str) -> str:
         n = self.u64()
         if n > self.end - self.pos:
-            raise self.fail(f"truncated or corrupt GGUF: {what} claims {n} bytes at offset {self.pos - 8} "
-                            f"but only {self.end - self.pos} remain")
+            raise self.short(what, n, self.pos)
         self.need(n)
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
@@ -201,10 +204,22 @@ class _Cursor:
             n = unpack(buf, pos)[0]
             pos += 8
             if n > end - pos:
-                raise self.fail(f"truncated or corrupt GGUF: element {i} of {what} claims {n} bytes "
-                                f"at offset {pos - 8} but only {end - pos} remain")
+                raise self.short(f"element {i} of {what}", n, pos)
             pos += n
         self.pos = pos
+
+
+# The most a length or count in a real GGUF can ask for: a claim beyond it is corruption, not a file cut short
+# (the largest models are under 1 TiB).
+PLAUSIBLE_BYTES = 1 << 42
+
+
+def _short(path: str, size: int, section: str, what: str, claimed: int, at: int) -> ModelError:
+    if 0 <= claimed <= PLAUSIBLE_BYTES:
+        return ModelError(f"{path}: truncated GGUF: the file ends at byte {size}, inside the {section}: {what} "
+                          f"needs {claimed} bytes from offset {at} (a copy or download cut short?)")
+    return ModelError(f"{path}: corrupt GGUF: {what} claims {claimed} bytes at offset {at}, more than the "
+                      f"file's {size}")
 
 
 def _open_map(path: str):
@@ -270,12 +285,12 @@ def _parse(c: _Cursor) -> GgufFile:
     n_tensors = c.u64()
     n_kv = c.u64()
     # every key/value takes at least 8 (key length) + 1 (key) + 4 (type) + 1 (value) bytes; every tensor info
-    # at least 8 + 1 + 4 + 8 + 4 + 8: a count that cannot fit in the file is corrupt, not a reason to allocate
-    left = size - c.pos
-    if n_kv > left // 14:
-        raise ModelError(f"{path}: corrupt GGUF: metadata count {n_kv} cannot fit in {size} bytes")
-    if n_tensors > left // 33:
-        raise ModelError(f"{path}: corrupt GGUF: tensor count {n_tensors} cannot fit in {size} bytes")
+    # at least 8 + 1 + 4 + 8 + 4 + 8: a count that no real file could hold is corrupt, not a reason to allocate;
+    # one that a real file could hold is left to the reads below, which find where a file cut short ends
+    if n_kv * 14 > PLAUSIBLE_BYTES:
+        raise _short(path, size, "header", f"a metadata count of {n_kv}", n_kv * 14, c.pos)
+    if n_tensors * 33 > PLAUSIBLE_BYTES:
+        raise _short(path, size, "header", f"a tensor count of {n_tensors}", n_tensors * 33, c.pos)
 
     c.section = "metadata"
     metadata: dict[str, Any] = {}
@@ -331,8 +346,9 @@ def _parse(c: _Cursor) -> GgufFile:
             raise ModelError(f"{path}: corrupt GGUF: tensor {t.name!r} overlaps {prev_name!r}")
         end = t.offset + t.nbytes
         if end > data_size:
-            raise ModelError(f"{path}: truncated GGUF: tensor {t.name!r} data ends at byte {data_offset + end} "
-                             f"but the file has {size} bytes")
+            raise ModelError(f"{path}: truncated GGUF: the file ends at byte {size}, inside the tensor data: "
+                             f"tensor {t.name!r} data ends at byte {data_offset + end} (a copy or download cut "
+                             f"short?)")
         prev_end, prev_name = end, t.name
     return GgufFile(path, version, metadata, tuple(raw), alignment, data_offset, size)
 
@@ -349,8 +365,7 @@ def _read_value(c: _Cursor, t: int, key: str) -> Any:
             raise c.fail(f"unsupported GGUF: metadata {key!r} is an array of arrays")
         if et == _T_STRING:
             if n > (c.end - c.pos) // 8:
-                raise c.fail(f"corrupt GGUF: array {key!r} claims {n} strings but only "
-                             f"{c.end - c.pos} bytes remain")
+                raise c.short(f"array {key!r} of {n} strings", n * 8, c.pos)
             if n > KEEP_ARRAY_MAX:
                 c.skip_strings(n, f"array {key!r}")
                 return ArrayInfo("string", n)
@@ -359,8 +374,7 @@ def _read_value(c: _Cursor, t: int, key: str) -> Any:
             raise c.fail(f"corrupt GGUF: array {key!r} has unknown element type {et}")
         es = _SCALAR_SIZE[et]
         if n > (c.end - c.pos) // es:
-            raise c.fail(f"corrupt GGUF: array {key!r} claims {n} elements of {es} bytes but only "
-                         f"{c.end - c.pos} bytes remain")
+            raise c.short(f"array {key!r} of {n} elements of {es} bytes", n * es, c.pos)
         if n > KEEP_ARRAY_MAX:
             c.pos += n * es
             return ArrayInfo(_TYPE_NAMES[et], n)

@@ -108,7 +108,7 @@ def _on_hub(url: str) -> bool:
 
 def _hub_error(what: str, err: Exception) -> ModelError:
     """One line for a huggingface_hub error about ``what`` (a repository or file reference); never the token."""
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
 
     status = getattr(getattr(err, "response", None), "status_code", None)
     if isinstance(err, GatedRepoError) or status == 403:
@@ -122,9 +122,29 @@ def _hub_error(what: str, err: Exception) -> ModelError:
         return MissingFile(f"{what}: not found (HTTP 404)")
     if isinstance(err, HfHubHTTPError) and status is not None:
         return ModelError(f"{what}: the Hub answered HTTP {status}")
-    if isinstance(err, _transport_errors()):
-        return ModelError(f"{what}: cannot reach {hf_endpoint()}: {_reason(err)}")
+    if isinstance(err, (*_transport_errors(), OfflineModeIsEnabled)):
+        return ModelError(unreachable(what, hf_endpoint()))
     return ModelError(f"{what}: unexpected answer from {hf_endpoint()}: {type(err).__name__}: {_reason(err)}")
+
+
+def _like(what: str) -> str:
+    """The synthetic model shape whose name the reference mentions (``DeepSeek-V3`` → ``deepseek-v3``)."""
+    from orchestrator.model import shapes
+
+    text = re.sub(r"[\s_.]+", "-", what.lower())
+    known = sorted({*shapes.names(), *shapes.ALIASES}, key=len, reverse=True)      # the most specific first
+    return next((n for n in known if n in text), "NAME")
+
+
+def unreachable(what: str, where: str) -> str:
+    """One line for a remote model whose server cannot be reached (offline): what to do instead, and the
+    downloaded copy when the cache has one."""
+    host = urlsplit(where).netloc or where
+    line = f"{what}: cannot reach {host} (offline?): "
+    if "://" in what and os.path.isfile((cached := cache_path_for(what)) + ".source.json"):   # a whole one
+        return line + f"a downloaded copy is at {cached}: give it with --set model.path={cached}"
+    return (line + "give a local file with --set model.path=FILE, generate one with `orchestrator synth-model "
+            f"FILE --like {_like(what)}`, or `orchestrator pull` it first while online")
 
 
 def _reason(err: Exception) -> str:
@@ -255,7 +275,7 @@ def file_metadata(url: str, client) -> RemoteFile:
     try:
         r = client.head(url, headers=_headers_for(url))
     except _transport_errors() as err:
-        raise ModelError(f"{url}: cannot connect: {_reason(err)}") from None
+        raise ModelError(unreachable(url, url)) from None
     if r.status_code >= 400:
         raise _status_error(url, r.status_code)
     size = r.headers.get("Content-Length")

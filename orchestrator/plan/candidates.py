@@ -83,8 +83,12 @@ def speed_inputs(machine: Machine, gpus: list, load_mode: str, host_nodes: tuple
         host_bw = per * max(1, len(host_nodes))
         notes.append(f"host memory {host_bw / 1e9:.0f} GB/s ({src})")
     per_core, src = R.cpu_flops_per_core(machine.cpu_model)
+    cpu_rate = 0.0
+    if bw is not None and bw.cpu_probe_pp:
+        cpu_rate = bw.cpu_probe_pp / R.CPU_PROBE_REFERENCE_PP
+        notes.append(f"CPU prompt speed x{cpu_rate:.2f} of the reference machine (measured)")
     return SpeedInputs(tuple(mem_bw), tuple(flops), h2d or 1.0, host_bw, per_core * max(threads, 1),
-                       h2d_pinned or 0.0), notes
+                       h2d_pinned or 0.0, threads=max(threads, 1), cpu_rate=cpu_rate), notes
 
 
 def gpu_free(g, node_req: NodeRequest) -> tuple[int, str]:

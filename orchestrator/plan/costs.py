@@ -26,6 +26,9 @@ class ModelCosts:
     input_bytes: int                      # token embeddings: kept on the CPU by llama.cpp
     output_bytes: int                     # output head + final norm: on the GPU holding the output layer
     output_params: int
+    # multiply-adds of attention per query token and per position of context it attends to, summed over the
+    # evaluated layers: heads x (key width + value width); what prompts pay more of the longer the context
+    attn_pair_macs: int = 0
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -87,4 +90,14 @@ def model_costs(model: ModelInfo) -> ModelCosts:
         n_expert_used=model.n_expert_used or 0, layer_always=tuple(always), layer_experts=tuple(experts),
         layer_always_params=tuple(always_p), layer_expert_params=tuple(per_expert_p),
         input_bytes=input_b, output_bytes=output_b, output_params=output_p,
+        attn_pair_macs=_attn_pair_macs(model, skip_from),
     )
+
+
+def _attn_pair_macs(model: ModelInfo, n_compute: int) -> int:
+    """Heads x (key + value width) summed over the evaluated layers (recurrent layers have no attention)."""
+    heads = tuple(model.n_head_layers or ()) or (model.n_head or 0,) * model.n_layers
+    width = (model.head_dim_k or 0) + (model.head_dim_v or 0)
+    recurrent = set(model.recurrent_layers or ())
+    return sum(int(heads[i] if i < len(heads) else model.n_head or 0) * width
+               for i in range(n_compute) if i not in recurrent)

@@ -30,6 +30,9 @@ class SpeedInputs:
     host_bw: float                      # host memory read bandwidth available to the worker's threads
     cpu_flops: float                    # whole worker (threads x per-core)
     h2d_pinned: float = 0.0             # host->device from pinned buffers, as measured (0: unknown)
+    threads: int = 1                    # the worker's threads (prompts: -tb)
+    cpu_rate: float = 0.0               # this machine's CPU prompt speed against the reference (probe; rates.py);
+                                        # 0: not measured (the per-core table's guess stands)
 
 
 def experts_used(n_expert: int, k: int, batch: int) -> float:
@@ -243,6 +246,34 @@ def pp_layer_seconds(batch: int) -> float:
     return R.PP_LAYER_BATCH_S * batch / (batch + R.PP_LAYER_BATCH_HALF)
 
 
+def cpu_parallel(threads: int) -> float:
+    """How many times faster than one thread ``threads`` threads run a prompt on the CPU (synchronisation
+    between operations and the shared caches keep it below linear: rates.CPU_PP_THREAD_EXPONENT)."""
+    return max(1, threads) ** R.CPU_PP_THREAD_EXPONENT
+
+
+def cpu_pp_batch_seconds(costs: ModelCosts, placement: Placement, sp: SpeedInputs, batch: int, start: int) -> float:
+    """One micro-batch of ``batch`` prompt tokens after ``start`` tokens of context, on the CPU only: the matrix
+    products (dense weights; the routed experts as :func:`cpu_expert_time`), what each token costs in each layer
+    beyond them (norms, RoPE, routing, gathering its experts), and attention, whose work grows with the context:
+    llama.cpp's CPU attention computes each query of the micro-batch against every position up to the end of the
+    micro-batch (masked or not), so ``batch x (start + batch)`` pairs per layer. Compute scales with the
+    machine's measured ``cpu_rate``; the memory-bound share of the experts with its bandwidth."""
+    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
+    # measured: the reference machine's core at the measured rate; else the per-core table's guess for this CPU
+    per_core = R.CPU_REFERENCE_CORE_FLOPS if sp.cpu_rate > 0 else sp.cpu_flops / max(1, sp.threads)
+    par = cpu_parallel(sp.threads) * (sp.cpu_rate if sp.cpu_rate > 0 else 1.0)
+    flops = per_core * R.CPU_ONLY_PP_FLOPS_FACTOR * par
+    dense = sum(costs.layer_always_params[i] for i in range(costs.n_compute_layers)
+                if placement.layer_gpu[i] is None)
+    t = 2.0 * dense * batch / flops
+    if cpu_layers:
+        t += cpu_expert_time(costs, cpu_layers, batch, replace(sp, cpu_flops=flops))
+    t += batch * costs.n_compute_layers * R.CPU_PP_LAYER_TOKEN_S / par
+    t += costs.attn_pair_macs * batch * (start + batch) * R.CPU_PP_ATTN_MAC_S / par
+    return t
+
+
 def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatch: int, threshold: int | None,
                lengths=PP_LENGTHS, cached_fraction: float = 0.0, staged: bool = False,
                stage_min_batch: int = 0) -> dict[int, float]:
@@ -254,8 +285,13 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
     host-resident layer, whichever is less (a copy can hide only behind the layers before its own)."""
     cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
     gpu_flops_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 0.0
-    if not gpu_flops_eff:   # CPU only: the rate llama.cpp's CPU backend reaches there, measured (rates.py)
-        sp = replace(sp, cpu_flops=sp.cpu_flops * R.CPU_ONLY_PP_FLOPS_FACTOR)
+    if not gpu_flops_eff:   # CPU only: its own model, fitted on CPU-only runs (rates.py)
+        out = {}
+        for length in lengths:
+            t = sum(cpu_pp_batch_seconds(costs, placement, sp, min(n_ubatch, length - s), s)
+                    for s in range(0, length, max(1, n_ubatch)))
+            out[length] = length / t if t > 0 else 0.0
+        return out
     gpu_params = 0.0
     cpu_params = 0.0
     for i in range(costs.n_compute_layers):
@@ -286,8 +322,6 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
                 t += costs.n_compute_layers * pp_layer_seconds(b)
             if cpu_params:
                 t += max(2.0 * cpu_params * b / sp.cpu_flops, 0.0)
-            if not gpu_flops_eff:   # CPU only: what every token costs in every layer beyond its matrix products
-                t += b * costs.n_compute_layers * R.CPU_PP_LAYER_TOKEN_S
             if cpu_layers:
                 if threshold is not None and b >= threshold and sp.gpu_mem_bw:
                     off = offload_expert_time(costs, cpu_layers, b, sp, sums, cached_fraction)

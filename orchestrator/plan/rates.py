@@ -84,15 +84,29 @@ CROSS_DEVICE_LAYER_OVERHEAD_S = 96e-6
 # (least squares on the relative error over llama-bench runs of small and large models: the overhead-bound and
 # the bandwidth-bound regimes; the fit leaves nothing per token); prompts: the matrix products at
 # CPU_ONLY_PP_FLOPS_FACTOR x cpu_flops_per_core per thread + CPU_PP_LAYER_TOKEN_S per layer and token (norms, RoPE,
-# routing, the gathering of each token's experts: what dominates small models). Fitted on one thread of a 2-core
-# VM (tests/fixtures/calibration/cpu/speed-*.json.xz); the 16-core check is lab/device/cpu-calib.sh. Kept apart
-# from CPU_TG_EFFICIENCY and from the per-core table as the GPU path uses them, which were fitted with the GPU's
-# costs beside them.
-CPU_ONLY_TG_EFFICIENCY = 0.745
-CPU_LAYER_OVERHEAD_S = 55.7e-6
+# routing, the gathering of each token's experts: what dominates small models) + attention (below). Fitted on one
+# thread of a 2-core VM, the reference machine (tests/fixtures/calibration/cpu/speed-*.json.xz: prompts of 32, 512
+# and 4096 tokens); the thread exponent on the H200's 16-core CPU runs (docs/benchmarks/h200-2026-12-02-cpu-calib,
+# 1, 4 and 16 threads; `python -m lab.cpu_speed fit` over both). Kept apart from CPU_TG_EFFICIENCY and from the
+# per-core table as the GPU path uses them, which were fitted with the GPU's costs beside them.
+CPU_ONLY_TG_EFFICIENCY = 0.736
+CPU_LAYER_OVERHEAD_S = 56.2e-6
 CPU_TOKEN_OVERHEAD_S = 0.0
-CPU_ONLY_PP_FLOPS_FACTOR = 3.29
-CPU_PP_LAYER_TOKEN_S = 34.4e-6
+CPU_ONLY_PP_FLOPS_FACTOR = 3.84
+CPU_PP_LAYER_TOKEN_S = 20.5e-6
+# Prompts grow slower with their length (predict.cpu_pp_batch_seconds): attention costs CPU_PP_ATTN_MAC_S per
+# multiply-add of a query against a position of its micro-batch's context (heads x (key + value width) per pair and
+# layer), and the per-token work runs threads ** CPU_PP_THREAD_EXPONENT times faster on several threads. Every
+# compute term is divided by the machine's cpu_rate: its prompt speed against the machine these were fitted on
+# (1.0 there), which `orchestrator probe` measures (llama-bench on a small synthetic model, one core).
+CPU_PP_ATTN_MAC_S = 62.7e-12
+# What the reference machine does on the probe's measurement (the probe model's 512-token prompt, one core, as
+# predicted there at cpu_rate 1): a machine's cpu_rate is its probe's tokens/s over this.
+CPU_PROBE_REFERENCE_PP = 2250.0
+# The per-core figure of cpu_flops_per_core for the reference machine (an AVX2-class core): with a measured
+# cpu_rate, a CPU-only prompt's matrix products run at it x the rate, whatever the table says of the CPU's name.
+CPU_REFERENCE_CORE_FLOPS = 25e9
+CPU_PP_THREAD_EXPONENT = 0.68
 # Prompts on the GPU, fitted on the H200 (docs/benchmarks/h200-2026-12-03-workload: W1 at 8, 12, 16 GiB and W2 at 24
 # GiB, the plan with its cache and llama.cpp's --fit placement without one, pp512 and pp4096 at micro-batches of 512
 # to 2048; lab/bench/fit_prompt_costs.py): a micro-batch's matrix products run at GPU_PP_FLOPS_EFFICIENCY of the data

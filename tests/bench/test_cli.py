@@ -230,3 +230,52 @@ def test_a_gpu_only_group_on_a_cpu_plan_is_one_line(tmp_path, tiny_moe, llama_se
     assert err.strip().splitlines() == [
         "orchestrator bench: error: --configs offload-sweep: compares GPU placements, and the plan runs on the CPU "
         "only (CPU alternatives: defaults, threads-sweep, ub-sweep, numa-sweep)"]
+
+
+@pytest.mark.integration
+def test_a_deployment_of_replicas_is_measured_as_the_deployment(tmp_path, tiny_moe, llama_server_path, capsys,
+                                                                 monkeypatch):
+    """Two CPU replicas: the plan is both servers serving at once (the requests spread over them), against one
+    server over the machine under the same load; every row and ratio says what it runs as; the replica row is one
+    replica alone. No --out: the results go under the state folder, nothing into the working directory."""
+    import os
+
+    topo = _cpu_topology(tmp_path, tiny_moe, llama_server_path)
+    state, cwd = tmp_path / "state", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.setenv("ORCHESTRATOR_STATE", str(state))
+    monkeypatch.chdir(cwd)
+    rc, out, err = _run([str(topo), "--configs", "plan,defaults", "--rounds", "1", "--pp", "64", "--pp-reps", "1",
+                         "--tg-depths", "0", "--tg-tokens", "8", "--tg-reps", "1", "--concurrency", "none",
+                         "--load-prompt", "32", "--json", "--progress", "none", "--no-charts", "--no-prime"], capsys)
+    assert rc == 0, err
+    d = json.loads(out)
+    assert list(cwd.iterdir()) == []                                             # nothing in the working directory
+    assert Path(d["out"]).parent == state / "bench" and (Path(d["out"]) / "bench.json").is_file()
+    data = json.loads((Path(d["out"]) / "bench.json").read_text())
+    cpus = len(os.sched_getaffinity(0))
+    configs = {c["name"]: c for c in data["configs"]}
+    assert set(configs) == {"plan", "replica", "defaults"}
+    plan = configs["plan"]
+    assert len(plan["members"]) == 2 and plan["params"]["load_streams"] == 2          # 2 replicas × 1 slot
+    assert configs["replica"]["params"]["scope"].startswith("one replica of 2, on ")
+    assert configs["defaults"]["params"]["scope"] == f"one server on {cpus} core{'s' * (cpus > 1)}"
+    run = next(r for r in data["runs"] if r["config"] == "plan")
+    ports = {a[a.index("--port") + 1] for a in run["replica_argv"]}
+    assert len(run["replica_argv"]) == 2 and len(ports) == 2                        # both served, side by side
+    s = data["summary"]
+    for name in ("plan", "replica", "defaults"):                                  # the same load on every one
+        assert s[name]["metrics"]["load_x2"]["median"] > 0 and s[name]["metrics"]["load_req_x2"]["n"] == 2
+    # the deployment's memory is both servers' (the sampler follows every replica); the replica's is one
+    assert s["plan"]["metrics"]["rss_peak"]["median"] > 1.5 * s["replica"]["metrics"]["rss_peak"]["median"]
+    load = next(r for r in d["ratios"] if r["kind"] == "plan/best-cpu" and r["metric"] == "load_x2")
+    assert load["compares"].startswith(f"2 replicas × 1 core vs one server on {cpus} core")
+    assert load["compares"].endswith("the same 2 requests at once, aggregate")
+    per_request = next(r for r in d["ratios"] if r["kind"] == "plan/best-cpu" and r["metric"] == "pp64")
+    assert "one request at a time: each served by one replica of 2" in per_request["compares"]
+    assert per_request["fewer_cores"] == f"1 core against {cpus}"       # said, not shown as a plain loss
+    memory = [r for r in d["ratios"] if r["kind"] == "predicted/measured" and r["metric"] == "rss_peak"]
+    assert all(r["other_config"] == "replica" for r in memory)                  # predicted per server
+    assert data["comparison"].startswith("plan = the deployment, 2 replicas × 1 core, all replicas serving at once")
+    text = (Path(d["out"]) / "bench.txt").read_text()
+    assert "runs as" in text and "2 replicas × 1 core" in text and data["comparison"] in " ".join(text.split())

@@ -264,3 +264,43 @@ def test_several_streams_give_an_aggregate_metric_a_hit_rate_and_a_prediction_ch
     assert entry["value"] == pytest.approx(220.0 / 200.85) and entry["ok"]
     text = render_text({"summary": summary, "ratios": [entry]})
     assert "tg128x4 agg" in text and "cache hits x4" in text and "82.0%" in text
+
+
+def test_a_deployment_is_compared_with_the_whole_machine_and_its_replica_with_the_same_cores():
+    """The deployment (2 replicas × 1 core) against one server over 2 cores: aggregate under the same load, and
+    per request with the fewer cores said; its replica against the sweeps that run on its one core."""
+    one = {"params": {"cores": 1, "scope": "one replica of 2, on 1 core"}}
+    configs = [
+        {"name": "plan", "group": "plan", "members": [one, one], "predicted": {"memory": {"CPU": 100e6}},
+         "params": {"cores": 2, "scope": "2 replicas × 1 core", "load_streams": 4}},
+        {"name": "replica", "group": "replica", "params": {"cores": 1, "scope": "one replica of 2, on 1 core",
+                                                          "replica_of": 2}},
+        {"name": "defaults", "group": "defaults", "params": {"cores": 2, "scope": "one server on 2 cores"}},
+        {"name": "ub128", "group": "ub-sweep", "params": {"cores": 1, "scope": "one server on 1 core"}},
+    ]
+
+    def run(name, pp, load, rss):
+        return {"config": name, "loaded": True, "load_s": 1.0, "resources": {"rss_peak": rss},
+                "samples": {"pp": [{"n": 512, "tps": pp}],
+                            "load": {"4": {"runs": [{"tps": load, "per_request_tps": [load / 4] * 4}]}}}}
+
+    runs = [run("plan", 1400, 3000, 200e6), run("replica", 1400, 1600, 100e6), run("defaults", 2800, 2400, 100e6),
+            run("ub128", 1500, 1500, 100e6)]
+    s = summarize(configs, runs)
+    rs = ratios(s, configs)
+    by = {(r["kind"], r["metric"]): r for r in rs}
+    load = by[("plan/best-cpu", "load_x4")]
+    assert load["other_config"] == "defaults" and load["value"] == pytest.approx(1.25)     # not the 1-core sweep
+    assert load["compares"] == "2 replicas × 1 core vs one server on 2 cores: the same 4 requests at once, aggregate"
+    assert "fewer_cores" not in load
+    pp = by[("plan/best-cpu", "pp512")]
+    assert pp["value"] == pytest.approx(0.5) and pp["fewer_cores"] == "1 core against 2"
+    assert pp["compares"].endswith("one request at a time: each served by one replica of 2")
+    rep = by[("replica/best-cpu", "pp512")]
+    assert rep["other_config"] == "ub128" and rep["value"] == pytest.approx(1400 / 1500) and "fewer_cores" not in rep
+    mem = by[("predicted/measured", "rss_peak")]
+    assert mem["other_config"] == "replica" and mem["value"] == pytest.approx(1.0)        # per server, not the sum
+    text = render_text({"summary": s, "ratios": rs, "configs": configs})
+    assert "plan = the deployment, 2 replicas × 1 core" in text and "(on fewer cores: 1 core against 2)" in text
+    assert "] 2 replicas × 1 core vs one server on 2 cores: the same 4 requests at once, aggregate" in text
+    assert "…" not in text                                                            # no column cut

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.cluster.metrics import (
-    METRICS, TAG_KEYS, DictSink, TokenRates, WorkerSampler, fetch_text, numa_balancing, parse_prometheus,
+    METRICS, TAG_KEYS, DictSink, NodeClaim, TokenRates, WorkerSampler, fetch_text, numa_balancing, parse_prometheus,
     sample_gpus, tree_rss, visible_gpus,
 )
 from orchestrator.hardware.nvml import Nvml
@@ -155,7 +155,7 @@ def test_sampler_writes_every_metric_with_tags(tmp_path):
     assert sink.get("orchestrator_worker_resident_memory_bytes", **tags) == 123 << 20
     assert sink.get("orchestrator_worker_healthy", **tags) == 1.0
     assert sink.get("orchestrator_worker_restarts", **tags) == 2.0
-    assert sink.get("orchestrator_node_numa_balancing", **tags) == 0.0
+    assert sink.get("orchestrator_node_numa_balancing", node="nodeA") == 0.0      # a node metric: no worker
     g = {**tags, "gpu": "1"}                                  # only the visible GPU (CUDA_VISIBLE_DEVICES=1)
     assert sink.get("orchestrator_gpu_memory_used_bytes", **g) == 3 << 30
     assert sink.get("orchestrator_gpu_utilization_percent", **g) == 97.0
@@ -166,6 +166,58 @@ def test_sampler_writes_every_metric_with_tags(tmp_path):
     # every metric the sampler writes is declared with its tag keys
     for (name, tagset) in sink.values:
         assert name in METRICS and tuple(sorted(TAG_KEYS[name])) == tuple(sorted(k for k, _ in tagset))
+
+
+def test_node_metrics_come_from_one_worker_per_node_and_pass_on_when_it_dies(tmp_path):
+    """Two workers of one node (each its own process and sink, as Ray actors are): only the one holding the
+    node's claim writes node_numa_balancing; when its process dies, the other takes over at its next sample."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/numa_balancing").write_text("1\n")
+    lock = tmp_path / "logs" / ".node-metrics-nodeA.lock"
+
+    def sampler(name, sink, node="nodeA"):
+        path = tmp_path / "logs" / f".node-metrics-{node}.lock"
+        return WorkerSampler(name, node, "http://x", None, sink, fetch=lambda *a: None, rss=lambda pid: 0,
+                             pids=lambda pid: [], nvml=SimpleNamespace(available=False), root=str(tmp_path),
+                             node_claim=NodeClaim(path))
+
+    a_sink, b_sink, other_sink = DictSink(), DictSink(), DictSink()
+    a, b = sampler("w0", a_sink), sampler("w1", b_sink)
+    other = sampler("w2", other_sink, "nodeB")             # another node: its own claim
+    for t in (1.0, 2.0):
+        for s in (a, b, other):
+            out = s.sample({"healthy": False}, t)
+            assert out["numa_balancing"] == 1                                 # each worker's status still has it
+    assert a_sink.get("orchestrator_node_numa_balancing", node="nodeA") == 1.0
+    assert not [k for k in b_sink.values if k[0] == "orchestrator_node_numa_balancing"]
+    assert other_sink.get("orchestrator_node_numa_balancing", node="nodeB") == 1.0
+    a.node_claim.release()                              # as the holder's death does
+    b.sample({"healthy": False}, 3.0)
+    assert b_sink.get("orchestrator_node_numa_balancing", node="nodeA") == 1.0
+    # held by another process: not this one's, until that process is killed
+    b.node_claim.release()
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys
+fd = os.open({str(lock)!r}, os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        c_sink = DictSink()
+        c = sampler("w3", c_sink)
+        c.sample({"healthy": False}, 4.0)
+        assert not [k for k in c_sink.values if k[0] == "orchestrator_node_numa_balancing"]
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        c.sample({"healthy": False}, 5.0)
+        assert c_sink.get("orchestrator_node_numa_balancing", node="nodeA") == 1.0
+    finally:
+        holder.kill()
 
 
 def test_the_restart_counter_exists_at_0_from_the_first_sample():

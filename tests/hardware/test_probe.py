@@ -236,3 +236,33 @@ def test_misplaced_or_unverifiable_buffers(live):
                          "h2d_best": 5e10, "d2h_best": 4.9e10, "placement": "first-touch"}], h2d, d2h, msgs)
     assert ok and h2d == {(0, 0): 5e10} and d2h == {(0, 0): 4.9e10}
     assert any("first touch" in m for m in msgs)
+
+
+@pytest.mark.integration
+def test_the_cpus_prompt_speed_is_measured_with_llama_bench_and_cached(live, isolated_cache, llama_server_path,
+                                                                       monkeypatch):
+    """The probe's CPU measurement (orchestrator.resolve.cpu_prompt_probe: llama-bench beside the llama-server,
+    the probe's small model written into the cache): a prompt speed on one core, kept with the bandwidths, and
+    the plan's CPU prompts follow it."""
+    from orchestrator.plan import rates as R
+    from orchestrator.resolve import cpu_prompt_probe
+
+    monkeypatch.setenv("LLAMA_SERVER", llama_server_path)
+    res = run_probe(live, host_bytes=SMALL, host_reps=1, gpu=False, cpu_prompt=cpu_prompt_probe)
+    assert not res.failed, res.messages
+    pp = res.bandwidth.cpu_probe_pp
+    assert 10 < pp < 1e6, pp
+    rec = next(r for r in res.records if r.get("kind") == "cpu_prompt")
+    assert rec["argv"][0] == "llama-bench" and max(rec["samples_ts"]) == pp and "-p" in rec["argv"]
+    assert any((isolated_cache / "probe").glob("cpu-probe-*.gguf"))
+    assert load_cached(live).bandwidth.cpu_probe_pp == pp                    # kept in the cache, read back
+    from orchestrator.plan.candidates import speed_inputs
+
+    sp, notes = speed_inputs(replace(live, bandwidth=res.bandwidth), [], "mmap", (0,), 1)
+    assert sp.cpu_rate == pytest.approx(pp / R.CPU_PROBE_REFERENCE_PP)
+    assert any(n.startswith("CPU prompt speed x") for n in notes)
+    # without a llama.cpp build the probe says so and measures the rest
+    monkeypatch.setenv("LLAMA_SERVER", str(isolated_cache / "nope"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    pp, why = cpu_prompt_probe(live, [])
+    assert pp == 0.0 and why

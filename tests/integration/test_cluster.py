@@ -271,6 +271,12 @@ def test_metrics_on_the_ray_metrics_endpoint(env):
     rss = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
            if ln.startswith("ray_orchestrator_worker_resident_memory_bytes{")]
     assert rss and all(v > 1e6 for v in rss)
+    # a node metric once per node (both workers are on this one), its value the kernel's, not a sum of writers
+    nb = [ln for ln in text.splitlines() if ln.startswith("ray_orchestrator_node_numa_balancing{")]
+    assert len(nb) == 1 and 'worker="' not in nb[0], nb
+    kernel = Path("/proc/sys/kernel/numa_balancing")
+    if kernel.exists():
+        assert float(nb[0].rsplit(" ", 1)[1]) == float(kernel.read_text())
 
 
 def test_kill_9_recovers_within_10s_and_the_other_replica_serves_meanwhile(env):

@@ -98,13 +98,13 @@ def test_missing_path(tmp_path):
 def test_absurd_tensor_count(tmp_path):
     p = tmp_path / "n.gguf"
     p.write_bytes(header(1 << 60, 0))
-    expect_error(p, "tensor count", "cannot fit")
+    expect_error(p, "corrupt GGUF", "tensor count", "claims")
 
 
 def test_absurd_metadata_count(tmp_path):
     p = tmp_path / "n.gguf"
     p.write_bytes(header(0, 1 << 60))
-    expect_error(p, "metadata count", "cannot fit")
+    expect_error(p, "corrupt GGUF", "metadata count", "claims")
 
 
 def test_absurd_string_length(tmp_path):
@@ -140,6 +140,23 @@ def test_truncated_in_tensor_index(valid):
     cut = data.index(b"blk.1.attn_q.weight") + 25
     valid.write_bytes(data[:cut])
     expect_error(valid, "truncated", "tensor index")
+
+
+def test_a_file_cut_anywhere_says_it_is_truncated_and_where(valid):
+    """Cut at any byte past the magic, the file is named truncated, with the byte it ends at and the section the
+    cut is in; inside a string array (the vocabulary) too, where a count still claims the whole array."""
+    data = valid.read_bytes()
+    tokens = data.index(b"tokenizer.ggml.tokens")
+    index = data.index(b"blk.0.")                      # the first tensor name: the tensor index
+    cuts = sorted({*range(4, len(data), max(1, len(data) // 97)), tokens + 40, tokens + 400, len(data) - 1})
+    for cut in cuts:
+        valid.write_bytes(data[:cut])
+        msg = expect_error(valid, "truncated GGUF", f"the file ends at byte {cut}, inside the ")
+        section = ("header" if cut < 24 else "metadata" if cut < index else
+                   "tensor index" if "tensor index" in msg else "tensor data")
+        assert f"inside the {section}" in msg, (cut, msg)
+        if tokens + 40 <= cut <= tokens + 400:
+            assert "'tokenizer.ggml.tokens'" in msg and "corrupt" not in msg, msg
 
 
 def test_truncated_in_data(valid):

@@ -210,7 +210,8 @@ def test_truncated_and_corrupt_headers(cache, server, tiny_models):
     server.files["/junk.gguf"] = Blob(head=b"NOPE" + data[4:], size=len(data))
     with pytest.raises(ModelError) as e:
         read_remote_model(server.url("/trunc.gguf"))
-    assert str(e.value).startswith(f"{server.url('/trunc.gguf')}: truncated GGUF: the tensor index needs")
+    assert str(e.value).startswith(f"{server.url('/trunc.gguf')}: truncated GGUF: the file ends at byte ")
+    assert "inside the tensor index" in str(e.value)
     with pytest.raises(ModelError) as e:
         read_remote_model(server.url("/junk.gguf"))
     assert str(e.value) == f"{server.url('/junk.gguf')}: not a GGUF file (starts with b'NOPE', expected b'GGUF')"
@@ -422,4 +423,41 @@ def test_a_server_that_is_not_there(cache):
         url = f"http://127.0.0.1:{s.getsockname()[1]}/m.gguf"
     with pytest.raises(ModelError) as e:
         read_remote_model(url)
-    assert str(e.value).startswith(f"{url}: cannot connect: ") and "\n" not in str(e.value)
+    msg = str(e.value)
+    assert msg.startswith(f"{url}: cannot reach 127.0.0.1:") and "\n" not in msg
+    assert "--set model.path=FILE" in msg and "orchestrator pull" in msg
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_offline_hub_reference_says_what_to_do_instead(cache, monkeypatch):
+    """Offline (the Hub unreachable, or HF_HUB_OFFLINE): one line with a local file, the synthetic model of the
+    shape the reference names, or a pull while online."""
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    for ref, like in (("unsloth/DeepSeek-V3-GGUF:Q4_0", "deepseek-v3"), ("Qwen/Qwen3-30B-A3B-GGUF:Q8_0",
+                                                                          "qwen3-30b-a3b"),
+                      ("someorg/Unknown-GGUF:Q4_0", "NAME")):
+        with pytest.raises(ModelError) as e:
+            read_remote_model(ref)
+        msg = str(e.value)
+        assert "\n" not in msg and "(offline?)" in msg, msg
+        assert msg.startswith(ref.split(":")[0] + ": cannot reach 127.0.0.1:"), msg
+        assert f"`orchestrator synth-model FILE --like {like}`" in msg and "--set model.path=FILE" in msg, msg
+
+
+def test_offline_url_with_a_downloaded_copy_names_it(cache, server, tiny_models):
+    p = tiny_models["qwen3moe"]
+    server.files[f"/m/{p.name}"] = Blob(p)
+    url = server.url(f"/m/{p.name}")
+    local = pull(read_remote_model(url), progress=False)
+    server.__exit__(None, None, None)          # the server gone: offline
+    with pytest.raises(ModelError) as e:
+        read_remote_model(url)
+    assert str(e.value) == (f"{url}: cannot reach {url.split('/')[2]} (offline?): a downloaded copy is at "
+                            f"{local[0]}: give it with --set model.path={local[0]}")

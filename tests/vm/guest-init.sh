@@ -10,7 +10,7 @@
 
 set -u
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-export PATH HOME=/root LANG=C.UTF-8
+export PATH HOME=/root LANG=C.UTF-8       # HOME: a default; the job's env (the host's HOME) replaces it
 
 arg() {  # the value of a key=value word of the kernel command line
     local w

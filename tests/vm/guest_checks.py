@@ -1,5 +1,6 @@
 """Checks run inside the two-node guest (tests/vm/numa_guest.py); each prints one JSON document on its last line.
 
+    python tests/vm/guest_checks.py locations          # where orchestrator finds its cache, state and llama-server
     python tests/vm/guest_checks.py balancing          # the balancing wrapper on the real /proc file
     python tests/vm/guest_checks.py bind-socket        # numactl-bind-socket.sh --socket 1 on a real process
     python tests/vm/guest_checks.py workers TOPOLOGY MODEL [FLAG...]   # the plan's workers, started as `up` does
@@ -396,12 +397,24 @@ def _server_pid(wrapper_pid: int) -> int:
     raise RuntimeError(f"no llama-server under pid {wrapper_pid}")
 
 
+def locations() -> dict:
+    """Where orchestrator, run in the guest, looks for the user's files and which llama-server it finds."""
+    from orchestrator.backend.detect import BackendError, find_llama_server
+    from orchestrator.paths import cache_dir, state_dir
+
+    try:
+        server = list(find_llama_server())
+    except BackendError as e:
+        server = ["", str(e)]
+    return {"home": os.environ.get("HOME"), "cache": str(cache_dir()), "state": str(state_dir()), "server": server}
+
+
 def main(argv: list[str]) -> int:
     what, *rest = argv
     kw = {}
     if what == "up" and rest[:1] == ["--out"]:
         kw["out_dir"], rest = rest[1], rest[2:]
-    doc = {"balancing": balancing, "bind-socket": bind_socket, "workers": workers, "up": up}[what](*rest, **kw)
+    doc = {"locations": locations, "balancing": balancing, "bind-socket": bind_socket, "workers": workers, "up": up}[what](*rest, **kw)
     print(json.dumps(doc))
     return 1 if doc.get("error") else 0
 

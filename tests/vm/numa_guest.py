@@ -251,6 +251,18 @@ def _stop(proc: subprocess.Popen | None) -> None:
         proc.wait()
 
 
+# The guest's root is the host's, so the host's home and caches are at the same paths inside: the command gets the
+# variables that say where they are (guest-init.sh's HOME=/root is only the default), and finds what the host
+# would find (orchestrator's llama.cpp builds under ~/.cache/orchestrator, its state, an explicit binary).
+HOST_LOCATION_VARS = ("HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME", "LLAMA_SERVER")
+
+
+def host_locations() -> dict[str, str]:
+    """This process's variables that locate the user's files: HOME, XDG_*_HOME, LLAMA_SERVER, ORCHESTRATOR_*."""
+    return {k: v for k, v in os.environ.items()
+            if (k in HOST_LOCATION_VARS or k.startswith("ORCHESTRATOR_"))}
+
+
 # A boot that has not reached the command by then is booted again, once: under TCG on a loaded host a boot has
 # been seen to stall before the command started (nothing on the console), while a normal one takes 15-40 s.
 BOOT_TIMEOUT_S = 240
@@ -267,6 +279,9 @@ def run(argv: list[str], *, timeout: float = 300, memory_mib: int = 4096, out: s
     """Boot the guest, run ``argv`` in it, return its exit status (124: timed out). Output goes to ``stdout``
     (a text stream; default this process's stdout). ``dev_fd``: give the guest ``/dev/fd`` and
     ``/dev/std{in,out,err}`` (left out by default, as on a minimal root).
+
+    The command's environment has this process's HOME, XDG_*_HOME, LLAMA_SERVER and ORCHESTRATOR_* (the
+    guest's root is this host's, so they name the same files there), then ``env``.
 
     ``timeout`` bounds one boot and its command. A boot that has not started the command within
     ``boot_timeout`` (at most ``timeout``) is killed and booted again, once; the command runs at most once."""
@@ -296,7 +311,7 @@ def _boot_and_run(argv: list[str], *, timeout: float, boot_timeout: float, memor
         t = Path(tmp)
         # the command and its environment as NUL-separated lists: read by guest-init.sh, never parsed by a shell
         (t / "argv").write_bytes(b"".join(a.encode() + b"\0" for a in argv))
-        job_env = {"CI": os.environ.get("CI", ""), **(env or {})}
+        job_env = {"CI": os.environ.get("CI", ""), **host_locations(), **(env or {})}
         (t / "env").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in job_env.items()))
         (t / "cwd").write_text(str(Path(cwd or os.getcwd()).resolve()))
         if out:

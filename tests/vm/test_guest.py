@@ -54,6 +54,34 @@ def test_inspect_sees_two_packages_and_two_nodes_with_their_cpus_and_memory(gues
     assert doc["numa_balancing"] == 1
 
 
+def test_the_guest_finds_the_users_files_whatever_the_home_folder(guest, tmp_path, monkeypatch):
+    """A home folder other than /root: the guest's command has the host's HOME and finds the same cache, state
+    and llama-server as orchestrator on the host (the llama.cpp builds under ~/.cache/orchestrator)."""
+    from orchestrator.backend.detect import BackendError, find_llama_server
+    from orchestrator.paths import cache_dir, state_dir
+
+    builds = cache_dir()
+    home = tmp_path / "someone"
+    (home / ".cache").mkdir(parents=True)
+    (home / ".cache" / "orchestrator").symlink_to(builds)       # this host's builds, seen from the other home
+    for var in ("XDG_CACHE_HOME", "XDG_STATE_HOME", "ORCHESTRATOR_CACHE", "ORCHESTRATOR_STATE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    try:
+        want_server = list(find_llama_server())
+    except BackendError as e:
+        want_server = ["", str(e)]
+    rc, out, _ = guest([PY, "tests/vm/guest_checks.py", "locations"], timeout=240, env={"PYTHONPATH": str(REPO)})
+    assert rc == 0, out[-3000:]
+    r = last_json(out)
+    assert r["home"] == str(home)
+    assert r["cache"] == str(home / ".cache" / "orchestrator") == str(cache_dir())
+    assert r["state"] == str(home / ".local" / "state" / "orchestrator") == str(state_dir())
+    assert r["server"] == want_server
+    if want_server[1].startswith("orchestrator cache"):
+        assert want_server[0].startswith(str(home))        # found through the other home, not /root
+
+
 # Eight runs of the wrapper, each some 25 processes, and a process start costs 0.2-1 s under TCG: 80 s on the
 # development VM, and more than 480 s once on CI's host. The limit allows for a host some 15 times slower.
 @pytest.mark.timeout(1800)
