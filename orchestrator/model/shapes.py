@@ -231,7 +231,8 @@ SHAPES: dict[str, ModelShape] = {s.like: s for s in (
     ModelShape(like="gpt-oss-120b", title="gpt-oss-120b (synthetic)", n_layer=36, n_expert=128, **_GPT_OSS_COMMON),
     ModelShape(like="gpt-oss-20b", title="gpt-oss-20b (synthetic)", n_layer=24, n_expert=32, **_GPT_OSS_COMMON),
 )}
-ALIASES = {"deepseek-r1": "deepseek-v3", "kimi-k2-instruct": "kimi-k2", "glm-4.5-355b": "glm-4.5", "qwen3-30b": "qwen3-30b-a3b", "qwen3-235b": "qwen3-235b-a22b"}
+ALIASES = {"deepseek-r1": "deepseek-v3", "kimi-k2-instruct": "kimi-k2", "glm-4.5-355b": "glm-4.5",
+           "qwen3-30b": "qwen3-30b-a3b", "qwen3-235b": "qwen3-235b-a22b"}
 
 
 def names() -> list[str]:
