@@ -77,6 +77,16 @@
 #                     uploads ahead, used);
 #                     PREFETCH_VARIANTS=1 adds the copy stream not waiting for the layer's own misses, and that
 #                     issued at a layer's first expert tensor
+#   gpu-tests-families  the GPU tests of the expert cache on a DeepSeek-V3 and a gpt-oss-120b shape (slots assigned
+#                     on the device and on the host, staged prompts; tests/backend/test_expert_cache_families_gpu.py)
+#   families[=LIST]   the workload harness for the other families, LIST of w3,w4,w5 (default all), one model on disk
+#                     at a time, each written at routing locality default and its profile measured: W3 DeepSeek-V3
+#                     cut to 6 layers (3 dense, 3 MoE; q4_0, 20.2 GiB) under W3_BUDGET GiB (default 12), W4
+#                     gpt-oss-120b cut to 12 layers (MXFP4 experts, q8_0 around them as llama-quantize's MXFP4_MOE;
+#                     20.4 GiB) under W4_BUDGET (default 10), W5 GLM-4.5-Air cut to 16 layers (1 dense, 15 MoE; q4_0,
+#                     19.4 GiB) under W5_BUDGET (default 10): the plan / fit-pinned / the plan again (A/A): pp512,
+#                     pp4096, tg128, the cache's counters; then the plan for 4 streams (model.parallel=4) against
+#                     fit-pinned with -np 4: aggregate generation of 1 and 4 streams (FAMILIES_STREAMS=0: none)
 #   device-slots[=L]  the host's round trip per cached layer, W1 written at routing locality L (default: default) and
 #                     its profile measured: at DEVICE_SLOTS_BUDGET GiB (default 12) the plan for 4 streams
 #                     (model.parallel=4) / the same with its slots assigned on the device
@@ -116,7 +126,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-STEPS=(build gpu-tests routing live-routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
+STEPS=(build gpu-tests gpu-tests-families families routing live-routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
        w1-cpu-flags w1-load-modes w2 w1-cache w2-cache workload prefetch device-slots w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik
        w2-x2-cache cpu-up cpu-early
        gateway-cpu sampler-cost)
@@ -422,6 +432,45 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
       workload_run "$M/w2-loc-$loc.gguf" 24 "w2-24g" plan,fit-pinned --pp 512,4096 --pp-reps 1 --tg-depths 0 \
         --tg-reps 2 --concurrency 1 --ttft-requests 4
     fi
+    ;;
+  gpu-tests-families)
+    need_server
+    LLAMA_SERVER=$SERVER timeout $(( $(left) - 5 )) python3 -m pytest --noconftest -p no:cacheprovider -m gpu -v -s \
+      --basetemp "$W/pytest-families" tests/backend/test_expert_cache_families_gpu.py > "$O/pytest.log" 2>&1
+    log "gpu tests (families) rc=$?"; tail -8 "$O/pytest.log"
+    ;;
+  families)
+    need_server
+    local f like layers quant b mdl out saved SETS=()
+    for f in $(echo "${arg:-w3,w4,w5}" | tr ',' ' '); do
+      case "$f" in
+        w3) like=deepseek-v3 layers=6 quant=(--quant q4_0) b=${W3_BUDGET:-12} ;;
+        w4) like=gpt-oss-120b layers=12 quant=() b=${W4_BUDGET:-10} ;;
+        w5) like=glm-4.5-air layers=16 quant=(--quant q4_0) b=${W5_BUDGET:-10} ;;
+        *) log "families: unknown family '$f' (w3, w4, w5)"; continue ;;
+      esac
+      [ "$(left)" -gt 200 ] || { log "no time left for $f"; break; }
+      rm -f "$M"/fam-*.gguf                      # one model on disk at a time (64 GiB with the build)
+      mdl=$M/fam-$like-${layers}l.gguf
+      ( time orch synth-model "$mdl" --like "$like" --layers "$layers" "${quant[@]}" --locality default ) \
+        >> "$O/synth-$f.log" 2>&1
+      log "$f: $like, $layers layers rc=$?"
+      out=$O/routing-$f
+      ( time timeout 180 python3 -m orchestrator model "$mdl" --routing --gpu-layers 99 ) > "$out.txt" 2>&1
+      log "$f: routing profile rc=$?"; tail -7 "$out.txt"
+      saved=$(grep -oE '^(saved|cached): .*\.json$' "$out.txt" | tail -1 | cut -d' ' -f2-)
+      [ -n "$saved" ] && xz -c "$saved" > "$out.profile.json.xz"
+      SETS=()
+      NO_VARIANT=1 workload_run "$mdl" "$b" "$f-${b}g" plan,fit-pinned,control \
+        --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 4
+      if [ "${FAMILIES_STREAMS:-1}" != 0 ] && [ "$(left)" -gt 120 ]; then
+        SETS=(--set model.parallel=4)
+        NO_VARIANT=1 workload_run "$mdl" "$b" "$f-${b}g-4streams" plan,fit-pinned \
+          --pp 512 --pp-reps 1 --tg-depths none --tg-reps 2 --tg-streams 1,4 --concurrency 4 --ttft-requests 4
+        SETS=()
+      fi
+      rm -f "$mdl"
+    done
     ;;
   device-slots)
     need_server

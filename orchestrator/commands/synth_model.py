@@ -16,10 +16,12 @@ Write OUT.gguf with exactly the tensor names, shapes, types and metadata of a re
 byte-level BPE tokenizer llama-server accepts. --scale shrinks width and depth for tests; --layers sets the
 depth at full width (a big model's per-layer shape on a small disk). The file is written as OUT.gguf.part and
 renamed when complete; nothing is left behind on error or Ctrl-C. Shapes: qwen3-30b-a3b, qwen3-235b-a22b
-(qwen3moe), deepseek-v3 (deepseek2: MLA, dense leading layers, shared expert, grouped sigmoid routing),
-gpt-oss-120b, gpt-oss-20b (gpt-oss: MXFP4 experts, attention sinks, sliding window). --locality sets how
-much consecutive tokens share experts (qwen3moe shapes; the default is calibrated so that an LRU expert cache
-hits like it does on Qwen3-30B-A3B; 0: every token routes independently)."""
+(qwen3moe), deepseek-v3, kimi-k2 (deepseek2: MLA, dense leading layers, shared expert, sigmoid routing with
+a correction bias, expert groups for DeepSeek-V3), gpt-oss-120b, gpt-oss-20b (gpt-oss: MXFP4 experts,
+attention sinks, sliding window), glm-4.5-air, glm-4.5 (glm4moe: q/k/v biases, partial RoPE, sigmoid routing,
+shared expert, dense leading layers). --locality sets how much consecutive tokens share experts (every
+family; the default is calibrated so that an LRU expert cache hits like it does on Qwen3-30B-A3B; 0: every
+token routes independently)."""
 
 
 def _locality(text: str) -> float:
@@ -66,8 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="routing locality in time: off (0, tokens route independently), default (Qwen3-30B-A3B's "
                         "LRU hit rates within 3 points at full width; at an eighth of the width more local), high, or "
                         "a number in [0, 1): about the share of the "
-                        "router's input that comes from a slowly varying context component (qwen3moe shapes; "
-                        "default: 'default' there, 0 elsewhere)")
+                        "router's input that comes from a slowly varying context component (default: 'default')")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -403,7 +403,7 @@ def profile_curve(model: os.PathLike | str, policy: str = "lru-layer", cache: Pa
     if found:
         return found[0].curve(policy)
     info = read_model(model)
-    return default_curve(info.n_expert, info.n_expert_used)
+    return default_curve(info.n_expert, info.n_expert_used, info.arch)
 
 
 # --------------------------------------------------------------------------------------------------------------

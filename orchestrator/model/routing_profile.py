@@ -187,28 +187,77 @@ DEFAULT_CURVE = HitCurve(
 OTHER_FAMILY_POINTS = ((1.0, 0.228), (3.1, 0.435), (6.2, 0.620), (9.3, 0.720), (12.4, 0.789), (17.1, 0.850))
 
 
-def default_curve(n_expert: int, n_expert_used: int) -> HitCurve:
-    """The stated default hit-rate curve for a model of ``n_expert`` experts, ``n_expert_used`` per token, when
-    no routing profile was measured: :data:`DEFAULT_CURVE` for the measured shape (128 experts, top 8), else the
-    more cautious curve of :data:`OTHER_FAMILY_POINTS` (see above). Its ``source`` starts with "default"."""
+# Per family, where public decode traces of the real models exist, their points on the same axis (t = experts a
+# layer's cache holds / top-k). Both lie far below the other-family points at the same t, so below them the family
+# curve is a line from 0 to its own point; beyond its last point it joins OTHER_FAMILY_POINTS:
+#   deepseek2  t = 1.9 -> 13%   DeepSeek-V4-Flash (61 MoE layers x 256 experts, top 6), --moe-cache-size 700
+#              (= 11.5 experts per layer, 4.5% of them), decode over a 12-minute serving window of long-form text:
+#              LRU miss rate 82-92%, hits 8-18% (FlashML-org/FreeToken issue 174; the nearest published relative
+#              of DeepSeek-V3 and Kimi-K2: 256 routed experts, sigmoid routing, a shared expert). That cache admits
+#              only the misses it fetched over PCIe, so a plain LRU would hit at least this much.
+#   gpt-oss    t = 1.1 -> 8.5%  gpt-oss-120b (36 layers x 128 experts, top 4), one LRU over (layer, expert) of
+#              2000 MiB: 8-9% hits at "3% residency" (Helldez/BigMoeOnEdge issue 33); an MXFP4 expert of
+#              3 x 2880 x 2880 weights is 13.2 MB, so 2000 MiB hold 159 experts, 4.4 a layer (3.4%), 1.1 tokens'
+#              picks. gpt-oss-20b: no public trace; gpt-oss-120b's points, the same family.
+#   glm4moe    no public trace of GLM-4.5 or GLM-4.5-Air was found: deepseek2's points, the closest family (sigmoid
+#              routing with a correction bias, one shared expert, dense leading layers).
+FAMILY_POINTS = {
+    "deepseek2": ((1.9, 0.13),),
+    "gpt-oss": ((1.1, 0.085),),
+}
+FAMILY_SOURCES = {
+    "deepseek2": "public DeepSeek-V4-Flash decode trace: an LRU of 4.5% of the experts (1.9 tokens' picks) "
+                 "hit 8-18%, FlashML-org/FreeToken#174",
+    "gpt-oss": "public gpt-oss-120b decode trace: an LRU of 3.4% of the experts (1.1 tokens' picks) hit 8-9%, "
+               "Helldez/BigMoeOnEdge#33",
+}
+FAMILY_NAMES = {"deepseek2": "DeepSeek-V3 / Kimi-K2", "gpt-oss": "gpt-oss", "glm4moe": "GLM-4.5"}
+# families without a public trace, and the family whose points they take
+NEAREST_FAMILY = {"glm4moe": "deepseek2"}
+
+
+def default_curve(n_expert: int, n_expert_used: int, arch: str = "") -> HitCurve:
+    """The stated default hit-rate curve for a model of ``n_expert`` experts, ``n_expert_used`` per token and
+    architecture ``arch``, when no routing profile was measured: the family's curve where public traces of that
+    family exist (:data:`FAMILY_POINTS`, or the nearest family's, :data:`NEAREST_FAMILY`); else
+    :data:`DEFAULT_CURVE` for the measured shape (128 experts, top 8), or the more cautious curve of
+    :data:`OTHER_FAMILY_POINTS` (see above). Its ``source`` starts with "default" and names the curve's source."""
     e, k = int(n_expert), int(n_expert_used)
+    family = NEAREST_FAMILY.get(arch, arch)
+    if family in FAMILY_POINTS and e > 0 and k > 0:
+        if k > e:
+            raise ValueError(f"top-k {k} > {e} experts")
+        own = FAMILY_POINTS[family]
+        points = own + tuple(p for p in OTHER_FAMILY_POINTS if p[0] > own[-1][0])
+        borrowed = f", the nearest family's (no public trace of {arch})" if family != arch else ""
+        return _cautious_curve(e, k, points,
+                               f"default {FAMILY_NAMES.get(arch, arch)} curve for {e} experts, top {k} "
+                               f"({FAMILY_SOURCES[family]}{borrowed}; beyond that, public curves of less local "
+                               f"models, read at the same experts held per token picked)")
     if (e, k) == MEASURED_SHAPE or e <= 0 or k <= 0:
         return DEFAULT_CURVE
     if k > e:
         raise ValueError(f"top-k {k} > {e} experts")
+    return _cautious_curve(e, k, OTHER_FAMILY_POINTS,
+                           f"default for {e} experts, top {k} (no profile of this family: public curves of "
+                           f"less local models, read at the same experts held per token picked)")
+
+
+def _cautious_curve(e: int, k: int, points: tuple[tuple[float, float], ...], source: str) -> HitCurve:
+    """The lower of two readings: ``points`` (t = experts held per layer / top-k -> hit rate) at
+    t = share * e / k, and :data:`DEFAULT_CURVE` at the same share; never less than the share itself (what
+    independent routing hits)."""
     per_token = k / e
-    inside = [(t * per_token, h) for t, h in OTHER_FAMILY_POINTS if t * per_token < 1.0]
+    inside = [(t * per_token, h) for t, h in points if t * per_token < 1.0]
     other = HitCurve((0.0, *(f for f, _ in inside), 1.0), (0.0, *(h for _, h in inside), 1.0), "")
     # the lower of two curves, written at both curves' points and every 2% between (so that interpolating the
     # result does not rise above either)
-    points = sorted({*DEFAULT_CURVE.fractions, *other.fractions, *(i / 50 for i in range(51))})
+    grid = sorted({*DEFAULT_CURVE.fractions, *other.fractions, *(i / 50 for i in range(51))})
     hits: list[float] = []
-    for f in points:
+    for f in grid:
         h = max(f, min(hit_rate(DEFAULT_CURVE, f), hit_rate(other, f)))
         hits.append(max(h, hits[-1]) if hits else h)
-    return HitCurve(tuple(points), tuple(hits),
-                    source=f"default for {e} experts, top {k} (no profile of this family: public curves of "
-                           f"less local models, read at the same experts held per token picked)")
+    return HitCurve(tuple(grid), tuple(hits), source=source)
 
 
 def _pchip_slopes(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -79,6 +79,9 @@ class ModelShape:
     expert_gating_func: int = 0          # 1 softmax, 2 sigmoid (llama_expert_gating_func_type)
     # gpt-oss: sliding-window attention on every other layer, attention sinks, biases, MXFP4 experts
     sliding_window: int = 0
+    # glm4moe: q/k/v biases, partial RoPE (rope.dimension_count < head_dim), optional per-head q/k norms
+    n_rot: int = 0                       # rope.dimension_count where it differs from head_dim (0: head_dim)
+    qk_norm: bool = False
     mxfp4_experts: bool = False
     # rope scaling (yarn)
     rope_scaling: str = ""
@@ -143,6 +146,46 @@ _GPT_OSS_SPECIALS = (
     Special("<|call|>", 201088 - 200012, True),
 )
 
+# GLM-4.5: 151329.. are specials in a vocabulary of 151552 (tokenizer_config.json of zai-org/GLM-4.5-Air); llama.cpp's
+# converter (conversion/glm.py, _set_vocab_glm) sets eos = <|endoftext|>, eot = <|user|>, bos = [gMASK]
+_GLM_SPECIALS = (
+    Special("<|endoftext|>", 151552 - 151329, True, "eos"),
+    Special("[gMASK]", 151552 - 151331, True, "bos"),
+    Special("<sop>", 151552 - 151333, True),
+    Special("<|system|>", 151552 - 151335, True),
+    Special("<|user|>", 151552 - 151336, True),
+    Special("<|assistant|>", 151552 - 151337, True),
+    Special("<|observation|>", 151552 - 151338, True),
+)
+_GLM_PAD = Special("<|endoftext|>", 151552 - 151329, True, "pad")
+_GLM_CHAT = ("[gMASK]<sop>{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+# Kimi-K2: tiktoken vocabulary padded to 163840; [BOS] 163584, [EOS] 163585 (tokenizer_config.json of
+# moonshotai/Kimi-K2-Instruct-0905)
+_KIMI_SPECIALS = (
+    Special("[BOS]", 163840 - 163584, True, "bos"),
+    Special("[EOS]", 163840 - 163585, True, "eos"),
+    Special("<|im_end|>", 163840 - 163586, True),
+    Special("<|im_user|>", 163840 - 163587, True),
+    Special("<|im_assistant|>", 163840 - 163588, True),
+    Special("<|im_system|>", 163840 - 163594, True),
+    Special("<|im_middle|>", 163840 - 163601, True),
+)
+_KIMI_CHAT = ("{% for m in messages %}{{ '<|im_' + m['role'] + '|>' + m['role'] + '<|im_middle|>' + m['content'] "
+              "+ '<|im_end|>' }}{% endfor %}{% if add_generation_prompt %}"
+              "{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}")
+
+# GLM-4.5 family (config.json of zai-org/GLM-4.5 and zai-org/GLM-4.5-Air; converter conversion/glm.py): head_dim 128,
+# partial_rotary_factor 0.5 -> rope.dimension_count 64 (NEOX), rope_theta 1e6, rms_norm_eps 1e-5, attention_bias
+# (q/k/v biases), sigmoid routing with e_score_correction_bias (exp_probs_b), one shared expert, n_group 1,
+# norm_topk_prob; num_nextn_predict_layers 1: the MTP block is left out, as the converter's --no-mtp writes it
+# (llama.cpp skips that block's tensors unless MTP is asked for)
+_GLM_COMMON = dict(arch="glm4moe", n_vocab=151552, n_head=96, n_head_kv=8, head_dim=128, n_rot=64, n_expert_used=8,
+                   n_ctx_train=131072, rope_freq_base=1_000_000.0, rms_eps=1e-5, n_expert_shared=1,
+                   expert_weights_norm=True, expert_gating_func=2, tokenizer_pre="glm4",
+                   specials=_GLM_SPECIALS + (_GLM_PAD,), add_bos=False, chat_template=_GLM_CHAT)
+
 _QWEN3_COMMON = dict(arch="qwen3moe", n_vocab=151936, head_dim=128, n_expert=128, n_expert_used=8, n_ctx_train=40960,
                      rope_freq_base=1_000_000.0, rms_eps=1e-6, tokenizer_pre="qwen2",
                      specials=_QWEN3_SPECIALS + (_QWEN3_PAD,), add_bos=False, chat_template=_CHATML)
@@ -166,10 +209,30 @@ SHAPES: dict[str, ModelShape] = {s.like: s for s in (
                expert_gating_func=2, rope_scaling="yarn", rope_factor=40.0, rope_orig_ctx=4096, yarn_log_mul=0.1,
                yarn_beta_fast=32.0, yarn_beta_slow=1.0, tokenizer_pre="deepseek-v3", specials=_DEEPSEEK_SPECIALS,
                add_bos=True, chat_template=_DEEPSEEK_CHAT),
+    # Kimi-K2-Instruct-0905 (config.json of moonshotai/Kimi-K2-Instruct-0905): DeepSeek-V3's layout with 384
+    # experts, 64 heads, one leading dense layer, no expert groups (n_group 1), routed_scaling_factor 2.827,
+    # rope_theta 50000, yarn factor 64 over 4096 (beta_fast 1, beta_slow 1, mscale_all_dim 1 -> log mul 0.1)
+    ModelShape(like="kimi-k2", arch="deepseek2", title="Kimi-K2 (synthetic)", n_vocab=163840, n_embd=7168,
+               n_layer=61, n_head=64, n_head_kv=1, head_dim=0, n_ff=18432, n_ff_exp=2048, n_expert=384,
+               n_expert_used=8, n_ctx_train=262144, rope_freq_base=50000.0, rms_eps=1e-6, n_expert_shared=1,
+               n_dense_lead=1, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128,
+               n_expert_groups=1, n_group_used=1, expert_weights_scale=2.827, expert_weights_norm=True,
+               expert_gating_func=2, rope_scaling="yarn", rope_factor=64.0, rope_orig_ctx=4096, yarn_log_mul=0.1,
+               yarn_beta_fast=1.0, yarn_beta_slow=1.0, tokenizer_pre="kimi-k2", specials=_KIMI_SPECIALS,
+               add_bos=False, chat_template=_KIMI_CHAT),
+    # GLM-4.5-Air: hidden 4096, 46 layers (the first dense, intermediate 10944), 128 experts of 1408, top 8,
+    # routed_scaling_factor 1.0, no q/k norms (use_qk_norm false)
+    ModelShape(like="glm-4.5-air", title="GLM-4.5-Air (synthetic)", n_embd=4096, n_layer=46, n_ff=10944,
+               n_ff_exp=1408, n_expert=128, n_dense_lead=1, expert_weights_scale=1.0, **_GLM_COMMON),
+    # GLM-4.5: hidden 5120, 92 layers (the first 3 dense, intermediate 12288), 160 experts of 1536, top 8,
+    # routed_scaling_factor 2.5, per-head q/k norms (use_qk_norm true)
+    ModelShape(like="glm-4.5", title="GLM-4.5 (synthetic)", n_embd=5120, n_layer=92, n_ff=12288, n_ff_exp=1536,
+               n_expert=160, n_dense_lead=3, expert_weights_scale=2.5, qk_norm=True, **_GLM_COMMON),
     ModelShape(like="gpt-oss-120b", title="gpt-oss-120b (synthetic)", n_layer=36, n_expert=128, **_GPT_OSS_COMMON),
     ModelShape(like="gpt-oss-20b", title="gpt-oss-20b (synthetic)", n_layer=24, n_expert=32, **_GPT_OSS_COMMON),
 )}
-ALIASES = {"deepseek-r1": "deepseek-v3", "qwen3-30b": "qwen3-30b-a3b", "qwen3-235b": "qwen3-235b-a22b"}
+ALIASES = {"deepseek-r1": "deepseek-v3", "kimi-k2-instruct": "kimi-k2", "glm-4.5-355b": "glm-4.5",
+           "qwen3-30b": "qwen3-30b-a3b", "qwen3-235b": "qwen3-235b-a22b"}
 
 
 def names() -> list[str]:
@@ -350,6 +413,33 @@ def tensor_specs(s: ModelShape, quant: str | None = None) -> list[TensorSpec]:
             add(b + "ffn_up_exps.bias", (s.n_ff_exp, s.n_expert), "f32", "bias")
             add(b + "ffn_down_exps.weight", (s.n_ff_exp, E, s.n_expert), x, "exp_down")
             add(b + "ffn_down_exps.bias", (E, s.n_expert), "f32", "bias")
+        elif s.arch == "glm4moe":
+            qd, kvd = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+            add(b + "attn_q.weight", (E, qd), q, "attn_in")
+            add(b + "attn_q.bias", (qd,), "f32", "bias")
+            add(b + "attn_k.weight", (E, kvd), q, "attn_in")
+            add(b + "attn_k.bias", (kvd,), "f32", "bias")
+            add(b + "attn_v.weight", (E, kvd), q, "attn_in")
+            add(b + "attn_v.bias", (kvd,), "f32", "bias")
+            add(b + "attn_output.weight", (qd, E), q, "attn_out")
+            if s.qk_norm:
+                add(b + "attn_q_norm.weight", (s.head_dim,), "f32", "norm")
+                add(b + "attn_k_norm.weight", (s.head_dim,), "f32", "norm")
+            add(b + "post_attention_norm.weight", (E,), "f32", "norm")
+            if i < s.n_dense_lead:
+                add(b + "ffn_gate.weight", (E, s.n_ff), q, "ffn_in")
+                add(b + "ffn_up.weight", (E, s.n_ff), q, "ffn_in")
+                add(b + "ffn_down.weight", (s.n_ff, E), q, "ffn_down")
+            else:
+                add(b + "ffn_gate_inp.weight", (E, s.n_expert), "f32", "router")
+                add(b + "exp_probs_b.bias", (s.n_expert,), "f32", "router_bias")
+                add(b + "ffn_gate_exps.weight", (E, s.n_ff_exp, s.n_expert), q, "exp_in")
+                add(b + "ffn_up_exps.weight", (E, s.n_ff_exp, s.n_expert), q, "exp_in")
+                add(b + "ffn_down_exps.weight", (s.n_ff_exp, E, s.n_expert), q, "exp_down")
+                sh = s.n_ff_exp * s.n_expert_shared
+                add(b + "ffn_gate_shexp.weight", (E, sh), q, "ffn_in")
+                add(b + "ffn_up_shexp.weight", (E, sh), q, "ffn_in")
+                add(b + "ffn_down_shexp.weight", (sh, E), q, "shexp_down")
         else:  # pragma: no cover - the table only holds the architectures above
             raise ModelError(f"{s.like}: architecture {s.arch!r} has no tensor layout")
     add("output_norm.weight", (E,), "f32", "norm")
@@ -413,6 +503,15 @@ def metadata(s: ModelShape, quant: str | None = None) -> list[tuple[str, object,
             (f"{a}.attention.key_length", s.head_dim, "u32"),
             (f"{a}.attention.value_length", s.head_dim, "u32"),
             (f"{a}.expert_feed_forward_length", s.n_ff_exp, "u32"),
+        ]
+    if a == "glm4moe":
+        kv += [
+            (f"{a}.rope.dimension_count", s.n_rot or s.head_dim, "u32"),
+            (f"{a}.expert_shared_count", s.n_expert_shared, "u32"),
+            (f"{a}.leading_dense_block_count", s.n_dense_lead, "u32"),
+            (f"{a}.expert_gating_func", s.expert_gating_func, "u32"),
+            (f"{a}.expert_weights_scale", s.expert_weights_scale, "f32"),
+            (f"{a}.expert_weights_norm", s.expert_weights_norm, "bool"),
         ]
     if s.sliding_window:
         kv.append((f"{a}.attention.sliding_window", s.sliding_window, "u32"))

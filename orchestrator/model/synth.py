@@ -80,33 +80,53 @@ STYLES = {
 # locality in time
 #
 # A trained model's consecutive tokens share many experts (an LRU holding 30% of a layer's experts hits ~89% in
-# decode); random weights route every token independently. With ``locality > 0`` (qwen3moe shapes) the weights
+# decode on Qwen3-30B-A3B); random weights route every token independently. With ``locality > 0`` the weights
 # give the router a slowly varying input that comes from the context, never from the token stream:
 #
 # * dims 0..31 of the residual stream ("bias" block) carry the same value for every token (token embeddings),
-#   and nothing else writes there (attn_output and expert down rows zero);
-# * every attention head's query and key read that block through one RoPE pair at a low frequency theta; the
-#   per-head q/k norms keep only that pair, so every head's score is ``A cos(theta * distance)``: a recency
-#   window of about ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. Values do not read
-#   the bias and context blocks, so the window averages the tokens' own (independent) values;
+#   and nothing else writes there (attn_output, dense and shared-expert down rows, expert down rows and the
+#   output biases zero there);
+# * every attention head's query and key read that block through one RoPE pair at a low frequency theta and
+#   nothing else, so every head's score is ``A cos(theta * distance)``: a recency window of about
+#   ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. How the other q/k dims are silenced
+#   depends on the attention:
+#     - per-head q/k norms (qwen3moe, glm-4.5): the norm weights keep only that pair ("qknorm");
+#     - plain projections with biases (gpt-oss, glm-4.5-air): every other q/k row and the q/k biases are zero
+#       ("direct");
+#     - MLA (deepseek2): the query's low-rank input q_a reads only the bias block in one row (q_a_norm makes it
+#       a constant), q_b turns that into one RoPE dim per head (the "nope" part of q is zero, so the latent
+#       part of the key does not count), and kv_a's rope rows read the bias block in one dim ("mla");
+#   the frequency is the pair's effective one after YaRN (ggml's ramp between the corrected dims) where the
+#   model scales its RoPE. Values do not read the bias and context blocks, so the window averages the tokens'
+#   own (independent) values;
 # * attn_output writes that window average into dims 32..63 (the "context" block; nothing else writes there):
 #   a component that changes little from one token to the next;
 # * the router reads the context block with an extra gain chosen so that about ``locality`` of its logit
-#   variance comes from it, and does not read the bias block.
+#   variance comes from it, and does not read the bias block. The routing function after the logits (softmax
+#   top-k, sigmoid with a bias and expert groups, softmax over the top-k) keeps that: it is monotone in them.
 #
 # 0 leaves the weights exactly as without locality. The default is calibrated through llama.cpp (decode-order
 # traces, docs/synth.md) against the Qwen3-30B-A3B facts; recorded traces are checked in
-# tests/model/test_routing_calibration.py.
+# tests/model/test_routing_calibration.py. The other families take the same default (docs/model.md, "Model
+# families", says what is known of their real routing and how the generated one compares).
 
 LOCALITY_WINDOW = 48.0     # sigma of the attention recency window, tokens
 _WINDOW_SCORE = 256.0      # target peak score A: sets theta = 1 / (sigma * sqrt(A)); period 2 pi / theta tokens
 _BIAS_VALUE = 1.0          # bias block value per dim (token embeddings' element RMS is 1)
-_QK_READ = 4.0             # weight with which the windowed q/k rows read each bias dim
+_QK_READ = 4.0             # weight with which the windowed q/k rows read each bias dim (q/k norm models)
 _CTX_GAIN = 2.0            # attn_output gain into the context block
+_WINDOW_PERIOD_MIN = 4096  # tokens: the window's RoPE period is longer than this, where the score allows
+_WINDOW_SCORE_MAX = 4096.0
+# Where no per-head norm fixes the query and key (direct, mla), the q.k the arithmetic below asks for made a window
+# far narrower than planned, measured through llama.cpp: at locality 0.01 consecutive tokens already shared 3x
+# the experts independent ids share (20% vs 6.25% for GLM-4.5-Air's top 8 of 128, 10% vs 3.1% for gpt-oss-120b and
+# DeepSeek-V3). A twentieth of it puts locality 0.01 at independent routing (6.6-7.7%, 3.3-3.9%) and the default
+# within a few points of the Qwen3 shape's curve at the same width (docs/model.md, "Model families").
+_UNNORMED_QK = 0.05
 DEFAULT_LOCALITY = 0.82
 HIGH_LOCALITY = 0.92
 LOCALITY_LEVELS = {"off": 0.0, "default": DEFAULT_LOCALITY, "high": HIGH_LOCALITY}
-LOCALITY_ARCHS = ("qwen3moe",)
+LOCALITY_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe")
 _BIAS = slice(0, 32)
 _CTX = slice(32, 64)
 
@@ -116,16 +136,85 @@ class LocalityPlan:
     """The weights that make routing local in time (see above)."""
 
     share: float          # intended share of router-logit variance from the context block
-    rope_dim: int         # NEOX pair index (dims i and i + head_dim/2) of the window
-    theta: float          # its frequency (radians per token)
+    rope_dim: int         # pair index i: dims (i, i + n_rot/2) for NEOX RoPE, (2i, 2i + 1) for the normal one
+    theta: float          # its effective frequency (radians per token)
     score: float          # peak attention score A
-    norm_weight: float    # q/k norm weight on that dim (0 elsewhere)
+    norm_weight: float    # q/k norm weight on that dim (0 elsewhere), "qknorm" mode
     window: float
+    mode: str = "qknorm"  # "qknorm" | "direct" | "mla" (how the other q/k dims are silenced)
+    read: float = 0.0     # "direct"/"mla": weight with which the window rows read each bias dim
+    q_b_read: float = 0.0  # "mla": q_b's weight on q_a's one live dim
+
+
+def _yarn_thetas(shape: S.ModelShape, n_rot: int) -> np.ndarray:
+    """Each RoPE pair's frequency as ggml applies it: YaRN (ggml ``rope_yarn``) mixes the interpolated
+    ``theta / factor`` and the original ``theta`` with a ramp between the corrected dims of beta_fast and
+    beta_slow (llama.cpp's defaults 32 and 1 where the file has none)."""
+    half = n_rot // 2
+    thetas = shape.rope_freq_base ** (-2.0 * np.arange(half) / n_rot)
+    if shape.rope_scaling != "yarn" or not shape.rope_factor:
+        return thetas
+    fs = 1.0 / shape.rope_factor
+    beta_fast = shape.yarn_beta_fast or 32.0
+    beta_slow = shape.yarn_beta_slow or 1.0
+
+    def corr(beta: float) -> float:
+        return n_rot * np.log(shape.rope_orig_ctx / (beta * 2 * np.pi)) / (2 * np.log(shape.rope_freq_base))
+
+    low = max(0.0, np.floor(corr(beta_fast)))
+    high = min(n_rot - 1.0, np.ceil(corr(beta_slow)))
+    y = (np.arange(half) - low) / max(0.001, high - low)
+    mix = 1 - np.clip(y, 0, 1)                 # ext_factor 1 (llama.cpp's default under YaRN)
+    return thetas * (fs * (1 - mix) + mix)
+
+
+def _rope_amplitude(shape: S.ModelShape) -> float:
+    """What ggml's YaRN multiplies rotated q and k by (``attn_factor * (1 + 0.1 ln factor)``), with the
+    ``attn_factor`` llama.cpp's context sets: 1 / (1 + 0.1 ln factor) for deepseek2 with a log multiplier (the
+    product is 1), else get_mscale(factor) / (1 + 0.1 ln factor) = 1 (the product is 1 + 0.1 ln factor)."""
+    if shape.rope_scaling != "yarn" or not shape.rope_factor:
+        return 1.0
+    if shape.arch == "deepseek2" and shape.yarn_log_mul:
+        return 1.0
+    return 1.0 + 0.1 * np.log(shape.rope_factor)
+
+
+def _kq_scale(shape: S.ModelShape) -> float:
+    """The attention's score scale in llama.cpp's graph for the architecture."""
+    if shape.arch == "deepseek2":
+        # deepseek2.cpp: mscale^2 / sqrt(key_length_mla), mscale = 1 + 0.1 * (log mul / 0.1) * ln(factor)
+        m = 1.0
+        if shape.rope_scaling == "yarn" and shape.rope_factor and shape.yarn_log_mul:
+            m = 1.0 + shape.yarn_log_mul * np.log(shape.rope_factor)
+        return m * m / np.sqrt(shape.qk_nope_dim + shape.qk_rope_dim)
+    if shape.arch == "gpt-oss":
+        return 1.0 / np.sqrt(shape.n_rot or shape.head_dim)   # openai-moe.cpp: 1 / sqrt(n_rot)
+    return 1.0 / np.sqrt(shape.head_dim)
+
+
+def _locality_mode(shape: S.ModelShape) -> str:
+    if shape.arch == "qwen3moe" or (shape.arch == "glm4moe" and shape.qk_norm):
+        return "qknorm"
+    return "mla" if shape.arch == "deepseek2" else "direct"
 
 
 def default_locality(shape: S.ModelShape) -> float:
-    """The calibrated locality where the shape can have it (qwen3moe, n_embd >= 128), else 0."""
-    return DEFAULT_LOCALITY if shape.arch in LOCALITY_ARCHS and shape.n_embd >= 128 else 0.0
+    """The calibrated locality where the shape can have it (n_embd >= 128 and, for MLA, a q_lora), else 0."""
+    return DEFAULT_LOCALITY if _locality_reason(shape) is None else 0.0
+
+
+def _locality_reason(shape: S.ModelShape) -> str | None:
+    """Why ``shape`` cannot have routing locality, or None."""
+    if shape.arch not in LOCALITY_ARCHS:
+        return (f"routing locality is generated for {', '.join(LOCALITY_ARCHS)} shapes only, not {shape.like} "
+                f"({shape.arch})")
+    if shape.n_embd < 128:
+        return (f"--locality needs n_embd >= 128 (bias and context blocks); {shape.like} at this scale has "
+                f"{shape.n_embd}")
+    if shape.arch == "deepseek2" and not shape.q_lora_rank:
+        return (f"{shape.like} has no q_lora (its queries are not normalized), so the window's query cannot be "
+                f"made independent of the token")
+    return None
 
 
 def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
@@ -135,21 +224,39 @@ def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
         return None
     if not (0.0 < locality < 1.0):
         raise ModelError(f"--locality {locality}: expected 0 <= L < 1 (or off, default, high)")
-    if shape.arch not in LOCALITY_ARCHS:
-        raise ModelError(f"--locality {locality}: routing locality is generated for {', '.join(LOCALITY_ARCHS)} "
-                         f"shapes only, not {shape.like} ({shape.arch}); use --locality 0")
-    if shape.n_embd < 128:
-        raise ModelError(f"--locality needs n_embd >= 128 (bias and context blocks); {shape.like} at this scale "
-                         f"has {shape.n_embd}")
-    half = shape.head_dim // 2
-    thetas = shape.rope_freq_base ** (-2.0 * np.arange(half) / shape.head_dim)
+    why = _locality_reason(shape)
+    if why:
+        raise ModelError(f"--locality {locality}: {why}; use --locality 0")
+    mode = _locality_mode(shape)
+    n_rot = shape.qk_rope_dim if shape.arch == "deepseek2" else (shape.n_rot or shape.head_dim)
+    thetas = _yarn_thetas(shape, n_rot)
     want = 1.0 / (LOCALITY_WINDOW * np.sqrt(_WINDOW_SCORE))
-    i = int(np.argmin(np.abs(np.log(thetas / want))))
+    # the pair nearest the wanted frequency among those whose period exceeds a 4096-token prompt (the window
+    # must not come back within the contexts the benchmarks use; a coarser frequency grid, as partial RoPE's,
+    # takes a lower frequency and a higher peak score for the same width), unless that score passes
+    # _WINDOW_SCORE_MAX: a score of 1e6 (Kimi-K2's next pair, YaRN factor 64) drowns the window in the f16
+    # rounding of the keys, so there the nearest pair is taken and the window comes back after its period
+    dist = np.abs(np.log(thetas / want))
+    far = np.where((2 * np.pi / thetas > _WINDOW_PERIOD_MIN)
+                   & (1.0 / (thetas * LOCALITY_WINDOW) ** 2 <= _WINDOW_SCORE_MAX), dist, np.inf)
+    i = int(np.argmin(far)) if np.isfinite(far).any() else int(np.argmin(dist))
     theta = float(thetas[i])
     score = 1.0 / (theta * LOCALITY_WINDOW) ** 2
-    # q/k after the norm: norm_weight * sqrt(head_dim) on the window dim; score = q.k / sqrt(head_dim)
-    norm_weight = float(np.sqrt(score / np.sqrt(shape.head_dim)))
-    return LocalityPlan(locality, i, theta, score, norm_weight, LOCALITY_WINDOW)
+    # the q.k product (before the score scale and the rope amplitude) that gives the score
+    qk = score / (_kq_scale(shape) * _rope_amplitude(shape) ** 2)
+    norm_weight = read = q_b_read = 0.0
+    if mode == "qknorm":
+        # q/k after the norm: norm_weight * sqrt(head_dim) on the window dim; score = q.k / sqrt(head_dim)
+        norm_weight = float(np.sqrt(score / np.sqrt(shape.head_dim)))
+    elif mode == "direct":
+        # q = k = read * 32 * bias value (the attention norm keeps the bias block near 1 in the first layers)
+        read = float(np.sqrt(qk * _UNNORMED_QK) / (32 * _BIAS_VALUE))
+    else:
+        # k_pe = read * 32 * bias value; q_pe = q_b_read * sqrt(q_lora_rank) (q_a_norm of one live dim)
+        qk *= _UNNORMED_QK
+        read = float(np.sqrt(qk) / (32 * _BIAS_VALUE))
+        q_b_read = float(np.sqrt(qk) / np.sqrt(shape.q_lora_rank))
+    return LocalityPlan(locality, i, theta, score, norm_weight, LOCALITY_WINDOW, mode, read, q_b_read)
 
 
 def _context_router_gain(shape: S.ModelShape, lp: LocalityPlan, layer: int) -> float:
@@ -176,8 +283,31 @@ def _const_block(qtype: str, value: float) -> np.ndarray:
     return out
 
 
+def _first_block(qtype: str, value: float) -> np.ndarray:
+    """One block whose first element is ``value`` and the other 31 zero (q4_0 / q8_0)."""
+    blk, size = S.BLOCK[qtype]
+    out = np.zeros(size, np.uint8)
+    if qtype == "q4_0":
+        out[0:2] = np.array([value / 7.0], np.float16).view(np.uint8)
+        out[2:] = 0x88    # codes 8: zero (low nibble element j, high nibble element j + 16)
+        out[2] = 0x8F     # element 0: code 15
+    elif qtype == "q8_0":
+        out[0:2] = np.array([value / 31.0], np.float16).view(np.uint8)
+        out[2] = 31
+    else:  # pragma: no cover
+        raise ValueError(qtype)
+    return out
+
+
 def _layer_of(name: str) -> int:
     return int(name.split(".")[1]) if name.startswith("blk.") else -1
+
+
+def _window_row(shape: S.ModelShape, lp: LocalityPlan, r: np.ndarray, per_head: int, offset: int) -> np.ndarray:
+    """Which of the rows ``r`` of a per-head projection (``per_head`` rows a head, RoPE dims from ``offset``)
+    carry the window's RoPE dim."""
+    d = r % per_head - offset
+    return d == (2 * lp.rope_dim if shape.arch == "deepseek2" else lp.rope_dim)
 
 
 def _patch_rows(spec: S.TensorSpec, rows: np.ndarray, row0: int, lp: LocalityPlan, shape: S.ModelShape,
@@ -186,19 +316,35 @@ def _patch_rows(spec: S.TensorSpec, rows: np.ndarray, row0: int, lp: LocalityPla
     quantized tensor for routing locality."""
     kind = spec.name.split(".")[-2] if spec.name.startswith("blk.") else spec.name.split(".")[0]
     n = rows.shape[0]
+    r = np.arange(row0, row0 + n)
     if kind == "token_embd":
         rows[:, 0] = _const_block(spec.type, _BIAS_VALUE)
         rows[:, 1] = 0
     elif kind in ("attn_q", "attn_k"):
-        hd = shape.head_dim
-        r = np.arange(row0, row0 + n)
-        win = (r % hd) == lp.rope_dim
-        rows[win] = 0
-        rows[win, 0] = _const_block(spec.type, _QK_READ)
+        win = _window_row(shape, lp, r, shape.head_dim, 0)
+        if lp.mode == "qknorm":
+            rows[win] = 0
+            rows[win, 0] = _const_block(spec.type, _QK_READ)
+        else:   # direct: only the window rows, and only from the bias block
+            rows[:] = 0
+            rows[win, 0] = _const_block(spec.type, lp.read)
     elif kind == "attn_v":
         rows[:, 0:2] = 0
+    elif kind == "attn_q_a":          # MLA: one live row, read from the bias block only
+        rows[:] = 0
+        rows[r == 0, 0] = _const_block(spec.type, _BIAS_VALUE)
+    elif kind == "attn_q_b":          # MLA: per head, the window's RoPE dim reads q_a's live dim
+        rows[:] = 0
+        win = _window_row(shape, lp, r, shape.qk_nope_dim + shape.qk_rope_dim, shape.qk_nope_dim)
+        rows[win, 0] = _first_block(spec.type, lp.q_b_read)
+    elif kind == "attn_kv_a_mqa":     # MLA: the latent does not read bias/context; k_pe only the window dim
+        latent = r < shape.kv_lora_rank
+        rows[latent, 0:2] = 0
+        rope = ~latent
+        rows[rope] = 0
+        win = rope & ((r - shape.kv_lora_rank) == 2 * lp.rope_dim)
+        rows[win, 0] = _const_block(spec.type, lp.read)
     elif kind == "attn_output":
-        r = np.arange(row0, row0 + n)
         rows[(r >= _BIAS.start) & (r < _BIAS.stop)] = 0
         ctx = (r >= _CTX.start) & (r < _CTX.stop)
         k = int(ctx.sum())
@@ -206,9 +352,12 @@ def _patch_rows(spec: S.TensorSpec, rows: np.ndarray, row0: int, lp: LocalityPla
             rms = _CTX_GAIN / np.sqrt(S.fan_in(spec))
             rows[ctx] = make_blocks(spec.type, k * rows.shape[1], rms, rng, signed=style.signed
                                     ).reshape(k, rows.shape[1], -1)
+    elif kind in ("ffn_down", "ffn_down_shexp"):
+        rows[r < _CTX.stop] = 0
 
 
-_PATCHED = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output")
+_PATCHED = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_a", "attn_q_b", "attn_kv_a_mqa",
+            "ffn_down", "ffn_down_shexp")
 
 
 # RMS of the integer codes of each block format (before scaling)
@@ -393,7 +542,14 @@ def _f32_data(spec: S.TensorSpec, rng: _Rng, style: WeightStyle, lp: LocalityPla
             w[:, _CTX] *= np.float32(_context_router_gain(mshape, lp, _layer_of(spec.name)))
         return w
     if spec.role in ("bias", "router_bias"):
-        return rng.gen.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        w = rng.gen.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        if lp is not None and spec.role == "bias":
+            kind = spec.name.split(".")[-2]
+            if kind in ("attn_q", "attn_k"):           # the window's q/k come from the bias block only
+                w[:] = 0.0
+            elif kind in ("attn_output", "ffn_down_exps"):   # nothing else writes the bias and context blocks
+                w[..., : _CTX.stop] = 0.0
+        return w
     if spec.role == "sinks":
         return np.zeros(shape, np.float32)
     raise ValueError(f"{spec.name}: no f32 generator for role {spec.role}")

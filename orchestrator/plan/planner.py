@@ -376,8 +376,8 @@ def make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pla
     to the plan and an f16 cache does not fit, the plan uses q8_0 (with flash attention) and says so.
 
     ``routing``: the model's measured hit-rate curve (its routing profile); None = the stated default curve."""
-    # without a measured profile: the stated default for the model's shape (expert count, top-k)
-    curve = routing or default_curve(model.n_expert, model.n_expert_used)
+    # without a measured profile: the stated default for the model's family and shape (expert count, top-k)
+    curve = routing or default_curve(model.n_expert, model.n_expert_used, model.arch)
     try:
         return _make_plan(machines=machines, model=model, request=request, backend=backend, curve=curve)
     except PlanError as first:

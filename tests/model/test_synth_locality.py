@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dataclasses import replace
+
 from orchestrator.errors import ModelError
 from orchestrator.model import shapes as S
 from orchestrator.model import synth
@@ -77,10 +79,14 @@ def test_locality_zero_is_the_independent_generator(models):
 def test_locality_levels_and_limits():
     qwen = S.scaled(S.get("qwen3-30b-a3b"), 0.125)
     assert synth.default_locality(qwen) == synth.DEFAULT_LOCALITY
-    assert synth.default_locality(S.scaled(S.get("deepseek-v3"), 0.05)) == 0.0
+    for like in ("deepseek-v3", "kimi-k2", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air", "glm-4.5"):
+        assert synth.default_locality(S.scaled(S.get(like), 0.05)) == synth.DEFAULT_LOCALITY, like
     assert synth.locality_plan(qwen, 0.0) is None
-    with pytest.raises(ModelError, match="qwen3moe shapes only"):
-        synth.locality_plan(S.scaled(S.get("gpt-oss-20b"), 0.1), 0.5)
+    # MLA without a q_lora (DeepSeek-V2-Lite's layout) cannot make the window's query independent of the token
+    lite = replace(S.scaled(S.get("deepseek-v3"), 0.05), q_lora_rank=0)
+    assert synth.default_locality(lite) == 0.0
+    with pytest.raises(ModelError, match="has no q_lora"):
+        synth.locality_plan(lite, 0.5)
     with pytest.raises(ModelError, match="0 <= L < 1"):
         synth.locality_plan(qwen, 1.0)
     # more locality: more router gain on the context block, in every layer
@@ -89,15 +95,70 @@ def test_locality_levels_and_limits():
         assert synth._context_router_gain(qwen, hi, layer) > synth._context_router_gain(qwen, lo, layer)
 
 
-def test_cli_rejects_a_locality_the_shape_cannot_have(tmp_path):
+def test_cli_writes_locality_for_every_family(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "m.gguf"
-    res = subprocess.run([sys.executable, "-m", "orchestrator", "synth-model", str(out), "--like", "deepseek-v3",
-                          "--scale", "0.05", "--locality", "high"], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
-    assert res.returncode == 2 and "qwen3moe shapes only" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([sys.executable, "-m", "orchestrator", "synth-model", str(out), "--like", "kimi-k2",
+                          "--scale", "0.05", "--layers", "2", "--locality", "high", "--dry-run"],
+                         capture_output=True, text=True, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0 and f"routing locality {synth.HIGH_LOCALITY:g}" in res.stderr, res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fam")
+    return {like: synth.write_model(d / f"{like}.gguf", like, scale=scale, layers=layers, quant="q8_0", seed=3,
+                                    fsync=False)
+            for like, scale, layers in (("deepseek-v3", 0.05, 4), ("gpt-oss-20b", 0.1, 2), ("glm-4.5-air", 0.05, 3))}
+
+
+def test_mla_window_reads_only_the_bias_block(family_models):
+    """deepseek2: q_a has one live row reading the bias block; q_b gives every head one RoPE dim from it; kv_a's
+    rope rows hold the window dim only, its latent rows do not read the bias or context blocks."""
+    res = family_models["deepseek-v3"]
+    s, lp = res.shape, synth.locality_plan(res.shape, res.locality)
+    assert lp.mode == "mla" and 2 * np.pi / lp.theta > 4096
+    t = _tensors(res.path)
+    qa = _q8_values(t["blk.1.attn_q_a.weight"], s.n_embd)
+    assert qa[0, :32].all() and not qa[0, 32:].any() and not qa[1:].any()
+    k_mla = s.qk_nope_dim + s.qk_rope_dim
+    qb = _q8_values(t["blk.1.attn_q_b.weight"], s.q_lora_rank).reshape(s.n_head, k_mla, s.q_lora_rank)
+    live = qb[:, s.qk_nope_dim + 2 * lp.rope_dim]
+    assert (live[:, 0] > 0).all() and not live[:, 1:].any()
+    qb[:, s.qk_nope_dim + 2 * lp.rope_dim] = 0
+    assert not qb.any()                                   # the nope part and every other rope dim: zero
+    kv = _q8_values(t["blk.1.attn_kv_a_mqa.weight"], s.n_embd)
+    assert not kv[: s.kv_lora_rank, :64].any() and kv[: s.kv_lora_rank, 64:].any()
+    rope = kv[s.kv_lora_rank:]
+    assert (rope[2 * lp.rope_dim, :32] > 0).all() and np.count_nonzero(rope) == 32
+    for name in ("blk.0.ffn_down.weight", "blk.3.ffn_down_shexp.weight"):   # dense and shared expert
+        down = _q8_values(t[name], t[name].shape[0])
+        assert not down[:64].any() and down[64:].any(), name
+    router = np.asarray(t["blk.3.ffn_gate_inp.weight"].data)
+    assert not router[:, :32].any() and router[:, 32:64].std() > 3 * router[:, 64:].std()
+
+
+def test_direct_window_without_qk_norms(family_models):
+    """gpt-oss and glm-4.5-air have no q/k norms: only the window rows of q and k are live, reading the bias
+    block, and the q/k biases are zero; nothing writes the bias and context blocks (biases included)."""
+    for like in ("gpt-oss-20b", "glm-4.5-air"):
+        res = family_models[like]
+        s, lp = res.shape, synth.locality_plan(res.shape, res.locality)
+        assert lp.mode == "direct" and 2 * np.pi / lp.theta > 4096, like
+        t = _tensors(res.path)
+        layer = s.n_layer - 1
+        for w in ("attn_q", "attn_k"):
+            m = _q8_values(t[f"blk.{layer}.{w}.weight"], s.n_embd)
+            win = m[lp.rope_dim::s.head_dim]
+            assert (win[:, :32] > 0).all() and np.count_nonzero(m) == 32 * win.shape[0], (like, w)
+            assert not np.asarray(t[f"blk.{layer}.{w}.bias"].data).any()
+        o = np.asarray(t[f"blk.{layer}.attn_output.weight"].data)
+        assert o.size
+        if like == "gpt-oss-20b":
+            assert not np.asarray(t[f"blk.{layer}.attn_output.bias"].data)[:64].any()
+            assert not np.asarray(t[f"blk.{layer}.ffn_down_exps.bias"].data)[:, :64].any()
