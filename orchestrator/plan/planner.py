@@ -269,7 +269,8 @@ def _cpu_side(ctx: PlanContext, kv_layer: list[int], decisions: list[Decision]) 
               "bound to one node: read the weights into memory allocated under the binding (mmap'd pages "
               "stay wherever the page cache put them)" if bind else "memory-mapped (the default)")
     decisions.append(Decision("gpus", "none", "no GPU selected or present: everything in host memory"))
-    decisions.append(Decision("ubatch", f"-b {ctx.n_batch(ub)} -ub {ub}", "CPU prompt speed barely depends on it"))
+    decisions.append(Decision("ubatch", f"-b {ctx.n_batch(ub)} -ub {ub}", "llama.cpp's default: on the CPU a prompt is bound by "
+                              "its arithmetic, which the micro-batch does not change"))
     decisions.append(Decision("load mode", "read" if load_mode == "pinned" else load_mode, lm_why))
     speed, _ = speed_inputs(machine, [], load_mode, cpu.host_nodes, cpu.threads)
     tg, tg_bytes = predict_tg(costs, placement, speed)
