@@ -192,11 +192,11 @@ OTHER_FAMILY_POINTS = ((1.0, 0.228), (3.1, 0.435), (6.2, 0.620), (9.3, 0.720), (
 # curve is a line from 0 to its own point; beyond its last point it joins OTHER_FAMILY_POINTS:
 #   deepseek2  t = 1.9 -> 13%   DeepSeek-V4-Flash (61 MoE layers x 256 experts, top 6), --moe-cache-size 700
 #              (= 11.5 experts per layer, 4.5% of them), decode over a 12-minute serving window of long-form text:
-#              LRU miss rate 82-92%, hits 8-18% (FlashML-org/FreeToken issue 174; the nearest published relative
+#              LRU miss rate 82-92%, hits 8-18% (github.com/FlashML-org/FreeToken/issues/174; the nearest published relative
 #              of DeepSeek-V3 and Kimi-K2: 256 routed experts, sigmoid routing, a shared expert). That cache admits
 #              only the misses it fetched over PCIe, so a plain LRU would hit at least this much.
 #   gpt-oss    t = 1.1 -> 8.5%  gpt-oss-120b (36 layers x 128 experts, top 4), one LRU over (layer, expert) of
-#              2000 MiB: 8-9% hits at "3% residency" (Helldez/BigMoeOnEdge issue 33); an MXFP4 expert of
+#              2000 MiB: 8-9% hits at "3% residency" (github.com/Helldez/BigMoeOnEdge/issues/33); an MXFP4 expert of
 #              3 x 2880 x 2880 weights is 13.2 MB, so 2000 MiB hold 159 experts, 4.4 a layer (3.4%), 1.1 tokens'
 #              picks. gpt-oss-20b: no public trace; gpt-oss-120b's points, the same family.
 #   glm4moe    no public trace of GLM-4.5 or GLM-4.5-Air was found: deepseek2's points, the closest family (sigmoid
