@@ -13,7 +13,7 @@ usage: python -m lab.llama_series checkout DIR [--patches PATCH_DIR] [--version 
 
 ``--patches`` defaults to the product series (``native/llama.cpp-patches``); ``--lab`` takes the lab's set
 (``lab/llama.cpp-patches``: the series as measured with the lab's features and switches) instead. ``--version`` lays out the
-llama.cpp of another llama-cpp-python sdist (for a rebase: its sha256 is taken from the registry's listing).
+llama.cpp of another llama-cpp-python sdist (for a rebase: its URL and sha256 from the package index).
 """
 
 from __future__ import annotations
@@ -58,22 +58,23 @@ def pinned_source(version: str | None = None) -> sources.PinnedSource:
 
 
 def sdist_of(version: str) -> sources.PinnedSource:
-    """The llama-cpp-python sdist of ``version`` as PyPI lists it (URL and sha256)."""
-    import json
+    """The llama-cpp-python sdist of ``version`` as the package index lists it (URL and sha256)."""
     import urllib.request
 
-    url = f"https://pypi.org/pypi/llama-cpp-python/{version}/json"
+    index = "https://pypi.org/simple/llama-cpp-python/"
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:      # noqa: S310
-            files = json.load(resp)["urls"]
-    except (OSError, ValueError, KeyError) as err:
-        raise BackendError(f"{url}: cannot read the release's files ({err})") from None
-    for f in files:
-        if f.get("packagetype") == "sdist":
-            pin = sources.SOURCES["mainline"]
-            return replace(pin, version=version, url=f["url"], sha256=f["digests"]["sha256"],
-                           subdir=f"llama_cpp_python-{version}/vendor/llama.cpp")
-    raise BackendError(f"llama-cpp-python {version}: no sdist on PyPI")
+        req = urllib.request.Request(index, headers={"Accept": "text/html"})
+        with urllib.request.urlopen(req, timeout=60) as resp:      # noqa: S310
+            page = resp.read().decode()
+    except OSError as err:
+        raise BackendError(f"{index}: cannot read the package's files ({err})") from None
+    m = re.search(r'href="(https://[^"#]*/llama_cpp_python-' + re.escape(version) + r'\.tar\.gz)#sha256=([0-9a-f]{64})"',
+                  page)
+    if m is None:
+        raise BackendError(f"llama-cpp-python {version}: no sdist in {index}")
+    pin = sources.SOURCES["mainline"]
+    return replace(pin, version=version, url=m.group(1), sha256=m.group(2),
+                   subdir=f"llama_cpp_python-{version}/vendor/llama.cpp")
 
 
 def description(patch: Path) -> str:
@@ -99,6 +100,22 @@ def lay_out(dest: Path, pin: sources.PinnedSource, say=print) -> Path:
     return dest
 
 
+def move_to(repo: Path, pin: sources.PinnedSource, say=print) -> None:
+    """Commit the tree of ``pin`` on top of the current one: the blobs of both stay in the repository, so a
+    patch written against the first merges three-way into the second."""
+    archive = sources.fetch(pin, cache_dir(), progress=say)
+    with tempfile.TemporaryDirectory(dir=repo.parent) as tmp:
+        root = sources.extract(archive, Path(tmp), pin.subdir)
+        for child in repo.iterdir():
+            if child.name != ".git":
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        for child in root.iterdir():
+            shutil.move(str(child), str(repo / child.name))
+    _git(repo, "add", "-A", "-f")
+    _git(repo, "commit", "-q", "--no-verify", "--allow-empty", "-m",
+         f"llama.cpp as vendored in {pin.package} {pin.version}\n\n{pin.url}\nsha256 {pin.sha256}")
+
+
 def apply_series(repo: Path, patches: list[Path], *, three_way: bool = False) -> None:
     """One commit per patch on the current branch, the message the patch's description and its file name."""
     for p in patches:
@@ -109,7 +126,9 @@ def apply_series(repo: Path, patches: list[Path], *, three_way: bool = False) ->
 
 
 def checkout(dest: Path, patch_dirs: list[Path], version: str | None = None, say=print) -> None:
-    lay_out(dest, pinned_source(version), say)
+    lay_out(dest, pinned_source(), say)
+    if version is not None and version != pinned_source().version:
+        move_to(dest, pinned_source(version), say)      # upstream: the pinned tree, then the other release's
     _git(dest, "checkout", "-q", "-b", SERIES)
     for d in patch_dirs:
         apply_series(dest, sorted(d.glob("*.patch")), three_way=version is not None)
