@@ -37,7 +37,7 @@ def server() -> str:
     path = server_path()
     info = detect_backend(path)
     if not info.cuda or not info.has("router_trace"):
-        pytest.skip(f"{path}: needs a CUDA llama-server with --router-trace (0002-router-trace.patch)")
+        pytest.skip(f"{path}: needs a CUDA llama-server with --router-trace (0005-router-trace.patch)")
     return path
 
 
