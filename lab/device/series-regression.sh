@@ -7,16 +7,17 @@
 #                                                        .devbundle/series-new.tar.xz (the pinned source with each
 #                                                        series applied; about 5 MiB each) from the cached sdist
 #   bash lab/device/series-regression.sh run             on the H200 (one command, RUN_SECONDS, default 570):
-#     1. builds the old tree (CUDA, sm_90, static, 16 jobs) under /root/series/build, copies its llama-server and
-#        llama-bench aside, overwrites the source files the new series changes and rebuilds in the same build
+#     1. builds the old tree (CUDA, sm_90, static, 16 jobs) under /root/series/build, copies its llama-server
+#        aside, overwrites the source files the new series changes and rebuilds in the same build
 #        folder (only what they touch recompiles), while W1 and W2 are written (synth-model, as run.sh does);
 #     2. for W1 at 12 GiB and W2 at 24 GiB (the plans `orchestrator plan topologies/h200.yaml` makes with that
 #        vram_limit, the same flags for both builds): one `orchestrator bench` each with configurations plan and
 #        control (the plan again: the A/A spread) on the old llama-server and new (the same flags on the new
 #        one), interleaved over ROUNDS (W1, default 2) and W2_ROUNDS (default 1): pp 512 and 4096, tg128;
 #        builds made by an earlier `run` of the same archives while the machine is warm are reused, so a second
-#        command measures for its whole time (RUN_SECONDS);
+#        command measures for its whole time (RUN_SECONDS): the two builds take most of a first command's 10 min;
 #     3. tests/backend/test_expert_cache_gpu.py on the new build.
+#   PARTS (default bench,gpu-tests) picks steps 2 and 3, e.g. PARTS=gpu-tests for a command of its own.
 #   Writes everything under $OUT: build logs, plan JSON, each bench's folder (JSON and table), pytest.log,
 #   summary.json (the median pp512, pp4096, tg128 and hit rate of plan, control and new per workload).
 # Needs .devbundle/ as run.sh does (make-bundle.sh; the python packages) plus the two archives of `prepare`.
@@ -72,17 +73,17 @@ fi
 CMAKE=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON
        -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
        -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DGGML_RPC=ON)
-TARGETS=(llama-server llama-bench)
+TARGETS=(llama-server)
 [ $reuse = 1 ] || (
   set -e
   cmake -S "$S/src" -B "$S/build" "${CMAKE[@]}" > "$OUT/build-old.log" 2>&1
   ( time cmake --build "$S/build" -j 16 --target "${TARGETS[@]}" ) >> "$OUT/build-old.log" 2>&1
-  mkdir -p "$S/old-bin"; cp "$S/build/bin/llama-server" "$S/build/bin/llama-bench" "$S/old-bin/"
+  mkdir -p "$S/old-bin"; cp "$S/build/bin/llama-server" "$S/old-bin/"
   # the new series over the old: only files whose bytes differ are written (ninja rebuilds what they touch);
   # files only the old series has are removed
   python3 lab/device/series_overlay.py "$S/new" "$S/src" > "$OUT/overlay.txt"
   ( time cmake --build "$S/build" -j 16 --target "${TARGETS[@]}" ) > "$OUT/build-new.log" 2>&1
-  mkdir -p "$S/new-bin"; cp "$S/build/bin/llama-server" "$S/build/bin/llama-bench" "$S/new-bin/"
+  mkdir -p "$S/new-bin"; cp "$S/build/bin/llama-server" "$S/new-bin/"
   echo "$stamp" > "$S/stamp"
 ) &
 builds=$!
@@ -100,8 +101,10 @@ cmp -s "$OLD" "$NEW" && { log "the old and new binaries are the same: the overla
 
 # 2. the plans: one bench per workload, the old build (plan, and control: the plan again, the A/A spread) and the
 #    new one (new: the plan's flags on the new llama-server) interleaved over the rounds
+PARTS=${PARTS:-bench,gpu-tests}
 for w in "w1 $W1 12" "w2 $W2 24"; do
   set -- $w
+  [[ ,$PARTS, == *,bench,* ]] || break
   [ "$(left)" -gt 200 ] || { log "no time left for $1"; continue; }
   # planned against the new build (its options are the old one's less the lab's): the same flags for both
   LLAMA_SERVER=$NEW python3 -m orchestrator plan "$H200" --set "model.path=$2" --set "nodes.0.vram_limit=$3GiB" \
@@ -118,7 +121,9 @@ for w in "w1 $W1 12" "w2 $W2 24"; do
 done
 
 # 3. the GPU correctness tests on the new build
-if [ "$(left)" -gt 60 ]; then
+if [[ ,$PARTS, != *,gpu-tests,* ]]; then
+  :
+elif [ "$(left)" -gt 60 ]; then
   LLAMA_SERVER=$NEW timeout $(( $(left) - 10 )) python3 -m pytest --noconftest -p no:cacheprovider -m gpu -v -s \
     --basetemp /root/series/pytest tests/backend/test_expert_cache_gpu.py > "$OUT/pytest.log" 2>&1
   log "gpu tests rc=$?"; tail -8 "$OUT/pytest.log"
