@@ -118,9 +118,16 @@ def move_to(repo: Path, pin: sources.PinnedSource, say=print) -> None:
 
 def apply_series(repo: Path, patches: list[Path], *, three_way: bool = False) -> None:
     """One commit per patch on the current branch, the message the patch's description and its file name."""
-    for p in patches:
+    for n, p in enumerate(patches):
         args = ["apply", "--index", "--whitespace=nowarn"] + (["--3way"] if three_way else [])
-        _git(repo, *args, str(p))
+        try:
+            _git(repo, *args, str(p))
+        except BackendError as err:
+            unmerged = _git(repo, "diff", "--name-only", "--diff-filter=U").split()
+            if not unmerged:
+                raise
+            raise BackendError(f"{p.name}: conflicts in {', '.join(unmerged)}, left in {repo} to resolve and commit; "
+                               f"{len(patches) - n - 1} later patch(es) not applied") from err
         msg = description(p).rstrip("\n") + f"\n\n{NAME_LINE}{p.name}\n"
         _git(repo, "commit", "-q", "--no-verify", "--allow-empty", "--cleanup=verbatim", "-F", "-", input=msg)
 
