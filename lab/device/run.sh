@@ -59,7 +59,8 @@
 #                     WORKLOAD_VARIANT=slots-host makes the one-stream plans' variant the plan with its slots
 #                     assigned on the host (--moe-cache-slots host) in place of prefill off; =moves: the plan with
 #                     a prompt's experts copied one by one (LLAMA_MOE_CACHE_PREFILL_MOVES=0) and with the host's read
-#                     by the device (=2); =moves3: the plan with the host's experts copied in one batch (=3);
+#                     by the device (=2); =moves3: the plan with the host's experts copied in one batch (=3)
+#                     (moves and moves3 need a bundle of the lab's patch set: see the lab set below);
 #                     =ahead: the plan with its prompts' uncached experts copied ahead into 2 and 3 staging
 #                     buffers (LLAMA_MOE_CACHE_PREFILL_AHEAD); WORKLOAD_STREAMS_NO_VARIANT= (empty) runs the
 #                     variant at four streams too;
@@ -76,7 +77,7 @@
 #                     pp512, generation of 1 and 4 streams, and the cache's prefetch counters (accuracy,
 #                     uploads ahead, used);
 #                     PREFETCH_VARIANTS=1 adds the copy stream not waiting for the layer's own misses, and that
-#                     issued at a layer's first expert tensor
+#                     issued at a layer's first expert tensor. Needs a bundle of the lab's patch set (below)
 #   gpu-tests-families  the GPU tests of the expert cache on a DeepSeek-V3 and a gpt-oss-120b shape (slots assigned
 #                     on the device and on the host, staged prompts; tests/backend/test_expert_cache_families_gpu.py)
 #   families[=LIST]   the workload harness for the other families, LIST of w3,w4,w5 (default all), one model on disk
@@ -93,7 +94,12 @@
 #                     (--moe-cache-slots device) / the same waiting for the device before each cached split as
 #                     before (LLAMA_MOE_CACHE_SPLIT_WAIT=1) / fit-pinned with -np 4 / the plan again (A/A),
 #                     interleaved over DEVICE_SLOTS_ROUNDS (default 1): pp512, generation of 1 and 4 streams, counters;
-#                     DEVICE_SLOTS_WAIT=0 leaves out the old wait
+#                     the old wait only with DEVICE_SLOTS_WAIT=1 and a bundle of the lab's patch set (below)
+#
+# The lab's patch set (lab/llama.cpp-patches: uploads ahead of need, LLAMA_MOE_CACHE_SPLIT_WAIT, _PREFETCH_*,
+# _PREFILL_MOVES; see native/llama.cpp-patches/README.md) goes into the bundle instead of the product series with
+#   python -m lab.llama_series checkout --lab /tmp/llama-lab
+#   python -m orchestrator build --source /tmp/llama-lab --export-source .devbundle/llama-src.tar.xz
 #
 # Two H200s (nvidia-h200-x2):
 #   w1-threads        W1 at 12 GiB on GPU 0 alone: plan / --fit / generation threads 8, 16, 24, 3 rounds
@@ -481,7 +487,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
     orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" --json \
       > "$O/plan-$name.json" 2>&1
     c=$(python3 lab/device/plan-config.py device "$O/plan-$name.json" --add='--moe-cache-slots device'); V+=(--config "$c")
-    [ "${DEVICE_SLOTS_WAIT:-1}" = 1 ] && { c=$(python3 lab/device/plan-config.py split-wait "$O/plan-$name.json")
+    [ "${DEVICE_SLOTS_WAIT:-0}" = 1 ] && { c=$(python3 lab/device/plan-config.py split-wait "$O/plan-$name.json")
       V+=(--config "${c/=/=LLAMA_MOE_CACHE_SPLIT_WAIT=1 }"); }
     timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \
       --configs "plan,fit-pinned,control" "${V[@]}" --rounds "${DEVICE_SLOTS_ROUNDS:-1}" --max-minutes "$(mins 10)" \

@@ -127,9 +127,11 @@ def test_the_built_server_offers_the_cache(llama_server_path):
     help_text = subprocess.run([llama_server_path, "--help"], capture_output=True, text=True, timeout=30).stdout
     assert re.search(r"--moe-cache-mib N", help_text) and re.search(r"--moe-cache-max-batch N", help_text)
     # every option of the series that the plan asks for, as the plan detects it
-    for feature in ("moe_cache_prefill", "moe_cache_prefetch", "moe_cache_slots", "moe_cache_prefill_ahead",
+    for feature in ("moe_cache_prefill", "moe_cache_cpu_misses", "moe_cache_slots", "moe_cache_prefill_ahead",
                     "moe_cache_prefill_ahead_min_batch"):
         assert info.has(feature), feature
+    # uploads ahead of need are the lab's (lab/llama.cpp-patches): the plan never chooses them
+    assert not info.has("moe_cache_prefetch")
 
 
 @pytest.mark.integration

@@ -21,6 +21,15 @@ from tests.backend.test_expert_cache_rpc import Setup, rpc_server, setup  # noqa
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _lab_build(llama_server_path):
+    from orchestrator.backend.detect import detect_backend
+
+    if not detect_backend(llama_server_path).has("moe_cache_prefetch"):
+        pytest.skip("uploads ahead of need are in the lab's patch set (lab/llama.cpp-patches), not the product "
+                    "series this llama-server was built with")
+
 CACHE = ["--moe-cache-max-batch", "4"]
 
 

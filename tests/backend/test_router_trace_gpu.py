@@ -1,7 +1,7 @@
 """The live routing profile on a GPU: what a CUDA llama-server served becomes the profile, whose replay hits as the
 cache's counters did; and with four streams the ring attributes every generated token.
 
-Needs an NVIDIA GPU and a CUDA llama-server built with our patch series, 0004 included ($LLAMA_SERVER, else the
+Needs an NVIDIA GPU and a CUDA llama-server built with our patch series, its router trace included ($LLAMA_SERVER, else the
 suite's). On the device: `pytest --noconftest -m gpu tests/backend/test_router_trace_gpu.py -s`; skipped in CI (no
 GPU), and skipped with the reason where the server has no --router-trace. tests/backend/test_router_trace_rpc.py is
 the same path on the RPC device, in CI.
@@ -37,7 +37,7 @@ def server() -> str:
     path = server_path()
     info = detect_backend(path)
     if not info.cuda or not info.has("router_trace"):
-        pytest.skip(f"{path}: needs a CUDA llama-server with --router-trace (patch 0004)")
+        pytest.skip(f"{path}: needs a CUDA llama-server with --router-trace (0005-router-trace.patch)")
     return path
 
 

@@ -3,7 +3,7 @@ they become the model's routing profile, and the plan reads it.
 
 llama-server runs with ``--rpc`` to a local ``ggml-rpc-server`` (a GPU-type device, as in
 test_expert_cache_rpc.py), every routed expert in host memory, an expert cache of about a quarter of the experts and
-``--router-trace`` (patch 0004). It serves sampled completions; ``GET /router-trace`` returns the picks of every
+``--router-trace`` (0005-router-trace.patch). It serves sampled completions; ``GET /router-trace`` returns the picks of every
 token it generated, and :class:`orchestrator.cluster.live_routing.LiveRouting` caches their profile. The cache's own
 counters over that traffic must be what the profile replays (within 5 points), and the lookups must be exactly one
 token's picks per recorded token: the ring holds every decoded token and nothing else.
@@ -43,7 +43,7 @@ def traced(llama_server_path):
     from orchestrator.backend.detect import detect_backend
 
     if not detect_backend(llama_server_path).has("router_trace"):
-        pytest.skip(f"{llama_server_path} has no --router-trace (native/llama.cpp-patches/0004-router-trace.patch; "
+        pytest.skip(f"{llama_server_path} has no --router-trace (native/llama.cpp-patches/0005-router-trace.patch; "
                     "scripts/setup.sh rebuilds llama.cpp with the whole series)")
     return llama_server_path
 

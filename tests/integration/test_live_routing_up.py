@@ -46,7 +46,7 @@ print(json.dumps({"gateway": res.gateway_url}))
 def test_served_traffic_becomes_the_models_profile_through_up_and_down(tmp_path, llama_server_path, monkeypatch):
     help_text = subprocess.run([llama_server_path, "--help"], capture_output=True, text=True, timeout=60).stdout
     if "--router-trace" not in help_text:
-        pytest.skip(f"{llama_server_path} has no --router-trace (native/llama.cpp-patches/0004-router-trace.patch; "
+        pytest.skip(f"{llama_server_path} has no --router-trace (native/llama.cpp-patches/0005-router-trace.patch; "
                     "scripts/setup.sh builds the series)")
     monkeypatch.setenv("ORCHESTRATOR_STATE", str(tmp_path / "state"))
     monkeypatch.setenv("ORCHESTRATOR_CACHE", str(tmp_path / "cache"))
