@@ -161,7 +161,8 @@ Q30=$M/qwen3-30b-a3b-q4_0.gguf
 Q235=$M/qwen3-235b-a22b-24l-q4_0.gguf
 H200=topologies/h200.yaml
 BENCH=(python3 -m orchestrator bench "$H200" --progress plain)   # `timeout` needs a program, not a function
-SERVER=
+SERVER=${CUDA_SERVER:-}   # a CUDA llama-server built elsewhere (series-regression.sh's new-bin) instead of `build`'s
+[ -n "$SERVER" ] && export LLAMA_SERVER=$SERVER    # for plan, bench and the tests alike
 
 synth() {   # synth q30 | q235 | loc-L | w2-loc-L (W1 or W2 at routing locality L): write the model unless there
   case "$1" in

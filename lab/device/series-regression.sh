@@ -18,6 +18,7 @@
 #        command measures for its whole time (RUN_SECONDS): the two builds take most of a first command's 10 min;
 #     3. tests/backend/test_expert_cache_gpu.py on the new build.
 #   PARTS (default bench,gpu-tests) picks steps 2 and 3, e.g. PARTS=gpu-tests for a command of its own.
+#   WORKLOADS (default "w1 w2") narrows the models written and measured; PARTS (default bench,gpu-tests) the parts.
 #   Writes everything under $OUT: build logs, plan JSON, each bench's folder (JSON and table), pytest.log,
 #   summary.json (the median pp512, pp4096, tg128 and hit rate of plan, control and new per workload).
 # Needs .devbundle/ as run.sh does (make-bundle.sh; the python packages) plus the two archives of `prepare`.
@@ -90,7 +91,7 @@ builds=$!
 python3 -m compileall -q -j 4 /tmp/site "$PWD/orchestrator" > /dev/null 2>&1 &
 [ -f "$W1" ] || ( time python3 -m orchestrator synth-model "$W1" --like qwen3-30b-a3b --quant q4_0 --locality default ) \
   > "$OUT/synth.log" 2>&1
-[ -f "$W2" ] || ( time python3 -m orchestrator synth-model "$W2" --like qwen3-235b-a22b --layers 24 --quant q4_0 \
+[[ " ${WORKLOADS:-w1 w2} " != *" w2 "* ]] || [ -f "$W2" ] || ( time python3 -m orchestrator synth-model "$W2" --like qwen3-235b-a22b --layers 24 --quant q4_0 \
   --locality default ) >> "$OUT/synth.log" 2>&1
 log "models written"
 wait $builds; rc=$?
@@ -105,6 +106,7 @@ PARTS=${PARTS:-bench,gpu-tests}
 for w in "w1 $W1 12" "w2 $W2 24"; do
   set -- $w
   [[ ,$PARTS, == *,bench,* ]] || break
+  [[ " ${WORKLOADS:-w1 w2} " == *" $1 "* ]] || continue
   [ "$(left)" -gt 200 ] || { log "no time left for $1"; continue; }
   # planned against the new build (its options are the old one's less the lab's): the same flags for both
   LLAMA_SERVER=$NEW python3 -m orchestrator plan "$H200" --set "model.path=$2" --set "nodes.0.vram_limit=$3GiB" \
