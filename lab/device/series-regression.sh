@@ -111,11 +111,10 @@ for w in "w1 $W1 12" "w2 $W2 24"; do
   # planned against the new build (its options are the old one's less the lab's): the same flags for both
   LLAMA_SERVER=$NEW python3 -m orchestrator plan "$H200" --set "model.path=$2" --set "nodes.0.vram_limit=$3GiB" \
     --json > "$OUT/plan-$1.json" 2>&1 || { log "no plan for $1: $(tail -2 "$OUT/plan-$1.json")"; continue; }
-  plan=$(python3 lab/device/plan-config.py plan "$OUT/plan-$1.json")
   c=$(python3 lab/device/plan-config.py new "$OUT/plan-$1.json")
   [ "$1" = w1 ] && share=2 || share=1      # of what is left, W1 takes half, W2 the rest
   timeout $(( $(left) * share / 3 )) python3 -m orchestrator bench "$H200" --progress plain --set "model.path=$2" \
-    --vram-budget "$3GiB" --server "$OLD" --configs plan,control --config "$plan" --config "${c/=/=LLAMA_SERVER=$NEW }" \
+    --vram-budget "$3GiB" --server "$OLD" --configs plan,control --config "${c/=/=LLAMA_SERVER=$NEW }" \
     --rounds "$([ "$1" = w1 ] && echo "${ROUNDS:-2}" || echo "${W2_ROUNDS:-1}")" --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency none \
     --max-minutes "$(python3 -c "print(max(0.5, $(left) * $share / 3 / 60 - 0.3))")" --out "$OUT/$1-$3g" \
     > "$OUT/$1-$3g.log" 2>&1
