@@ -15,6 +15,10 @@ tokens in turn, 64 tokens generated after each:
   probabilities, and exactly the same counters;
 - the cache refreshing its slots from the prompts, which it stages ahead into two buffers
   (--moe-cache-prefill-ahead 2, the CUDA move call): the same tokens and probabilities, staging reported.
+And per family a prompt of 4096 tokens in micro-batches of 512 (-b 2048 -ub 512), with the slots assigned on the
+device: the micro-batches before the last give no logits, so the last layer's routed matmuls see batches of no
+tokens, which reach the cache (they are within its batch cap); the same tokens and probabilities as the uncached
+path with the same batches.
 """
 
 from __future__ import annotations
@@ -108,3 +112,26 @@ def test_staged_prompts_give_the_tokens_of_the_uncached_gpu_path(family, tmp_pat
     _same(staged, plain, f"{like}, staged prompts")
     print(f"{like}: prompts staged into {buffers} buffers ({m['moe_cache_prefill_staged_total']:.0f} staged "
           f"tensors), tokens identical to the uncached path")
+
+
+MICRO = ["-c", "8192", "-b", "2048", "-ub", "512"]
+LONGEST = [{"n_predict": 16, "prompt": (PROMPT * 256)[:4096]}]
+
+
+def test_a_prompt_of_several_micro_batches_with_device_slots_gives_the_tokens_of_the_uncached_path(family, tmp_path):
+    like, path, _b, _n, _t, _slots, mib, _plain = family
+    plain, _log = _run_in_turn(server_path(), path, tmp_path / "micro-plain.log", ["--load-mode", "none", *MICRO],
+                               ENV, LONGEST)
+    dev, log = _run_in_turn(server_path(), path, tmp_path / "micro-device.log",
+                            ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--load-mode", "none",
+                             "--moe-cache-prefill", "refresh", "--moe-cache-slots", "device", *MICRO], ENV, LONGEST)
+    (got, m), = dev
+    (want, _w), = plain
+    assert m.get("moe_cache_device_slots") == 1, log[-3000:]
+    assert m["moe_cache_prefill_lookups_total"] > 0, "the micro-batches did not run through op offload"
+    assert m["moe_cache_lookups_total"] > 0                       # decode assigned its slots on the device
+    assert len(got["tokens"]) == 16
+    assert got["tokens"] == want["tokens"], like
+    assert probs(got) == probs(want), like
+    print(f"{like}: a 4096-token prompt in micro-batches of 512 with device slots, tokens identical to the "
+          f"uncached path")

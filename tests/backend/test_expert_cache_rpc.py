@@ -258,6 +258,31 @@ def test_a_prompt_reads_the_experts_the_slots_hold_instead_of_copying_them(setup
           f"{off2['moe_cache_prefill_copied_bytes_total'] / 2**20:.1f} MiB")
 
 
+# A prompt of several micro-batches (-b larger than -ub): llama.cpp's last layer keeps only the tokens that give
+# logits, so in every micro-batch before the prompt's last one its routed matmuls see a batch of no tokens, which is
+# within the cache's batch cap and reaches the cache. On CUDA with the slots assigned on the device such a batch
+# once launched a copy of zero blocks (a launch error); the RPC device has no device assignment (the host assigns,
+# with one warning), so here it is the host's path that must pass such batches through.
+MICRO = ["-b", "64", "-ub", "16"]
+
+
+def test_a_prompt_of_several_micro_batches_gives_the_tokens_of_no_cache(setup, llama_server_path, rpc_server,
+                                                                         tmp_path):
+    bodies = [{"prompt": PROMPT * 4}]                     # 64 tokens: four micro-batches, logits in the last only
+    none, _ = completions_in_turn(llama_server_path, rpc_server, setup.model, tmp_path, "micro-none", MICRO, bodies,
+                                  env=PREFILL_ENV)
+    flags = [*MICRO, "--moe-cache-mib", str(setup.mib), "--moe-cache-max-batch", "4", "--moe-cache-prefill",
+             "refresh", "--moe-cache-slots", "device"]
+    cached, log = completions_in_turn(llama_server_path, rpc_server, setup.model, tmp_path, "micro-cache", flags,
+                                      bodies, env=PREFILL_ENV)
+    (got, m), = cached
+    (want, _w), = none
+    assert m.get("moe_cache_active") == 1, log[-3000:]
+    assert m["moe_cache_prefill_lookups_total"] > 0, "the micro-batches did not run through op offload"
+    assert len(got["tokens"]) == N_PREDICT
+    assert got["tokens"] == want["tokens"] and probs(got) == probs(want)
+
+
 # Prompts staged (--moe-cache-prefill-ahead): a staged split reads its weight's copy from a staging buffer by address,
 # outside the compute buffer the tensor belongs to. CUDA, which moves experts itself, serves that; ggml's RPC device
 # checks every tensor's data against its buffer, so llama-server stages nothing there and keeps the cache's whole
