@@ -456,7 +456,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
         w5) like=glm-4.5-air layers=16 quant=(--quant q4_0) b=${W5_BUDGET:-10} ;;
         *) log "families: unknown family '$f' (w3, w4, w5)"; continue ;;
       esac
-      [ "$(left)" -gt 200 ] || { log "no time left for $f"; break; }
+      [ "$(left)" -gt "${FAMILY_MIN_LEFT:-200}" ] || { log "no time left for $f"; break; }
       rm -f "$M"/fam-*.gguf                      # one model on disk at a time (64 GiB with the build)
       mdl=$M/fam-$like-${layers}l.gguf
       ( time orch synth-model "$mdl" --like "$like" --layers "$layers" "${quant[@]}" --locality default ) \

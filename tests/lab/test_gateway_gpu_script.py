@@ -24,7 +24,7 @@ def test_the_script_parses():
 
 
 @pytest.mark.parametrize("args,env,why", [
-    ([], {}, "usage: bash lab/device/gateway-gpu.sh LLAMA_SERVER MODEL.gguf"),
+    ([], {}, "usage: bash lab/device/gateway-gpu.sh LLAMA_SERVER|build MODEL.gguf|w1"),
     (["/nonexistent/llama-server", "m.gguf"], {}, "is not an executable file"),
     (["SERVER", "/nonexistent/m.gguf"], {}, "model: /nonexistent/m.gguf is not a file"),
     (["SERVER", "MODEL"], {"STREAMS": "1;rm -rf /"}, "STREAMS: 1;rm -rf / is not a list like 1,4,16"),
