@@ -309,7 +309,8 @@ class Controller:
             g.handle = self.api.create_actor(self.gateway_cls, node_id=self.driver_node_id)
             g.pushed = self.replica_table(now)
             g.start_ref = self.api.submit(g.handle, "start", self.dep.gateway_host, self.dep.gateway_port,
-                                          self.api_key, g.pushed, len(self.gws) > 1, self.upstream_key)
+                                          self.api_key, g.pushed, len(self.gws) > 1, self.upstream_key,
+                                          self.dep.gateway_cors)
             g.pushed_at, g.created_at, g.phase = now, now, "starting"
             return
         if g.phase == "starting":

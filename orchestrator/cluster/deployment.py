@@ -126,6 +126,7 @@ class Deployment:
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8080
     api_key_env: str | None = None
+    gateway_cors: str | None = "localhost"     # gateway.cors_origins
     ray_address: str = LOCAL
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8265
@@ -185,7 +186,8 @@ class Deployment:
     def to_dict(self) -> dict:
         return {
             "specs": [s.to_dict() for s in self.specs], "gateway_host": self.gateway_host,
-            "gateway_port": self.gateway_port, "api_key_env": self.api_key_env, "ray_address": self.ray_address,
+            "gateway_port": self.gateway_port, "api_key_env": self.api_key_env,
+            "gateway_cors": self.gateway_cors, "ray_address": self.ray_address,
             "dashboard_host": self.dashboard_host, "dashboard_port": self.dashboard_port,
             "namespace": self.namespace, "restart": self.restart.to_dict(), "plan_json": dict(self.plan_json),
             "ray_port": self.ray_port, "metrics_export_port": self.metrics_export_port, "log_dir": self.log_dir,

@@ -1459,12 +1459,14 @@ class GatewayActor:
         self.gw: Gateway | None = None
 
     async def start(self, host: str, port: int, api_key: str | None, table: list[dict],
-                    reuse_port: bool = False, upstream_key: str | None = None) -> str:
+                    reuse_port: bool = False, upstream_key: str | None = None,
+                    cors_origins: str | None = "localhost") -> str:
         from orchestrator.cluster.ray_api import RayApi
 
         if self.gw is not None:
             return self.gw.url
-        gw = Gateway(Router(), api_key=api_key, sink=RayApi().metrics_sink(), upstream_key=upstream_key)
+        gw = Gateway(Router(), api_key=api_key, sink=RayApi().metrics_sink(), upstream_key=upstream_key,
+                     cors_origins=cors_origins)
         gw.set_replicas(table)
         await gw.start(host, port, reuse_port)
         self.gw = gw

@@ -77,6 +77,7 @@ def deployment_from(res) -> Deployment:
     return Deployment(
         gateway_processes=gateway_processes(t.gateway.processes),
         specs=res.specs, gateway_host=t.gateway.host, gateway_port=t.gateway.port, api_key_env=t.gateway.api_key_env,
+        gateway_cors=t.gateway.cors_origins,
         ray_address=t.ray.address, dashboard_host=t.ray.dashboard_host, dashboard_port=t.ray.dashboard_port,
         namespace=t.ray.namespace, restart=restart, plan_json=PlanDocument.from_resolved(res).to_dict(),
         metrics_export_port=_port_or_none(metrics_port), limits=start_limits(t),

@@ -13,8 +13,8 @@ from pydantic_core import PydanticCustomError
 
 from orchestrator.config.keys import display_key, split_key
 from orchestrator.config.types import (
-    AUTO, Alias, ArgList, AutoBool, AutoDuration, AutoInt, AutoSize, AutoSizeList, Bool, Choice, Duration,
-    EnvVarName, FilePath, GpuSelection, Host, Int, ModelPath, Name, Namespace, Port, RayAddress, Text, TiB, fail,
+    AUTO, Alias, ArgList, AutoBool, AutoDuration, AutoInt, AutoSize, AutoSizeList, Bool, Choice, CorsOrigins,
+    Duration, EnvVarName, FilePath, GpuSelection, Host, Int, ModelPath, Name, Namespace, Port, RayAddress, Text, TiB, fail,
     is_auto, is_remote_model,
 )
 from orchestrator.launch.llama_args import API_KEY_FLAGS, DEVICE_FLAGS, flags_of
@@ -394,6 +394,10 @@ class GatewayConfig(Section):
     api_key_env: EnvVarName = None
     """Name of an environment variable holding the API key clients must send (`Authorization: Bearer KEY`);
     the key itself never goes in the topology. null: no key."""
+
+    cors_origins: CorsOrigins = "localhost"
+    """Web pages that may call the gateway from a browser (CORS): localhost (pages served by this machine), *
+    (any page), or a comma-separated list of origins. null: none. A preflight is answered without the key."""
 
     processes: AutoInt(1, 64) = AUTO
     """Gateway processes sharing the port (SO_REUSEPORT; the kernel spreads connections over them), each

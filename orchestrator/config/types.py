@@ -382,6 +382,8 @@ Name = Text(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", "a name of letters, digits, '_',
 EnvVarName = Text(r"[A-Za-z_][A-Za-z0-9_]*", "the name of an environment variable (like ORCHESTRATOR_API_KEY)",
                   nullable=True)
 Alias = Text(r"[^\s/][^\s]*", "a model name without spaces (what clients send as \"model\")", nullable=True)
+CorsOrigins = Text(r"\*|localhost|https?://[^\s,]+(\s*,\s*https?://[^\s,]+)*",
+                   "*, localhost, or a comma-separated list of origins like https://app.example.com", nullable=True)
 Namespace = Text(r"[A-Za-z0-9_.-]{1,64}", "a Ray namespace (letters, digits, '_', '.', '-')")
 
 _HOSTNAME_RE = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"

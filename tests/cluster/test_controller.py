@@ -53,8 +53,8 @@ class FakeGateway:
         self.dead = False
         self.stopped = False
 
-    def start(self, host, port, key, table, reuse_port=False, upstream_key=None):
-        self.reuse_port = reuse_port
+    def start(self, host, port, key, table, reuse_port=False, upstream_key=None, cors_origins="localhost"):
+        self.reuse_port, self.cors_origins = reuse_port, cors_origins
         if self.fail_start:
             raise RemoteError(self.fail_start)
         self.tables.append(table)
@@ -418,3 +418,11 @@ def test_the_replica_table_gives_each_planned_workers_slots_to_the_gateway():
     tick(c, clock)
     slots = {r["name"]: r["slots"] for r in c.replica_table()}
     assert slots == {"w0": 3, "w1": None}        # a hand-written argv says nothing: the gateway assumes its default
+
+
+def test_the_gateway_is_started_with_the_topologys_cors_policy():
+    specs = [spec("w0", port=9000)]
+    c, api, clock = make(specs)
+    c.dep = c.dep.copy(gateway_cors="https://app.example.com")
+    tick(c, clock, 3)
+    assert gateway(api).cors_origins == "https://app.example.com"

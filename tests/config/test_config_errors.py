@@ -119,6 +119,9 @@ CASES = [
     (M + "gateway:\n  api_key_env: my key\n",
      "3: gateway.api_key_env: got 'my key' (expected the name of an environment variable (like "
      "ORCHESTRATOR_API_KEY) or null)"),
+    (M + "gateway:\n  cors_origins: app.example.com\n",
+     "3: gateway.cors_origins: got 'app.example.com' (expected *, localhost, or a comma-separated list of origins "
+     "like https://app.example.com or null)"),
     # --- missing keys
     ("model:\n  context: 8192\n",
      "1: model.path: missing required key (expected a .gguf file (relative to the topology file's folder), "

@@ -26,6 +26,7 @@ def test_minimal_topology_leaves_everything_to_the_plan():
     assert [n.name for n in t.nodes] == ["local"]
     assert t.nodes[0].machine == "live" and t.nodes[0].gpus == "all" and t.nodes[0].address is None
     assert (t.gateway.host, t.gateway.port, t.gateway.api_key_env) == ("127.0.0.1", 8080, None)
+    assert t.gateway.cors_origins == "localhost"
     assert (t.ray.address, t.ray.dashboard_host, t.ray.dashboard_port) == ("local", "127.0.0.1", 8265)
     assert t.workers.warmup is False and t.workers.extra_args == ()
 
