@@ -136,7 +136,7 @@ OFFLOAD_LAYER_BATCH_S = 136e-6
 CACHE_UPLOAD_EFFICIENCY = 0.755
 CACHE_LAYER_OVERHEAD_S = 71e-6
 CACHE_FIXED_S = 0.37e-3
-# CACHE_LAYER_OVERHEAD_S is that of a build without --moe-cache-slots. One that has it (patch 0005 and on) no longer drains the device before each cached
+# CACHE_LAYER_OVERHEAD_S is that of a build without --moe-cache-slots. One that has it (the device-slots patch) no longer drains the device before each cached
 # split, so a host-resident layer costs less; with the slots assigned on the device (--moe-cache-slots device) the
 # host's round trip per layer is gone too. Fitted on the H200 (docs/benchmarks/h200-2026-12-02-device-slots: W1 at
 # 8 and 12 GiB, default locality, the plans for four streams, tg128 at one and four streams; the host assignment
@@ -159,13 +159,13 @@ CACHE_CPU_MISS_HOP_S = 105e-6
 # the profile's curve gives 0.70 at 0.149 of the experts, half the cached 0.297, and k / U(4) = 8 / 29.1.
 STREAM_SHARE_EXPONENT = 0.54
 # Prompts that read the cached experts from the slots (--moe-cache-prefill read|refresh) instead of copying them over
-# PCIe: each cached expert of a layer a batch uses is moved on the device by one kernel per tensor (patch 0007) and
+# PCIe: each cached expert of a layer a batch uses is moved on the device by one kernel per tensor (the prompts patch's move call) and
 # costs PREFILL_READ_OVERHEAD_S instead of its copy (PREFILL_READ_SAVING: all of it saved). Fitted with the prompt
 # costs above; the slot reads' share from the cache's counters (29-47% of the experts read, each plan's cached
-# fraction within a point). Before patch 0007 each read was a copy of its own and saved 59% less 36 us.
+# fraction within a point). Before that call each read was a copy of its own and saved 59% less 36 us.
 PREFILL_READ_SAVING = 1.0
 PREFILL_READ_OVERHEAD_S = 12.3e-6
-# Prompts staged (--moe-cache-prefill-ahead N, patch 0008): a micro-batch through op offload that is expected to use
+# Prompts staged (--moe-cache-prefill-ahead N, the prompts patch): a micro-batch through op offload that is expected to use
 # all but PREFILL_STAGE_UNUSED_MAX of a host-resident tensor's experts (the patch's rule) gets the uncached ones
 # copied ahead into N staging buffers on a second stream while the layers before compute; the split then waits only
 # for what is left. PREFILL_STAGED_OVERLAP is the share of min(copy time, the rest of the micro-batch up to the last
@@ -181,7 +181,7 @@ PREFILL_READ_OVERHEAD_S = 12.3e-6
 # bytes the plan takes from the slots when it predicts staged generation (least squares on the five ratios).
 # The patch's rule assumes uniform routing; where the routing was measured, the plan applies the same share to the
 # profile's distinct experts per window and passes the smallest micro-batch that meets it
-# (--moe-cache-prefill-ahead-min-batch, patch 0010; predict.staging_min_batch): a 128-token window of W1's and W2's
+# (--moe-cache-prefill-ahead-min-batch, the prompts patch; predict.staging_min_batch): a 128-token window of W1's and W2's
 # traces uses 91 and 84 of their 128 experts.
 PREFILL_STAGE_UNUSED_MAX = 1.0 / 16.0
 PREFILL_STAGED_OVERLAP = 0.79
