@@ -57,7 +57,11 @@ def test_it_measures_gateway_and_direct_per_stream_count(tmp_path, llama_server_
         for key in ("ttft_p50_ms", "ttft_p95_ms", "per_token_p50_ms", "per_token_p95_ms"):
             assert 0 < s[key]["direct"] < 10_000 and 0 < s[key]["gateway"] < 10_000
     md = (out / "gateway-gpu.md").read_text()
-    rows = [ln.split(" | ")[0] for ln in md.splitlines() if ln[:3] in ("| 1", "| 4")]
-    assert rows == ["| 1", "| 4"] and md.startswith("| streams | TTFT median")
+    summary = md.split("\n\n")[0]                     # the first table: one row per stream count
+    rows = [ln.split(" | ")[0] for ln in summary.splitlines() if ln[:3] in ("| 1", "| 4")]
+    assert rows == ["| 1", "| 4"] and md.startswith("| streams | requests per path | TTFT median")
+    # then where the first token's time went: both paths at each stream count, all requests and the slowest 5%
+    split = [ln.split(" | ")[:2] for ln in md.splitlines() if ln.startswith(("| 1 | ", "| 4 | "))][2:]
+    assert {tuple(r) for r in split} == {(f"| {n}", p) for n in (1, 4) for p in ("direct", "gateway")}
     assert "time to first token p95" in (out / "gateway-gpu.txt").read_text()
     assert "llama-server" in (out / "machine.txt").read_text()
