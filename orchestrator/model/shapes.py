@@ -351,6 +351,30 @@ def tensor_specs(s: ModelShape, quant: str | None = None) -> list[TensorSpec]:
     def add(name: str, ne: tuple[int, ...], typ: str, role: str) -> None:
         t.append(TensorSpec(name, ne, typ, role))
 
+    def biased_qkv(b: str) -> None:   # gpt-oss and GLM-4.5: q, k, v with biases, the output without
+        qd, kvd = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+        for name, n in (("attn_q", qd), ("attn_k", kvd), ("attn_v", kvd)):
+            add(b + name + ".weight", (E, n), q, "attn_in")
+            add(b + name + ".bias", (n,), "f32", "bias")
+        add(b + "attn_output.weight", (qd, E), q, "attn_out")
+
+    def sigmoid_ffn(b: str, i: int) -> None:   # DeepSeek-V3 and GLM-4.5: dense leading layers, then routed
+        # experts behind a sigmoid router with a correction bias, and shared experts
+        if i < s.n_dense_lead:
+            add(b + "ffn_gate.weight", (E, s.n_ff), q, "ffn_in")
+            add(b + "ffn_up.weight", (E, s.n_ff), q, "ffn_in")
+            add(b + "ffn_down.weight", (s.n_ff, E), q, "ffn_down")
+            return
+        add(b + "ffn_gate_inp.weight", (E, s.n_expert), "f32", "router")
+        add(b + "exp_probs_b.bias", (s.n_expert,), "f32", "router_bias")
+        add(b + "ffn_gate_exps.weight", (E, s.n_ff_exp, s.n_expert), q, "exp_in")
+        add(b + "ffn_up_exps.weight", (E, s.n_ff_exp, s.n_expert), q, "exp_in")
+        add(b + "ffn_down_exps.weight", (s.n_ff_exp, E, s.n_expert), q, "exp_down")
+        sh = s.n_ff_exp * s.n_expert_shared
+        add(b + "ffn_gate_shexp.weight", (E, sh), q, "ffn_in")
+        add(b + "ffn_up_shexp.weight", (E, sh), q, "ffn_in")
+        add(b + "ffn_down_shexp.weight", (sh, E), q, "shexp_down")
+
     for i in range(s.n_layer):
         b = f"blk.{i}."
         add(b + "attn_norm.weight", (E,), "f32", "norm")
@@ -378,30 +402,10 @@ def tensor_specs(s: ModelShape, quant: str | None = None) -> list[TensorSpec]:
             add(b + "attn_v_b.weight", (s.kv_lora_rank, s.v_head_dim, s.n_head), q, "attn_in")
             add(b + "attn_output.weight", (s.n_head * s.v_head_dim, E), q, "attn_out")
             add(b + "ffn_norm.weight", (E,), "f32", "norm")
-            if i < s.n_dense_lead:
-                add(b + "ffn_gate.weight", (E, s.n_ff), q, "ffn_in")
-                add(b + "ffn_up.weight", (E, s.n_ff), q, "ffn_in")
-                add(b + "ffn_down.weight", (s.n_ff, E), q, "ffn_down")
-            else:
-                add(b + "ffn_gate_inp.weight", (E, s.n_expert), "f32", "router")
-                add(b + "exp_probs_b.bias", (s.n_expert,), "f32", "router_bias")
-                add(b + "ffn_gate_exps.weight", (E, s.n_ff_exp, s.n_expert), q, "exp_in")
-                add(b + "ffn_up_exps.weight", (E, s.n_ff_exp, s.n_expert), q, "exp_in")
-                add(b + "ffn_down_exps.weight", (s.n_ff_exp, E, s.n_expert), q, "exp_down")
-                sh = s.n_ff_exp * s.n_expert_shared
-                add(b + "ffn_gate_shexp.weight", (E, sh), q, "ffn_in")
-                add(b + "ffn_up_shexp.weight", (E, sh), q, "ffn_in")
-                add(b + "ffn_down_shexp.weight", (sh, E), q, "shexp_down")
+            sigmoid_ffn(b, i)
         elif s.arch == "gpt-oss":
-            qd, kvd = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
             x = "mxfp4" if s.mxfp4_experts else q
-            add(b + "attn_q.weight", (E, qd), q, "attn_in")
-            add(b + "attn_q.bias", (qd,), "f32", "bias")
-            add(b + "attn_k.weight", (E, kvd), q, "attn_in")
-            add(b + "attn_k.bias", (kvd,), "f32", "bias")
-            add(b + "attn_v.weight", (E, kvd), q, "attn_in")
-            add(b + "attn_v.bias", (kvd,), "f32", "bias")
-            add(b + "attn_output.weight", (qd, E), q, "attn_out")
+            biased_qkv(b)
             add(b + "attn_output.bias", (E,), "f32", "bias")
             add(b + "attn_sinks.weight", (s.n_head,), "f32", "sinks")
             add(b + "post_attention_norm.weight", (E,), "f32", "norm")
@@ -414,32 +418,12 @@ def tensor_specs(s: ModelShape, quant: str | None = None) -> list[TensorSpec]:
             add(b + "ffn_down_exps.weight", (s.n_ff_exp, E, s.n_expert), x, "exp_down")
             add(b + "ffn_down_exps.bias", (E, s.n_expert), "f32", "bias")
         elif s.arch == "glm4moe":
-            qd, kvd = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-            add(b + "attn_q.weight", (E, qd), q, "attn_in")
-            add(b + "attn_q.bias", (qd,), "f32", "bias")
-            add(b + "attn_k.weight", (E, kvd), q, "attn_in")
-            add(b + "attn_k.bias", (kvd,), "f32", "bias")
-            add(b + "attn_v.weight", (E, kvd), q, "attn_in")
-            add(b + "attn_v.bias", (kvd,), "f32", "bias")
-            add(b + "attn_output.weight", (qd, E), q, "attn_out")
+            biased_qkv(b)
             if s.qk_norm:
                 add(b + "attn_q_norm.weight", (s.head_dim,), "f32", "norm")
                 add(b + "attn_k_norm.weight", (s.head_dim,), "f32", "norm")
             add(b + "post_attention_norm.weight", (E,), "f32", "norm")
-            if i < s.n_dense_lead:
-                add(b + "ffn_gate.weight", (E, s.n_ff), q, "ffn_in")
-                add(b + "ffn_up.weight", (E, s.n_ff), q, "ffn_in")
-                add(b + "ffn_down.weight", (s.n_ff, E), q, "ffn_down")
-            else:
-                add(b + "ffn_gate_inp.weight", (E, s.n_expert), "f32", "router")
-                add(b + "exp_probs_b.bias", (s.n_expert,), "f32", "router_bias")
-                add(b + "ffn_gate_exps.weight", (E, s.n_ff_exp, s.n_expert), q, "exp_in")
-                add(b + "ffn_up_exps.weight", (E, s.n_ff_exp, s.n_expert), q, "exp_in")
-                add(b + "ffn_down_exps.weight", (s.n_ff_exp, E, s.n_expert), q, "exp_down")
-                sh = s.n_ff_exp * s.n_expert_shared
-                add(b + "ffn_gate_shexp.weight", (E, sh), q, "ffn_in")
-                add(b + "ffn_up_shexp.weight", (E, sh), q, "ffn_in")
-                add(b + "ffn_down_shexp.weight", (sh, E), q, "shexp_down")
+            sigmoid_ffn(b, i)
         else:  # pragma: no cover - the table only holds the architectures above
             raise ModelError(f"{s.like}: architecture {s.arch!r} has no tensor layout")
     add("output_norm.weight", (E,), "f32", "norm")
