@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -18,12 +17,7 @@ import pytest
 
 import orchestrator.cluster.gateway as G
 from orchestrator.cluster.gateway import Gateway, Router
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster_support import free_port
 
 
 def run(coro):

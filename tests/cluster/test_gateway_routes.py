@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,7 @@ import pytest
 from aiohttp import web
 
 from orchestrator.cluster.gateway import GET_ROUTES, POST_ROUTES, Gateway, Router
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster_support import free_port
 
 
 def run(coro):
