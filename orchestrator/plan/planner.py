@@ -17,7 +17,8 @@ from orchestrator.plan import expert_cache as X
 from orchestrator.plan import buffers as M
 from orchestrator.plan import rates as R
 from orchestrator.plan.cache_choice import cache_max_batch, worker_cache
-from orchestrator.plan.candidates import choose, evaluate, gpu_free, kv_layers, speed_inputs
+from orchestrator.plan.candidates import (REPLY_TOKENS, WORKLOAD_PROMPTS, choose, evaluate, gpu_free, kv_layers,
+                                         request_seconds, speed_inputs)
 from orchestrator.plan.context import PlanContext
 from orchestrator.plan.costs import model_costs
 from orchestrator.plan.cpu import CpuChoice, CpuWants, choose_cpu, node_available
@@ -194,6 +195,9 @@ def _gpu_side(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], mode: str,
             best = choose(cands2)
             placement = best.placement
             shown = cands2
+            again, why = choose_load_mode(placement.cpu_weights)
+            if again == load_mode:      # the reason with the bytes this placement leaves in host memory
+                lm_why = why
     cache_plan, cache_decision, cache_size = None, None, None
     if backend.has("moe_cache"):
         # the split between whole layers and the cache, for every micro-batch: a cache can make up for the
@@ -224,8 +228,11 @@ def _gpu_side(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], mode: str,
         f"in host memory" + (" (forced)" if req.expert_layers_on_cpu is not None else "")))
     decisions.append(Decision("ubatch", f"-b {ctx.n_batch(best.ubatch)} -ub {best.ubatch}",
                               "candidates " + ", ".join(f"ub {c.ubatch}: tg {c.tg:.1f} t/s, pp4096 "
-                                                        f"{c.pp.get(4096, 0):.0f} t/s" for c in shown)
-                              + {"generation": " -> fastest prompt within 3% of the best generation",
+                                                        f"{c.pp.get(4096, 0):.0f} t/s, {request_seconds(c):.2f} s"
+                                                        for c in shown)
+                              + {"generation": f" -> least mean time of a {WORKLOAD_PROMPTS[0]}- and a "
+                                               f"{WORKLOAD_PROMPTS[1]}-token prompt, each answered with "
+                                               f"{REPLY_TOKENS} tokens",
                                  "prompt": " -> fastest prompt (objective prompt)",
                                  "balanced": " -> best product of generation and prompt speed (objective "
                                              "balanced)"}[req.objective]))

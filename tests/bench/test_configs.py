@@ -364,7 +364,8 @@ def test_cache_grid_of_a_two_gpu_plan_fits_every_gpu(tmp_path, like, layers, gib
     x2 = with_gpu_free(load_machine(FIXTURES / "machines" / "h200x2.tar.gz"), gib * GiB)
     b = backend()
     b = b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
-    req = PlanRequest(nodes=(NodeRequest(name="x2", vram_limit=gib * GiB, vram_reserve=256 * MiB),))
+    req = PlanRequest(nodes=(NodeRequest(name="x2", vram_limit=gib * GiB, vram_reserve=256 * MiB),),
+                      ubatch=2048)   # the grid needs layers left to move at this budget
     w = make_plan(machines={"x2": x2}, model=model, request=req, backend=b).workers[0]
     assert w.settings.split_mode == "layer" and w.settings.moe_cache_mib
     costs = model_costs(model)

@@ -171,7 +171,8 @@ def test_several_gpus_each_hold_the_banks_of_their_own_layers(models):
     from orchestrator.resolve import nominal_backend
 
     m = machine("2socket-8gpu")
-    req = PlanRequest(context=32768, nodes=(NodeRequest(name="server", gpus=(0, 1, 2, 3)),))
+    # one micro-batch for both, so the cache alone moves layers to host memory
+    req = PlanRequest(context=32768, nodes=(NodeRequest(name="server", gpus=(0, 1, 2, 3)),), ubatch=2048)
     model = models("qwen3-235b-a22b")
     w = make_plan(machines={"server": m}, model=model, request=req,
                   backend=nominal_backend("mainline", cuda=True)).workers[0]

@@ -279,3 +279,50 @@ def test_a_request_built_in_code_plans_with_the_reserves_a_topology_gets(models)
     w = plan1(m, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
     gpu = next(d for d in w.memory if d.device == "CUDA0")
     assert gpu.budget == 12 * GiB - (256 << 20)
+
+
+def test_the_micro_batch_is_the_one_with_the_least_time_for_the_workloads_requests():
+    """Objective generation: a bigger micro-batch that makes the 4096-token prompt much faster wins over a small
+    loss of generation; a big loss of generation does not pay for it; within 1% of the least time the faster
+    generation decides."""
+    from types import SimpleNamespace as C
+
+    from orchestrator.plan.candidates import REPLY_TOKENS, choose, request_seconds
+
+    def cand(ub, tg, pp4096, pp512=2000.0):
+        return C(ubatch=ub, tg=tg, pp={512: pp512, 4096: pp4096})
+
+    small, big = cand(512, 200.0, 1900.0), cand(2048, 180.0, 4900.0)
+    assert request_seconds(big) < request_seconds(small) and choose([small, big]) is big
+    slow = cand(4096, 60.0, 6600.0)
+    assert request_seconds(slow) > request_seconds(small) and choose([small, slow]) is small
+    # equal prompts: the faster generation, whatever the micro-batch
+    a, b = cand(1024, 150.0, 3000.0), cand(4096, 149.9, 3000.0)
+    assert choose([b, a]) is a
+    near = cand(4096, 140.0, 3600.0)
+    assert abs(request_seconds(near) / request_seconds(a) - 1) < 0.01 and choose([near, a]) is a
+    assert request_seconds(a) == pytest.approx((512 / 2000 + 4096 / 3000) / 2 + REPLY_TOKENS / 150.0)
+    # the other objectives keep their rules
+    assert choose([small, slow], "prompt") is slow
+
+
+def test_a_deepseek_plan_takes_the_bigger_micro_batch_its_long_prompts_need(models):
+    """DeepSeek-V3 (6 layers, 256 experts) on the recorded H200 at 12 GiB: the compute buffer grows with the
+    micro-batch, so 512 gives the best generation, but 2048 answers the workload's requests sooner; the decision
+    line shows every candidate's time."""
+    from pathlib import Path
+
+    from orchestrator.hardware.dump import load_machine
+
+    h200 = load_machine(Path(__file__).resolve().parents[1] / "fixtures" / "machines" / "h200.inspect.json")
+    b = backend("mainline")
+    b = dataclasses.replace(b, features=b.features | {"moe_cache", "moe_cache_prefill", "moe_cache_device_slots"})
+    req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=12 * GiB, vram_reserve=256 << 20),), context=8192)
+    w = make_plan(machines={"h200": with_gpu_free(h200, 12 * GiB)}, model=models("deepseek-v3", layers=6),
+                  request=req, backend=b).workers[0]
+    d = next(x for x in w.decisions if x.what == "ubatch")
+    times = {int(ub): float(s) for ub, s in re.findall(r"ub (\d+): tg [\d.]+ t/s, pp4096 \d+ t/s, ([\d.]+) s", d.why)}
+    tgs = {int(ub): float(t) for ub, t in re.findall(r"ub (\d+): tg ([\d.]+) t/s", d.why)}
+    assert set(times) == {512, 1024, 2048, 4096}
+    assert max(tgs, key=tgs.get) == 512 and arg(w, "-ub") != "512"
+    assert times[int(arg(w, "-ub"))] <= min(times.values()) * 1.01
