@@ -20,7 +20,7 @@ from orchestrator.plan.context import PlanContext
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.cpu import CpuChoice, node_available
 from orchestrator.plan.placement import Placement, layer_split_placement
-from orchestrator.plan.predict import predict_pp, predict_tg, prefill_stageable, staging_min_batch
+from orchestrator.plan.predict import PromptCache, predict_pp, predict_tg, prefill_stageable, staging_min_batch
 from orchestrator.plan.request import PlanRequest
 from orchestrator.plan.types import Decision
 from orchestrator.units import GiB, MiB
@@ -132,7 +132,7 @@ def worker_cache(ctx: PlanContext, gpus: list[Gpu], best: Candidate, *, load_mod
     if backend.has("moe_cache_prefill"):
         # big batches read the experts the slots hold from them: only the rest crosses PCIe
         pp = predict_pp(costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
-                        cached_fraction=size.slots / costs.n_expert)
+                        cache=PromptCache(size.slots / costs.n_expert))
     staged = prompt_staging(ctx, gpus, load_mode, cand, c, new_host, inp, size, pp)
     stage_note = ""
     if staged is not None:
@@ -204,7 +204,7 @@ def prompt_staging(ctx: PlanContext, gpus: list[Gpu], load_mode: str, cand: Cand
                      fraction=real.fraction, slot_bytes=real.slot_bytes, stage_buffers=buffers,
                      stage_bytes=size_s.stage_bytes, stage_min_batch=min_batch)
     pp_s = predict_pp(costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
-                      cached_fraction=size_s.slots / costs.n_expert, staged=True, stage_min_batch=min_batch)
+                      cache=PromptCache(size_s.slots / costs.n_expert, staged=True, stage_min_batch=min_batch))
     n = 512 if 512 in pp else max(pp)
     tg_ratio = staged.generation / c.generation if c.generation else 1.0
     pp_ratio = pp_s[n] / pp[n] if pp.get(n) else 1.0
