@@ -359,7 +359,8 @@ def _cpu_side(ctx: PlanContext, kv_layer: list[int], decisions: list[Decision]) 
     cpu_compute = M.cpu_compute_bytes(model, ctx.buffers(ub), has_layers=True, has_output=True)
     memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
                            overhead=M.output_bytes(model, req.parallel))]
-    return _Side(placement, tuple(memory), pred, threshold, ub, load_mode, cpu)
+    return _Side(placement=placement, memory=tuple(memory), predicted=pred, threshold=threshold, ubatch=ub,
+                 load_mode=load_mode, cpu=cpu)
 
 
 def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], port: int) -> WorkerPlan:
