@@ -117,7 +117,7 @@ class CacheInputs:
     device_layer_overhead_s: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheCandidate:
     gpu_layers: int              # whole expert layers on the GPU
     host_layers: int
@@ -341,9 +341,11 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     if cache_bytes <= 0 or h == 0:
         t = gpu_resident / inp.gpu_bw + host_picks / inp.host_bw + h * inp.host_layer_overhead_s
         agg, _ = _aggregate(inp, k, 0, 0.0)
-        return CacheCandidate(k, h, 0, 0, 0, 0.0, 0.0, "none", gpu_resident, 0.0, host_picks, 0.0, t,
-                              1.0 / (inp.base_seconds + t), prompt, streams=max(1, inp.streams),
-                              stream_tokens_per_s=agg)
+        return CacheCandidate(gpu_layers=k, host_layers=h, cache_bytes=0, slots=0, slots_per_layer=0, fraction=0.0,
+                              hit_rate=0.0, miss_mode="none", gpu_resident_bytes=gpu_resident, cache_hit_bytes=0.0,
+                              host_read_bytes=host_picks, pcie_bytes=0.0, expert_seconds=t,
+                              tokens_per_s=1.0 / (inp.base_seconds + t), prompt_seconds=prompt,
+                              streams=max(1, inp.streams), stream_tokens_per_s=agg)
     per_layer = min(int(cache_bytes // (h * expert)), inp.n_expert)
     slots = per_layer * h
     fraction = per_layer / inp.n_expert
@@ -388,9 +390,13 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
         t = ((gpu_resident + hits + uploads) / inp.gpu_bw + uploads / inp.pcie_bw + on_cpu / inp.host_bw + fixed
              + h * p_cpu * inp.cpu_miss_hop_s + inp.cpu_miss_fixed_s)
         host_read, pcie = on_cpu, uploads
-    return CacheCandidate(k, h, int(cache_bytes), slots, per_layer, fraction, hit, mode, gpu_resident, hits,
-                          host_read, pcie, t, 1.0 / (inp.base_seconds + t), prompt, int(math.ceil(slots * expert)),
-                          max(1, inp.streams), agg, agg_hit, prefetch, gain, device)
+    return CacheCandidate(gpu_layers=k, host_layers=h, cache_bytes=int(cache_bytes), slots=slots,
+                          slots_per_layer=per_layer, fraction=fraction, hit_rate=hit, miss_mode=mode,
+                          gpu_resident_bytes=gpu_resident, cache_hit_bytes=hits, host_read_bytes=host_read,
+                          pcie_bytes=pcie, expert_seconds=t, tokens_per_s=1.0 / (inp.base_seconds + t),
+                          prompt_seconds=prompt, slot_bytes=int(math.ceil(slots * expert)),
+                          streams=max(1, inp.streams), stream_tokens_per_s=agg, stream_hit_rate=agg_hit,
+                          prefetch=prefetch, prefetch_gain=gain, device_slots=device)
 
 
 def candidates(inp: CacheInputs, cache_bytes: int | None = None,

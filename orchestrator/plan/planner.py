@@ -11,16 +11,14 @@ from orchestrator.errors import PlanError
 from orchestrator.hardware.topology import Gpu, Machine
 from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
 from orchestrator.model.info import ModelInfo
-from orchestrator.model.memory import MOE_CACHE_MAX_BATCH
 from orchestrator.model.routing_profile import HitCurve, default_curve
-from orchestrator.plan import expert_cache as X
 from orchestrator.plan import buffers as M
 from orchestrator.plan import rates as R
-from orchestrator.plan.cache_choice import cache_max_batch, worker_cache
-from orchestrator.plan.candidates import (REPLY_TOKENS, WORKLOAD_PROMPTS, choose, evaluate, gpu_free, kv_layers,
-                                         request_seconds, speed_inputs)
+from orchestrator.plan.cache_choice import NO_CACHE, CacheContext, CacheDecision, decide_expert_cache
+from orchestrator.plan.candidates import (REPLY_TOKENS, WORKLOAD_PROMPTS, Candidate, choose, evaluate, gpu_free,
+                                         kv_layers, request_seconds, speed_inputs)
 from orchestrator.plan.context import PlanContext
-from orchestrator.plan.costs import model_costs
+from orchestrator.plan.costs import ModelCosts, model_costs
 from orchestrator.plan.cpu import CpuChoice, CpuWants, choose_cpu, node_available
 from orchestrator.plan.layout import worker_layout
 from orchestrator.plan.placement import Placement, _DoesNotFit, cpu_expert_override, place_cpu_only
@@ -114,118 +112,200 @@ class _Side:
     cpu: CpuChoice
     gpu_names: tuple[str, ...] = ()
     main: Gpu | None = None                  # the main GPU (best measured host bandwidth)
-    cache: X.CachePlan | None = None         # the expert cache decision (None: not considered)
-    cache_mib: int = 0                       # --moe-cache-mib
+    cache: CacheDecision = NO_CACHE          # the expert cache decision (its plan None: not considered)
+
+
+@dataclass(frozen=True)
+class _GpuWorker:
+    """What every step of a GPU worker's plan reads: the planning context, the worker's GPUs, the KV cache by
+    layer, the main GPU and the NUMA node nearest it, and the host memory available to load weights into."""
+
+    ctx: PlanContext
+    gpus: list[Gpu]
+    kv_layer: list[int]
+    main: Gpu
+    anchor: int | None
+    avail: int
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    """The worker's candidates (one per micro-batch), the one chosen, and what they were evaluated under."""
+
+    shown: list[Candidate]
+    best: Candidate
+    mode: str
+    mode_why: str
+    load_mode: str
+    load_why: str
+    cpu: CpuChoice
+    cache: CacheDecision = NO_CACHE
 
 
 def _gpu_side(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], mode: str, mode_why: str,
               decisions: list[Decision]) -> _Side:
-    """Placement over the worker's GPUs: micro-batch candidates, load mode, NUMA binding, op-offload threshold."""
-    model, costs, req, machine, node_req, backend = (ctx.model, ctx.costs, ctx.req, ctx.machine, ctx.node_req,
-                                                     ctx.backend)
-    gpu_indexes = [g.index for g in gpus]
-    # main GPU: best measured host bandwidth (ties: lowest index)
+    """Placement over the worker's GPUs: micro-batch candidates, load mode, expert cache, NUMA binding, op-offload
+    threshold."""
+    w = _gpu_worker(ctx, gpus, kv_layer)
+    chosen = _with_expert_cache(w, _load_mode_again(w, _first_choice(w, mode, mode_why)))
+    best = chosen.best
+    placement = best.placement
+    # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
+    cpu = _choose_cpu(ctx, placement.cpu_weights + placement.cpu_kv, w.anchor)
+    _placement_decisions(w, chosen, decisions)
+    _batch_and_offload_decisions(w, chosen, decisions)
+    n_cpu_exp = _n_host_expert_layers(ctx.costs, placement)
+    streams = max(1, ctx.req.parallel)
+    tg_streams = best.tg_streams or predict_tg_streams(ctx.costs, placement, best.speed, streams)
+    pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes, streams=streams,
+                      tg_streams=tg_streams)
+    return _Side(placement=placement, memory=_gpu_memory(w, chosen), predicted=pred,
+                 threshold=best.threshold if n_cpu_exp else None, ubatch=best.ubatch, load_mode=chosen.load_mode,
+                 cpu=cpu, gpu_names=tuple(D.gpu(k) for k in range(len(gpus))), main=w.main, cache=chosen.cache)
+
+
+def _n_host_expert_layers(costs: ModelCosts, placement: Placement) -> int:
+    """Layers whose routed experts the placement leaves in host memory."""
+    return len([i for i in placement.cpu_expert_layers if costs.layer_experts[i]])
+
+
+def _gpu_worker(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int]) -> _GpuWorker:
+    """The main GPU (best measured host bandwidth; ties: lowest index), the node nearest it, the host memory."""
+    machine = ctx.machine
     bw = machine.bandwidth
+
     def h2d(g):
         if bw is None:
             return 0.0
         vals = [v for (gi, _n), v in dict(bw.gpu_h2d).items() if gi == g.index]
         return max(vals) if vals else 0.0
     main = max(gpus, key=lambda g: (h2d(g), -g.index))
-    anchor = machine.nearest_cpu_node(main)
-    # host memory of the anchor node decides pinned vs mmap; evaluate with a first guess of CPU bytes
-    load_mode_req = req.load_mode
-    ubs = [req.ubatch] if req.ubatch else list(UBATCH_CANDIDATES)
-    # a first guess of the CPU-resident bytes (what the GPUs cannot hold) picks the NUMA nodes to measure
-    gpu_room = sum(max(0, gpu_free(g, node_req)[0] - node_req.vram_reserve) for g in gpus)
-    host_guess = max(costs.input_bytes, costs.total_bytes + sum(kv_layer) - gpu_room)
-    cpu = _choose_cpu(ctx, host_guess, anchor)
     avail = machine.memory_available_bytes or sum(node_available(machine, n) for n in machine.numa_nodes)
+    return _GpuWorker(ctx=ctx, gpus=gpus, kv_layer=kv_layer, main=main, anchor=machine.nearest_cpu_node(main),
+                      avail=avail)
 
-    def choose_load_mode(host_bytes: int) -> tuple[str, str]:
-        if load_mode_req != "auto":
-            return load_mode_req, "set by the topology"
-        if host_bytes + node_req.ram_reserve <= avail:
-            return "pinned", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve fit the available "
-                              f"{fmt_bytes(avail)}: load them into pinned host buffers, so batches are copied to "
-                              f"the GPU at full PCIe speed (mmap'd pages copy ~{1 / R.PAGEABLE_FRACTION:.0f}x "
-                              "slower)")
-        return "mmap", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve exceed the available "
-                        f"{fmt_bytes(avail)}: keep them memory-mapped")
 
-    load_mode, lm_why = choose_load_mode(host_guess)      # a first guess; checked again with the placement
-    def evaluate_all(mode: str) -> tuple[list, list]:
-        cands, errors = [], []
-        for ub in ubs:
-            try:
-                kv_ub = kv_layers(model, req, ctx.flavor, ub=ub, fa=ctx.fa)
-                cands.append(evaluate(ctx, gpus, kv_ub, mode=mode, ub=ub, load_mode=load_mode, cpu=cpu))
-            except _DoesNotFit as e:
-                errors.append((ub, e))
-        return cands, errors
+def _load_mode(w: _GpuWorker, host_bytes: int) -> tuple[str, str]:
+    """Pinned host buffers where ``host_bytes`` of CPU-resident weights and the reserve fit the available memory,
+    else memory-mapped (unless the topology says)."""
+    req, avail = w.ctx.req, w.avail
+    if req.load_mode != "auto":
+        return req.load_mode, "set by the topology"
+    if host_bytes + w.ctx.node_req.ram_reserve <= avail:
+        return "pinned", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve fit the available "
+                          f"{fmt_bytes(avail)}: load them into pinned host buffers, so batches are copied to "
+                          f"the GPU at full PCIe speed (mmap'd pages copy ~{1 / R.PAGEABLE_FRACTION:.0f}x "
+                          "slower)")
+    return "mmap", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve exceed the available "
+                    f"{fmt_bytes(avail)}: keep them memory-mapped")
 
-    cands, errors = evaluate_all(mode)
-    if mode == "tensor" and req.split_mode == "auto" and cands and \
+
+def _evaluate_ubatches(w: _GpuWorker, mode: str, load_mode: str, cpu: CpuChoice) -> tuple[list, list]:
+    """A candidate for every micro-batch that fits (the request's, or each of UBATCH_CANDIDATES), and the
+    (micro-batch, why not) of those that do not."""
+    ctx = w.ctx
+    cands, errors = [], []
+    for ub in ([ctx.req.ubatch] if ctx.req.ubatch else list(UBATCH_CANDIDATES)):
+        try:
+            kv_ub = kv_layers(ctx.model, ctx.req, ctx.flavor, ub=ub, fa=ctx.fa)
+            cands.append(evaluate(ctx, w.gpus, kv_ub, mode=mode, ub=ub, load_mode=load_mode, cpu=cpu))
+        except _DoesNotFit as e:
+            errors.append((ub, e))
+    return cands, errors
+
+
+def _first_choice(w: _GpuWorker, mode: str, mode_why: str) -> _Chosen:
+    """The candidates under a first guess of the CPU-resident bytes (what the GPUs cannot hold), which picks the
+    NUMA nodes to measure and the load mode; -sm layer in place of an automatic -sm tensor where experts overflow
+    to host memory."""
+    ctx, costs, node_req = w.ctx, w.ctx.costs, w.ctx.node_req
+    gpu_room = sum(max(0, gpu_free(g, node_req)[0] - node_req.vram_reserve) for g in w.gpus)
+    host_guess = max(costs.input_bytes, costs.total_bytes + sum(w.kv_layer) - gpu_room)
+    cpu = _choose_cpu(ctx, host_guess, w.anchor)
+    load_mode, lm_why = _load_mode(w, host_guess)
+    cands, errors = _evaluate_ubatches(w, mode, load_mode, cpu)
+    if mode == "tensor" and ctx.req.split_mode == "auto" and cands and \
             any(costs.layer_experts[i] for i in choose(cands).placement.cpu_expert_layers):
         # measured on two H200s (docs/benchmarks.md): with routed experts in host memory, mainline -sm tensor
         # ran prompts 7x slower than -sm layer and ran out of GPU memory at a 2048-token micro-batch
-        layer_cands, layer_errors = evaluate_all("layer")
+        layer_cands, layer_errors = _evaluate_ubatches(w, "layer", load_mode, cpu)
         if layer_cands:
             cands, errors = layer_cands, layer_errors
             mode, mode_why = "layer", ("-sm layer with balanced ranges (experts overflow to host memory, where "
                                        "mainline -sm tensor was measured 7x slower on prompts and ran out of "
                                        "memory)")
     if not cands:
-        ub, e = errors[0]
-        raise PlanError(
-            f"model {model.paths[0]}: attention, norms, shared weights, output and the KV cache for "
-            f"{req.context} tokens ({req.parallel} slots) need {fmt_bytes(e.need)} but the GPUs "
-            f"{list(gpu_indexes)} offer {fmt_bytes(e.have)} after reserves: lower model.context or "
-            f"model.parallel, quantize the KV cache (model.cache_type_k and cache_type_v: q8_0), or add GPUs")
-    best = choose(cands)
-    placement = best.placement
-    # the load mode again with the bytes the placement really leaves in host memory (whole layers of experts
-    # can leave more there than the first guess); a change means evaluating again under the other mode
-    final_mode, lm_why = choose_load_mode(placement.cpu_weights)
-    shown = cands
-    if final_mode != load_mode:
-        load_mode = final_mode
-        cands2, _errors = evaluate_all(mode)
-        if cands2:
-            best = choose(cands2)
-            placement = best.placement
-            shown = cands2
-            again, why = choose_load_mode(placement.cpu_weights)
-            if again == load_mode:      # the reason with the bytes this placement leaves in host memory
-                lm_why = why
-    cache_plan, cache_decision, cache_size = None, None, None
-    if backend.has("moe_cache"):
-        # the split between whole layers and the cache, for every micro-batch: a cache can make up for the
-        # layers a bigger compute buffer displaces, so the micro-batch is chosen again with it
-        results = [worker_cache(ctx, gpus, c, load_mode=load_mode, cpu=cpu, mode=mode) for c in shown]
-        shown = [r[2] for r in results]
-        best = choose(shown, req.objective)
-        cache_plan, cache_decision, _c, cache_size = next(r for r in results if r[2] is best)
-        placement = best.placement
-        if cache_size and load_mode_req == "auto":
-            # layers moved to the cache stay in host memory (their room there was checked): say so with the
-            # bytes that are really there
-            again, why = choose_load_mode(placement.cpu_weights)
-            if again == load_mode:
-                lm_why = why
-    # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
-    cpu = _choose_cpu(ctx, placement.cpu_weights + placement.cpu_kv, anchor)
-    gpu_names = [D.gpu(k) for k in range(len(gpus))]
+        raise _does_not_fit(w, errors[0][1])
+    return _Chosen(shown=cands, best=choose(cands), mode=mode, mode_why=mode_why, load_mode=load_mode,
+                   load_why=lm_why, cpu=cpu)
+
+
+def _does_not_fit(w: _GpuWorker, e: _DoesNotFit) -> PlanError:
+    model, req = w.ctx.model, w.ctx.req
+    return PlanError(
+        f"model {model.paths[0]}: attention, norms, shared weights, output and the KV cache for "
+        f"{req.context} tokens ({req.parallel} slots) need {fmt_bytes(e.need)} but the GPUs "
+        f"{[g.index for g in w.gpus]} offer {fmt_bytes(e.have)} after reserves: lower model.context or "
+        f"model.parallel, quantize the KV cache (model.cache_type_k and cache_type_v: q8_0), or add GPUs")
+
+
+def _load_mode_again(w: _GpuWorker, first: _Chosen) -> _Chosen:
+    """The load mode again with the bytes the placement really leaves in host memory (whole layers of experts
+    can leave more there than the first guess); a change means evaluating again under the other mode."""
+    final_mode, lm_why = _load_mode(w, first.best.placement.cpu_weights)
+    chosen = replace(first, load_why=lm_why)
+    if final_mode != first.load_mode:
+        chosen = replace(chosen, load_mode=final_mode)
+        again, _errors = _evaluate_ubatches(w, first.mode, final_mode, first.cpu)
+        if again:
+            chosen = replace(chosen, shown=again, best=choose(again))
+            mode, why = _load_mode(w, chosen.best.placement.cpu_weights)
+            if mode == final_mode:      # the reason with the bytes this placement leaves in host memory
+                chosen = replace(chosen, load_why=why)
+    return chosen
+
+
+def _with_expert_cache(w: _GpuWorker, chosen: _Chosen) -> _Chosen:
+    """The split between whole layers and the expert cache for every micro-batch: a cache can make up for the
+    layers a bigger compute buffer displaces, so the micro-batch is chosen again with it."""
+    ctx = w.ctx
+    if not ctx.backend.has("moe_cache"):
+        return chosen
+    cc = CacheContext(plan=ctx, gpus=tuple(w.gpus), load_mode=chosen.load_mode, cpu=chosen.cpu,
+                      split_mode=chosen.mode)
+    decided = [decide_expert_cache(cc, c) for c in chosen.shown]
+    shown = [d.candidate for d in decided]
+    best = choose(shown, ctx.req.objective)
+    cache = next(d for d in decided if d.candidate is best)
+    lm_why = chosen.load_why
+    if cache.banks and ctx.req.load_mode == "auto":
+        # layers moved to the cache stay in host memory (their room there was checked): say so with the
+        # bytes that are really there
+        again, why = _load_mode(w, best.placement.cpu_weights)
+        if again == chosen.load_mode:
+            lm_why = why
+    return replace(chosen, shown=shown, best=best, load_why=lm_why, cache=cache)
+
+
+def _placement_decisions(w: _GpuWorker, chosen: _Chosen, decisions: list[Decision]) -> None:
+    """The GPUs, the split mode and where the routed experts went."""
+    costs, req, gpus, main, placement = w.ctx.costs, w.ctx.req, w.gpus, w.main, chosen.best.placement
     decisions.append(Decision("gpus", ",".join(str(g.index) for g in gpus),
-                              f"main GPU {main.index} ({main.name}); host memory nearest to it: node {anchor}"))
-    decisions.append(Decision("split mode", mode, mode_why))
-    n_cpu_exp = len([i for i in placement.cpu_expert_layers if costs.layer_experts[i]])
+                              f"main GPU {main.index} ({main.name}); host memory nearest to it: node {w.anchor}"))
+    decisions.append(Decision("split mode", chosen.mode, chosen.mode_why))
+    n_cpu_exp = _n_host_expert_layers(costs, placement)
     decisions.append(Decision(
         "placement", f"{len(costs.moe_layers) - n_cpu_exp}/{len(costs.moe_layers)} expert layers in VRAM",
         f"always-used weights {fmt_bytes(sum(costs.layer_always) + costs.output_bytes)} + KV "
-        f"{fmt_bytes(sum(kv_layer))} on the GPU first; routed experts by whole layers in the rest; "
+        f"{fmt_bytes(sum(w.kv_layer))} on the GPU first; routed experts by whole layers in the rest; "
         f"{n_cpu_exp} layers of experts ({fmt_bytes(sum(costs.layer_experts[i] for i in placement.cpu_expert_layers))}) "
         f"in host memory" + (" (forced)" if req.expert_layers_on_cpu is not None else "")))
+
+
+def _batch_and_offload_decisions(w: _GpuWorker, chosen: _Chosen, decisions: list[Decision]) -> None:
+    """The micro-batch among the candidates, the load mode, the op-offload threshold and the expert cache."""
+    ctx, req, best, shown, load_mode = w.ctx, w.ctx.req, chosen.best, chosen.shown, chosen.load_mode
+    n_cpu_exp = _n_host_expert_layers(ctx.costs, best.placement)
     decisions.append(Decision("ubatch", f"-b {ctx.n_batch(best.ubatch)} -ub {best.ubatch}",
                               "candidates " + ", ".join(f"ub {c.ubatch}: tg {c.tg:.1f} t/s, pp4096 "
                                                         f"{c.pp.get(4096, 0):.0f} t/s, {request_seconds(c):.2f} s"
@@ -236,31 +316,29 @@ def _gpu_side(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], mode: str,
                                  "prompt": " -> fastest prompt (objective prompt)",
                                  "balanced": " -> best product of generation and prompt speed (objective "
                                              "balanced)"}[req.objective]))
-    decisions.append(Decision("load mode", load_mode, lm_why if n_cpu_exp else
-                              "no CPU-resident experts: " + lm_why))
+    decisions.append(Decision("load mode", load_mode, chosen.load_why if n_cpu_exp else
+                              "no CPU-resident experts: " + chosen.load_why))
     decisions.append(Decision("op offload", str(best.threshold), best.threshold_why))
-    if cache_decision is not None:
-        decisions.append(cache_decision)
-    threshold = best.threshold if n_cpu_exp else None
-    ub = best.ubatch
+    if chosen.cache.decision is not None:
+        decisions.append(chosen.cache.decision)
+
+
+def _gpu_memory(w: _GpuWorker, chosen: _Chosen) -> tuple[DeviceMemory, ...]:
+    """Predicted memory on each GPU (the expert cache's banks included) and in host memory."""
+    model, req, node_req, best = w.ctx.model, w.ctx.req, w.ctx.node_req, chosen.best
+    placement, banks = best.placement, chosen.cache.banks
     memory = []
-    for k, g in enumerate(gpus):
-        free, why = gpu_free(g, node_req)
-        memory.append(DeviceMemory(gpu_names[k], weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
+    for k, g in enumerate(w.gpus):
+        free, _why = gpu_free(g, node_req)
+        memory.append(DeviceMemory(D.gpu(k), weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
                                    compute=best.compute_gpu[k], overhead=best.overhead_gpu,
-                                   budget=free - node_req.vram_reserve,
-                                   cache=cache_size[k] if cache_size else 0))
-    cpu_compute = M.cpu_compute_bytes(model, ctx.buffers(ub), has_layers=placement.n_gpu_layers <= model.n_layers,
+                                   budget=free - node_req.vram_reserve, cache=banks[k] if banks else 0))
+    cpu_compute = M.cpu_compute_bytes(model, w.ctx.buffers(best.ubatch),
+                                      has_layers=placement.n_gpu_layers <= model.n_layers,
                                       has_output=placement.n_gpu_layers <= model.n_layers)
     memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
                                overhead=M.output_bytes(model, req.parallel)))
-    streams = max(1, req.parallel)
-    tg_streams = best.tg_streams or predict_tg_streams(costs, placement, best.speed, streams)
-    pred = Prediction(pp=best.pp, tg=best.tg, tg_bytes_per_token=best.tg_bytes, streams=streams,
-                      tg_streams=tg_streams)
-    return _Side(placement, tuple(memory), pred, threshold, ub, load_mode, cpu, tuple(gpu_names), main,
-                 cache_plan, cache_plan.chosen.cache_mib if cache_plan is not None and cache_plan.use_cache else 0)
-
+    return tuple(memory)
 
 
 def _cpu_side(ctx: PlanContext, kv_layer: list[int], decisions: list[Decision]) -> _Side:
@@ -288,7 +366,8 @@ def _cpu_side(ctx: PlanContext, kv_layer: list[int], decisions: list[Decision]) 
     cpu_compute = M.cpu_compute_bytes(model, ctx.buffers(ub), has_layers=True, has_output=True)
     memory = [DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
                            overhead=M.output_bytes(model, req.parallel))]
-    return _Side(placement, tuple(memory), pred, threshold, ub, load_mode, cpu)
+    return _Side(placement=placement, memory=tuple(memory), predicted=pred, threshold=threshold, ubatch=ub,
+                 load_mode=load_mode, cpu=cpu)
 
 
 def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], port: int) -> WorkerPlan:
@@ -343,15 +422,10 @@ def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], po
         tensor_split=tuple(placement.tensor_split) if len(gpus) > 1 else (),
         main_gpu=gpus.index(side.main) if len(gpus) > 1 else None,
         tensor_overrides=overrides, fit=False, op_offload_min_batch=side.threshold, load_mode=load_mode,
-        moe_cache_mib=side.cache_mib,
-        moe_cache_max_batch=cache_max_batch(req) if side.cache_mib and req.parallel > MOE_CACHE_MAX_BATCH else None,
-        moe_cache_cpu_misses=bool(side.cache_mib and side.cache is not None and side.cache.chosen.miss_mode == "cpu"),
-        moe_cache_prefetch=bool(side.cache_mib and side.cache is not None and side.cache.chosen.prefetch),
-        moe_cache_device_slots=bool(side.cache_mib and side.cache is not None and side.cache.chosen.device_slots),
-        moe_cache_prefill_ahead=(side.cache.chosen.stage_buffers if side.cache_mib and side.cache is not None
-                                 else 0),
-        moe_cache_prefill_ahead_min_batch=(side.cache.chosen.stage_min_batch if side.cache_mib and side.cache is not None
-                                           else 0),
+        moe_cache_mib=side.cache.mib, moe_cache_max_batch=side.cache.max_batch,
+        moe_cache_cpu_misses=side.cache.cpu_misses, moe_cache_prefetch=side.cache.prefetch,
+        moe_cache_device_slots=side.cache.slots == "device", moe_cache_prefill_ahead=side.cache.stage_buffers,
+        moe_cache_prefill_ahead_min_batch=side.cache.stage_min_batch,
         numa=cpu.numa, numa_flag=cpu.numa_flag,
         disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
         threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=ctx.n_batch(side.ubatch),
@@ -363,7 +437,7 @@ def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], po
         placement=_ranges(placement, model.n_layers, list(side.gpu_names)), memory=memory,
         predicted=side.predicted, decisions=tuple(decisions),
         cpu_expert_layers=tuple(i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0),
-        expert_cache=side.cache,
+        expert_cache=side.cache.plan,
     )
 
 

@@ -274,15 +274,27 @@ def cpu_pp_batch_seconds(costs: ModelCosts, placement: Placement, sp: SpeedInput
     return t
 
 
+@dataclass(frozen=True)
+class PromptCache:
+    """What the expert cache does for a prompt's micro-batches through op offload: ``cached_fraction`` as in
+    :func:`offload_expert_time`; ``staged``: the uncached experts of a micro-batch that :func:`prefill_stageable`
+    allows (from ``stage_min_batch`` tokens) are copied ahead on a second stream while the layers before compute."""
+
+    cached_fraction: float = 0.0
+    staged: bool = False
+    stage_min_batch: int = 0
+
+
+NO_PROMPT_CACHE = PromptCache()
+
+
 def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatch: int, threshold: int | None,
-               lengths=PP_LENGTHS, cached_fraction: float = 0.0, staged: bool = False,
-               stage_min_batch: int = 0) -> dict[int, float]:
-    """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``; ``cached_fraction``
-    as in :func:`offload_expert_time`. ``staged``: the uncached experts of a micro-batch through op offload that
-    :func:`prefill_stageable` allows (from ``stage_min_batch`` tokens) are copied ahead on a second stream while the
-    layers before compute, which
-    hides ``rates.PREFILL_STAGED_OVERLAP`` of the copy time or of the rest of the micro-batch up to the last
-    host-resident layer, whichever is less (a copy can hide only behind the layers before its own)."""
+               lengths=PP_LENGTHS, cache: PromptCache = NO_PROMPT_CACHE) -> dict[int, float]:
+    """Prompt tokens/s for prompts of each length, processed in micro-batches of ``n_ubatch``, with what the
+    expert cache does for them (``cache``). A staged copy hides ``rates.PREFILL_STAGED_OVERLAP`` of the copy time
+    or of the rest of the micro-batch up to the last host-resident layer, whichever is less (a copy can hide only
+    behind the layers before its own)."""
+    cached_fraction, staged, stage_min_batch = cache.cached_fraction, cache.staged, cache.stage_min_batch
     cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
     gpu_flops_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 0.0
     if not gpu_flops_eff:   # CPU only: its own model, fitted on CPU-only runs (rates.py)

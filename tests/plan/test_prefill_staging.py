@@ -17,7 +17,8 @@ from orchestrator.plan import rates as R
 from orchestrator.plan.costs import model_costs
 from orchestrator.plan.placement import layer_split_placement
 from orchestrator.plan.predict import (
-    STAGE_NEVER, SpeedInputs, experts_used, offload_copy_seconds, predict_pp, prefill_stageable, staging_min_batch,
+    STAGE_NEVER, PromptCache, SpeedInputs, experts_used, offload_copy_seconds, predict_pp, prefill_stageable,
+    staging_min_batch,
 )
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
@@ -91,8 +92,8 @@ def test_staged_prompts_hide_part_of_their_copies_and_no_more(models, h200):
     host = [i for i in p.cpu_expert_layers if costs.layer_experts[i]]
     assert len(host) == 30
     lengths = (8, 32, 64, 512, 4096)
-    plain = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cached_fraction=0.32)
-    staged = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cached_fraction=0.32, staged=True)
+    plain = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cache=PromptCache(0.32))
+    staged = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cache=PromptCache(0.32, staged=True))
     assert staged[8] == plain[8]          # on the CPU: nothing offloaded
     assert staged[32] == plain[32]        # offloaded, but 32 tokens leave too many experts unused to copy ahead
     for n in (64, 512, 4096):
@@ -213,10 +214,10 @@ def test_a_prompt_below_the_minimum_is_predicted_as_unstaged(models):
     sp = SpeedInputs(gpu_mem_bw=(4.8e12,), gpu_flops=(700e12,), h2d=55e9, host_bw=87e9, cpu_flops=0.4e12,
                      h2d_pinned=55e9)
     lengths = (128, 400, 401, 4096)
-    plain = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cached_fraction=0.32)
-    any_batch = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cached_fraction=0.32, staged=True)
-    from_401 = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cached_fraction=0.32, staged=True,
-                          stage_min_batch=401)
+    plain = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cache=PromptCache(0.32))
+    any_batch = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cache=PromptCache(0.32, staged=True))
+    from_401 = predict_pp(costs, p, sp, 2048, 32, lengths=lengths, cache=PromptCache(0.32, staged=True,
+                                                                                  stage_min_batch=401))
     assert any_batch[128] > plain[128] and from_401[128] == plain[128] and from_401[400] == plain[400]
     assert from_401[401] == any_batch[401] and from_401[4096] == any_batch[4096]
 
