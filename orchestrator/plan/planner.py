@@ -340,7 +340,8 @@ def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], po
         moe_cache_max_batch=cache_max_batch(req) if side.cache_mib and req.parallel > MOE_CACHE_MAX_BATCH else None,
         moe_cache_cpu_misses=bool(side.cache_mib and side.cache is not None and side.cache.chosen.miss_mode == "cpu"),
         moe_cache_prefetch=bool(side.cache_mib and side.cache is not None and side.cache.chosen.prefetch),
-        moe_cache_device_slots=bool(side.cache_mib and side.cache is not None and side.cache.chosen.device_slots),
+        moe_cache_slots=("device" if side.cache_mib and side.cache is not None and side.cache.chosen.device_slots
+                         else None),
         moe_cache_prefill_ahead=(side.cache.chosen.stage_buffers if side.cache_mib and side.cache is not None
                                  else 0),
         moe_cache_prefill_ahead_min_batch=(side.cache.chosen.stage_min_batch if side.cache_mib and side.cache is not None
