@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping
 
+from orchestrator.backend.server_options import BY_FEATURE, IK_MARKERS, help_pattern
+
 
 class Flavor(str, Enum):
     """Which llama.cpp a binary is. String-valued, so JSON and YAML carry the plain names."""
@@ -74,44 +76,8 @@ class BackendInfo:
                    bench=d.get("bench"), fit_params=d.get("fit_params"))
 
 
-# feature name -> regex on --help text
-FEATURES = {
-    "fit": r"(^|\s)--fit\b",
-    "fit_target": r"--fit-target\b",
-    "fit_margin": r"--fit-margin\b",
-    "n_cpu_moe": r"--n-cpu-moe\b",
-    "cpu_moe": r"--cpu-moe\b",
-    "override_tensor": r"--override-tensor\b",
-    "load_mode": r"--load-mode\b",
-    "no_mmap": r"--no-mmap\b",
-    "mlock": r"--mlock\b",
-    "numa": r"--numa\b",
-    "flash_attn": r"--flash-attn\b",
-    "metrics": r"--metrics\b",
-    "no_host": r"--no-host\b",
-    "cpu_range": r"--cpu-range\b",
-    "threads_batch": r"--threads-batch\b",
-    "mla": r"--mla-use\b",
-    "merge_qkv": r"--merge-qkv\b",
-    "attn_max_batch": r"--attention-max-batch\b",
-    "graph_reuse": r"--graph-reuse\b",
-    "split_mode_graph_scheduling": r"--split-mode-graph-scheduling\b",
-    "cuda_params": r"--cuda-params\b",
-    "offload_policy": r"--offload-policy\b",
-    "no_op_offload": r"--no-op-offload\b",
-    "kv_unified": r"--kv-unified\b",
-    "moe_cache": r"--moe-cache-mib\b",
-    "moe_cache_cpu_misses": r"--moe-cache-cpu-misses\b",
-    "moe_cache_prefill": r"--moe-cache-prefill\b",
-    "moe_cache_prefetch": r"--moe-cache-prefetch\b",
-    "moe_cache_slots": r"--moe-cache-slots\b",
-    "moe_cache_prefill_ahead": r"--moe-cache-prefill-ahead\b",
-    "moe_cache_prefill_ahead_min_batch": r"--moe-cache-prefill-ahead-min-batch\b",
-    "router_trace": r"--router-trace\b",
-}
-# features only ik_llama.cpp has: any of them (or -sm graph) tells the flavor
-_IK_MARKERS = frozenset({"mla", "merge_qkv", "attn_max_batch", "graph_reuse", "cuda_params",
-                         "split_mode_graph_scheduling"})
+# feature name -> regex on --help text, one per option of the table that names a feature
+FEATURES = {name: help_pattern(o) for name, o in BY_FEATURE.items()}
 
 
 def parse_help(help_text: str) -> tuple[Flavor, frozenset[str], tuple[str, ...], bool]:
@@ -126,7 +92,8 @@ def parse_help(help_text: str) -> tuple[Flavor, frozenset[str], tuple[str, ...],
         if block:
             modes = re.findall(r"^\s+-\s+([a-z]+)(?:\s*\(default\))?\s*:", block.group(1), re.M)
     gpu_offload = bool(re.search(r"--gpu-layers\b|--n-gpu-layers\b", help_text))
-    flavor = Flavor.IK if (feats & _IK_MARKERS or "graph" in modes) else Flavor.MAINLINE
+    # features only ik_llama.cpp has: any of them (or -sm graph) tells the flavor
+    flavor = Flavor.IK if (feats & IK_MARKERS or "graph" in modes) else Flavor.MAINLINE
     if flavor is Flavor.IK:
         feats.add("override_tensor")  # ik_llama.cpp's parser takes -ot/--override-tensor; its --help omits it
     for mode in modes:

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from orchestrator.backend.devices import machine_gpu_key
 from orchestrator.backend.info import BackendInfo
+from orchestrator.backend.server_options import OPTIONS, PLACEMENT
 from orchestrator.errors import ConfigError
 from orchestrator.launch.llama_args import (
     FIELD_FLAGS, OFFLOAD_DEFAULT, OFFLOAD_ENV, OFFLOAD_NEVER, backend_seen_in, canonical, long_flag, numactl_argv,
@@ -432,17 +433,22 @@ def numa_sweep(plan: BenchConfig, nodes: Sequence[int] = ()) -> list[BenchConfig
     return out
 
 
+# what a user starting from llama.cpp's defaults leaves unset besides placement (the options the plan owns as
+# placement, from the option table): the batches, the load mode, the op-offload threshold, --fit's context
+_BASELINE_UNSET = frozenset({"split_mode", "fit_ctx", "n_ubatch", "n_batch", "load_mode", "op_offload_min_batch"})
+_PLACEMENT_FIELDS = frozenset(o.field for o in OPTIONS if o.owner == PLACEMENT and o.field)
+_PLACEMENT_FLAGS = frozenset(f for o in OPTIONS if o.owner == PLACEMENT for f in o.flags)
+
+
 def baseline(s: WorkerSettings) -> WorkerSettings:
-    """The plan's settings without any placement, batch, load-mode or op-offload decision: what a user starts
-    from (llama.cpp's defaults for those)."""
-    placement = {"n_gpu_layers", "split_mode", "tensor_split", "main_gpu", "tensor_overrides", "cpu_moe",
-                 "n_cpu_moe", "fit", "fit_ctx", "n_ubatch", "n_batch", "load_mode", "op_offload_min_batch"}
+    """The plan's settings without any placement, batch, load-mode or op-offload decision and without its expert
+    cache: what a user starts from (llama.cpp's defaults for those)."""
+    unset = _PLACEMENT_FIELDS | _BASELINE_UNSET
     extra = tuple(t for f, v in split_flags(s.extra_args)
-                  if not (f and (canonical(f) in placement or long_flag(f) in ("--fit-target", "--device")))
+                  if not (f and (canonical(f) in unset or f in _PLACEMENT_FLAGS))
                   for t in (f, v) if t is not None)
-    return replace(s, n_gpu_layers=None, split_mode=None, tensor_split=(), main_gpu=None, tensor_overrides=(),
-                   cpu_moe=False, n_cpu_moe=None, fit=None, fit_ctx=None, n_ubatch=None, n_batch=None,
-                   load_mode="mmap", op_offload_min_batch=None, moe_cache_mib=0, extra_args=extra)
+    defaults = WorkerSettings()
+    return replace(s, **{name: getattr(defaults, name) for name in unset | {"moe_cache_mib"}}, extra_args=extra)
 
 
 def fit_config(plan: BenchConfig) -> BenchConfig:

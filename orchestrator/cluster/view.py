@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
+from orchestrator.backend.server_options import option
 from orchestrator.launch.llama_args import flags_of
 from orchestrator.launch.spec import LaunchSpec
 from orchestrator.units import fmt_bytes
 
 # options of llama-server that say where it computes, for a hand-written argv (no settings with it)
-_LLAMA_DEVICE_OPTS = flags_of("n_gpu_layers", "split_mode", "tensor_split", "main_gpu") + ("-dev", "--device")
-_LLAMA_CPU_OPTS = flags_of("numa_flag", "threads") + ("-C", "--cpu-mask", "--cpu-range")
+_LLAMA_DEVICE_OPTS = flags_of("n_gpu_layers", "split_mode", "tensor_split", "main_gpu") + option("--device").flags
+_LLAMA_CPU_OPTS = flags_of("numa_flag", "threads") + option("--cpu-mask").flags + option("--cpu-range").flags
 
 
 def describe_binding(spec: LaunchSpec) -> str:

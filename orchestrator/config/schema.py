@@ -11,13 +11,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+# OWNED_FLAGS: the llama-server flags that topology keys own (each option of the table names its owner): giving
+# them in workers.extra_args would fight the plan
+from orchestrator.backend.server_options import OWNED_FLAGS
 from orchestrator.config.keys import display_key, split_key
 from orchestrator.config.types import (
     AUTO, Alias, ArgList, AutoBool, AutoDuration, AutoInt, AutoSize, AutoSizeList, Bool, Choice, CorsOrigins,
     Duration, EnvVarName, FilePath, GpuSelection, Host, Int, ModelPath, Name, Namespace, Port, RayAddress, Text, TiB, fail,
     is_auto, is_remote_model,
 )
-from orchestrator.launch.llama_args import API_KEY_FLAGS, DEVICE_FLAGS, flags_of
 from orchestrator.units import MiB
 
 # KV cache types llama.cpp accepts for -ctk/-ctv (common/arg.cpp kv_cache_types); q6_0 and q8_KV are
@@ -25,37 +27,6 @@ from orchestrator.units import MiB
 KV_TYPES_MAINLINE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 KV_TYPES_IK_ONLY = ("q6_0", "q8_KV")
 KV_TYPES_UNQUANTIZED = ("f32", "f16", "bf16")
-
-# llama-server flags that topology keys own: giving them in workers.extra_args would fight the plan.
-OWNED_FLAGS: dict[str, str] = {
-    **dict.fromkeys(flags_of("model_path"), "model.path"),
-    **dict.fromkeys(flags_of("context"), "model.context"),
-    **dict.fromkeys(flags_of("parallel"), "model.parallel"),
-    **dict.fromkeys(flags_of("type_k"), "model.cache_type_k"),
-    **dict.fromkeys(flags_of("type_v"), "model.cache_type_v"),
-    **dict.fromkeys(flags_of("flash_attn"), "model.flash_attn"),
-    **dict.fromkeys(flags_of("alias"), "model.alias"),
-    **dict.fromkeys(flags_of("threads"), "workers.threads"),
-    **dict.fromkeys(flags_of("threads_batch"), "workers.threads_batch"),
-    **dict.fromkeys(flags_of("n_batch"), "workers.batch"),
-    **dict.fromkeys(flags_of("n_ubatch"), "workers.ubatch"),
-    **dict.fromkeys(flags_of("split_mode"), "workers.split_mode"),
-    **dict.fromkeys(flags_of("numa_flag"), "workers.numa"),
-    **dict.fromkeys(flags_of("load_mode"), "workers.load_mode"),
-    **dict.fromkeys(("--op-offload", "--no-op-offload"), "workers.op_offload_min_batch"),
-    **dict.fromkeys(flags_of("moe_cache_mib", "moe_cache_max_batch"), "workers.expert_cache"),
-    **dict.fromkeys(flags_of("moe_cache_cpu_misses"), "workers.expert_cache_misses"),
-    "--moe-cache-prefetch": "workers.expert_cache_prefetch",
-    "--moe-cache-slots": "workers.expert_cache_slots",
-    "--moe-cache-prefill-ahead": "workers.expert_cache_staging",
-    "--moe-cache-prefill-ahead-min-batch": "workers.expert_cache_staging",
-    "--router-trace": "workers.live_routing",
-    **dict.fromkeys(flags_of("host"), "workers.host"),
-    **dict.fromkeys(flags_of("port"), "workers.port_base"),
-    **dict.fromkeys(API_KEY_FLAGS, "gateway.api_key_env"),
-    **dict.fromkeys(flags_of("tensor_overrides", "n_gpu_layers", "cpu_moe", "n_cpu_moe", "tensor_split",
-                             "main_gpu", "fit") + DEVICE_FLAGS, "nodes[].gpus / nodes[].vram_limit"),
-}
 
 MACHINE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar", ".json")
 

@@ -1,5 +1,7 @@
-"""llama-server's and numactl's vocabulary, for both flavors: the one place their flags and variables are spelled.
+"""llama-server's and numactl's vocabulary, for both flavors: settings to flags and variables and back.
 
+llama-server's flags are declared once, in :mod:`orchestrator.backend.server_options` (spellings, values,
+features, the settings field each renders); this module walks that table.
 :func:`server_args` / :func:`server_env` render a :class:`~orchestrator.launch.settings.WorkerSettings` for a
 :class:`~orchestrator.backend.info.BackendInfo` (what the binary offers decides the spelling: ``--load-mode none``
 or ``--no-mmap``, ``--no-op-offload`` or ``-cuda offload-batch-size=N`` or ``GGML_OP_OFFLOAD_MIN_BATCH``);
@@ -10,77 +12,30 @@ not know as extra arguments; :func:`numactl_argv` renders a NUMA policy. Pure: t
 from __future__ import annotations
 
 import re
+from dataclasses import MISSING, fields
 from typing import Mapping, Sequence
 
 from orchestrator.backend.info import BackendInfo, Flavor
+from orchestrator.backend.server_options import (  # noqa: F401  (the offload constants: re-exported)
+    BY_FLAG, IK_MARKERS, OFFLOAD_DEFAULT, OFFLOAD_ENV, OFFLOAD_NEVER, RENDERS, ServerOption, Switch,
+    field_flags, long_flag, option,
+)
 from orchestrator.launch.numa import NumaPolicy
-from orchestrator.launch.settings import ALL_LAYERS, WorkerSettings
+from orchestrator.launch.settings import WorkerSettings
 from orchestrator.units import format_cpulist
 
-OFFLOAD_ENV = "GGML_OP_OFFLOAD_MIN_BATCH"
-OFFLOAD_DEFAULT = 32          # llama.cpp's op-offload threshold when nothing sets it
-OFFLOAD_NEVER = 1 << 30       # larger than any batch: host-resident weights are never copied to the GPU
-
 # every spelling of the flags a WorkerSettings field stands for (the first is the one rendered)
-FIELD_FLAGS: dict[str, tuple[str, ...]] = {
-    "model_path": ("-m", "--model"),
-    "alias": ("--alias", "-a"),
-    "host": ("--host",),
-    "port": ("--port",),
-    "context": ("-c", "--ctx-size"),
-    "parallel": ("-np", "--parallel"),
-    "n_gpu_layers": ("-ngl", "--gpu-layers", "--n-gpu-layers"),
-    "split_mode": ("-sm", "--split-mode"),
-    "tensor_split": ("-ts", "--tensor-split"),
-    "main_gpu": ("-mg", "--main-gpu"),
-    "tensor_overrides": ("-ot", "--override-tensor"),
-    "cpu_moe": ("--cpu-moe", "-cmoe"),
-    "n_cpu_moe": ("--n-cpu-moe", "-ncmoe"),
-    "op_offload_min_batch": ("--no-op-offload", "--op-offload", "-cuda", "--cuda-params"),
-    "moe_cache_mib": ("--moe-cache-mib",),
-    "moe_cache_max_batch": ("--moe-cache-max-batch",),
-    "moe_cache_cpu_misses": ("--moe-cache-cpu-misses",),
-    "moe_cache_prefetch": ("--moe-cache-prefetch",),
-    "moe_cache_device_slots": ("--moe-cache-slots",),
-    "moe_cache_prefill_ahead": ("--moe-cache-prefill-ahead",),
-    "moe_cache_prefill_ahead_min_batch": ("--moe-cache-prefill-ahead-min-batch",),
-    "fit": ("--fit", "-fit"),
-    "fit_ctx": ("--fit-ctx", "-fitc"),
-    "threads": ("-t", "--threads"),
-    "threads_batch": ("-tb", "--threads-batch"),
-    "n_batch": ("-b", "--batch-size"),
-    "n_ubatch": ("-ub", "--ubatch-size"),
-    "flash_attn": ("-fa", "--flash-attn"),
-    "type_k": ("-ctk", "--cache-type-k"),
-    "type_v": ("-ctv", "--cache-type-v"),
-    "load_mode": ("--load-mode", "-lm", "--mmap", "--no-mmap", "--mlock"),
-    "numa_flag": ("--numa",),
-    "metrics": ("--metrics",),
-}
-# the spellings of one flag, long name first
-_SPELLINGS = (
-    ("--model", "-m"), ("--ctx-size", "-c"), ("--parallel", "-np"), ("--threads", "-t"),
-    ("--threads-batch", "-tb"), ("--n-gpu-layers", "-ngl", "--gpu-layers"), ("--override-tensor", "-ot"),
-    ("--ubatch-size", "-ub"), ("--batch-size", "-b"), ("--split-mode", "-sm"), ("--tensor-split", "-ts"),
-    ("--main-gpu", "-mg"), ("--cpu-moe", "-cmoe"), ("--n-cpu-moe", "-ncmoe"), ("--fit", "-fit"),
-    ("--fit-target", "-fitt"), ("--fit-ctx", "-fitc"), ("--load-mode", "-lm"), ("--alias", "-a"),
-    ("--flash-attn", "-fa"), ("--cuda-params", "-cuda"), ("--cache-type-k", "-ctk"), ("--cache-type-v", "-ctv"),
-    ("--device", "-dev"), ("--log-verbosity", "-lv", "--verbosity"),
-)
-_LONG = {spelling: names[0] for names in _SPELLINGS for spelling in names}
-LOG_VERBOSITY = "--log-verbosity"     # how much llama-server logs (the bench reads its buffer sizes there)
+FIELD_FLAGS: dict[str, tuple[str, ...]] = {name: field_flags(name) for name in RENDERS}
+LOG_VERBOSITY = long_flag("-lv")      # how much llama-server logs (the bench reads its buffer sizes there)
 
 
 def log_verbosity_args(level: int | str) -> tuple[str, ...]:
-    return ("-lv", str(level))
+    return (option(LOG_VERBOSITY).flag, str(level))
 
 
-# flags that place weights without a settings field of their own
-DEVICE_FLAGS = ("-dev", "--device", "-fitt", "--fit-target")
-API_KEY_FLAGS = ("--api-key", "--api-key-file")
 _FLAG_FIELD = {f: name for name, flags in FIELD_FLAGS.items() for f in flags}
 _NEGATIVE_NUMBER = re.compile(r"^-\d")
-_OFFLOAD_BATCH = re.compile(r"^offload-batch-size=(\d+)$")
+_DEFAULTS = {f.name: f.default for f in fields(WorkerSettings) if f.default is not MISSING}
 
 
 def flags_of(*names: str) -> tuple[str, ...]:
@@ -90,76 +45,22 @@ def flags_of(*names: str) -> tuple[str, ...]:
 
 # --- settings -> argv / env -------------------------------------------------------------------------------
 
+def _passed(o: ServerOption, s: WorkerSettings, backend: BackendInfo) -> bool:
+    """Whether option ``o`` (the one that renders its field) is on the command line of ``s`` for ``backend``."""
+    if not o.value.passed(getattr(s, o.field), _DEFAULTS[o.field]):
+        return False
+    if (o.requires and not backend.has(o.requires)) or (backend.ik and not o.on_ik):
+        return False
+    return o.within is None or _passed(RENDERS[o.within], s, backend)
+
+
 def server_args(s: WorkerSettings, backend: BackendInfo) -> tuple[str, ...]:
-    """llama-server's own flags (no binary, no wrappers) for ``s`` on ``backend``."""
+    """llama-server's own flags (no binary, no wrappers) for ``s`` on ``backend``: every field's option of the
+    table (:mod:`orchestrator.backend.server_options`) in its order, then the user's own flags."""
     a: list[str] = []
-    if s.model_path:
-        a += ["-m", s.model_path]
-    if s.alias is not None:
-        a += ["--alias", s.alias]
-    if s.host is not None:
-        a += ["--host", s.host]
-    if s.port is not None:
-        a += ["--port", str(s.port)]
-    if s.context is not None:
-        a += ["-c", str(s.context)]
-    if s.parallel is not None:
-        a += ["-np", str(s.parallel)]
-    if s.n_gpu_layers is not None:
-        a += ["-ngl", str(s.n_gpu_layers)]
-    if s.split_mode is not None:
-        a += ["-sm", s.split_mode]
-    if s.tensor_split:
-        a += ["-ts", ",".join(_num(x) for x in s.tensor_split)]
-    if s.main_gpu is not None:
-        a += ["-mg", str(s.main_gpu)]
-    if s.tensor_overrides:
-        a += ["-ot", ",".join(f"{pattern}={buft}" for pattern, buft in s.tensor_overrides)]
-    if s.cpu_moe:
-        a.append("--cpu-moe")
-    if s.n_cpu_moe is not None:
-        a += ["--n-cpu-moe", str(s.n_cpu_moe)]
-    t = s.op_offload_min_batch
-    if t is not None and t >= OFFLOAD_NEVER and backend.has("no_op_offload"):
-        a.append("--no-op-offload")
-    elif t is not None and backend.ik and backend.has("cuda_params"):
-        a += ["-cuda", f"offload-batch-size={t}"]
-    if s.moe_cache_mib > 0 and backend.has("moe_cache"):
-        a += ["--moe-cache-mib", str(s.moe_cache_mib)]
-        if s.moe_cache_max_batch is not None:
-            a += ["--moe-cache-max-batch", str(s.moe_cache_max_batch)]
-        if s.moe_cache_cpu_misses and backend.has("moe_cache_cpu_misses"):
-            a.append("--moe-cache-cpu-misses")
-        if s.moe_cache_prefetch and backend.has("moe_cache_prefetch"):
-            a += ["--moe-cache-prefetch", "on"]
-        if s.moe_cache_device_slots and backend.has("moe_cache_slots"):
-            a += ["--moe-cache-slots", "device"]
-        if s.moe_cache_prefill_ahead > 0 and backend.has("moe_cache_prefill_ahead"):
-            a += ["--moe-cache-prefill-ahead", str(s.moe_cache_prefill_ahead)]
-            if s.moe_cache_prefill_ahead_min_batch > 0 and backend.has("moe_cache_prefill_ahead_min_batch"):
-                a += ["--moe-cache-prefill-ahead-min-batch", str(s.moe_cache_prefill_ahead_min_batch)]
-    if s.fit is not None and backend.has("fit") and not backend.ik:
-        a += ["--fit", "on" if s.fit else "off"]
-    if s.fit_ctx is not None and backend.has("fit") and not backend.ik:
-        a += ["--fit-ctx", str(s.fit_ctx)]
-    for flag, value in (("-t", s.threads), ("-tb", s.threads_batch), ("-b", s.n_batch), ("-ub", s.n_ubatch)):
-        if value is not None:
-            a += [flag, str(value)]
-    if s.flash_attn != "auto":
-        a += ["-fa", s.flash_attn]          # both flavors take on|off
-    if s.type_k != "f16":
-        a += ["-ctk", s.type_k]
-    if s.type_v != "f16":
-        a += ["-ctv", s.type_v]
-    if s.load_mode in ("pinned", "mlock"):
-        if backend.has("load_mode"):
-            a += ["--load-mode", "none" if s.load_mode == "pinned" else "mlock"]
-        else:
-            a += ["--no-mmap"] + (["--mlock"] if s.load_mode == "mlock" else [])
-    if s.numa_flag and backend.has("numa"):
-        a += ["--numa", s.numa_flag]
-    if s.metrics and backend.has("metrics"):
-        a.append("--metrics")
+    for name, o in RENDERS.items():
+        if _passed(o, s, backend):
+            a += o.value.render(getattr(s, name), o.flag, backend)
     return tuple(a + list(s.extra_args))
 
 
@@ -195,10 +96,6 @@ def numactl_argv(policy: NumaPolicy, numactl: str = "numactl") -> list[str]:
     return argv
 
 
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
 # --- argv -> settings ---------------------------------------------------------------------------------------
 
 def split_flags(args: Sequence[str]) -> list[tuple[str | None, str | None]]:
@@ -231,11 +128,6 @@ def split_flags(args: Sequence[str]) -> list[tuple[str | None, str | None]]:
     return out
 
 
-def long_flag(flag: str) -> str:
-    """The long spelling of a flag (``-ngl`` -> ``--n-gpu-layers``); a flag without aliases stays itself."""
-    return _LONG.get(flag, flag)
-
-
 def canonical(flag: str) -> str:
     """One name for every spelling of a flag (the settings field it sets, or the flag itself)."""
     return _FLAG_FIELD.get(flag, flag)
@@ -245,21 +137,23 @@ def parse_server_args(args: Sequence[str], env: Mapping[str, str] | None = None)
     """A user's llama-server flags (and environment) read into settings. Flags without a field, and values this
     module cannot read back exactly, stay in ``extra_args`` in their order, so rendering runs the same server."""
     env = dict(env or {})
-    kw: dict = {"metrics": False}
+    kw: dict = {name: False for name, o in RENDERS.items() if isinstance(o.value, Switch)}   # absent = off
     extra: list[str] = []
     no_mmap = mlock = False
     for flag, value in split_flags(args):
-        name = _FLAG_FIELD.get(flag) if flag else None
-        try:
-            done = _set(kw, name, flag, value)
-        except ValueError:
-            done = False
-        if flag in ("--no-mmap",):
-            no_mmap, done = True, True
-        elif flag == "--mlock":
-            mlock, done = True, True
-        if not done:
+        o = BY_FLAG.get(flag) if flag else None
+        if o is not None and o.long == "--no-mmap" and value is None:
+            no_mmap = True
+        elif o is not None and o.long == "--mlock" and value is None:
+            mlock = True
+        elif o is not None and o.field is not None:
+            try:
+                kw[o.field] = o.value.parse(value, flag, kw.get(o.field))
+            except ValueError:
+                extra += [t for t in (flag, value) if t is not None]
+        else:
             extra += [t for t in (flag, value) if t is not None]
+    # --no-mmap and --mlock together: read, then locked
     if no_mmap:
         kw["load_mode"] = "mlock" if mlock else "pinned"
     elif mlock:
@@ -274,71 +168,12 @@ def parse_server_args(args: Sequence[str], env: Mapping[str, str] | None = None)
     return WorkerSettings(**kw, extra_args=tuple(extra))
 
 
-def _set(kw: dict, name: str | None, flag: str | None, value: str | None) -> bool:
-    """Set field ``name`` from one flag; False when it is not one this module reads back."""
-    if name is None:
-        return False
-    ints = {"context", "parallel", "port", "main_gpu", "n_cpu_moe", "fit_ctx", "threads", "threads_batch",
-            "n_batch", "n_ubatch", "moe_cache_mib", "moe_cache_max_batch", "moe_cache_prefill_ahead",
-            "moe_cache_prefill_ahead_min_batch"}
-    strs = {"model_path", "alias", "host", "split_mode", "type_k", "type_v", "numa_flag"}
-    if name in ints and value is not None:
-        kw[name] = int(value)
-    elif name in strs and value is not None:
-        kw[name] = value
-    elif name == "n_gpu_layers" and value is not None:
-        kw[name] = ALL_LAYERS if value == "all" else int(value)
-    elif name == "tensor_split" and value is not None:
-        kw[name] = tuple(float(x) for x in re.split(r"[,/]", value) if x)
-    elif name == "tensor_overrides" and value is not None:
-        pairs = [item.rsplit("=", 1) for item in value.split(",") if item]
-        if any(len(p) != 2 for p in pairs):
-            return False
-        kw[name] = kw.get(name, ()) + tuple((p, b) for p, b in pairs)
-    elif name == "cpu_moe" and value is None:
-        kw[name] = True
-    elif name in ("metrics", "moe_cache_cpu_misses") and value is None:
-        kw[name] = True
-    elif name == "moe_cache_prefetch" and value in ("on", "off"):
-        kw[name] = value == "on"
-    elif name == "moe_cache_device_slots" and value in ("device", "host"):
-        kw[name] = value == "device"
-    elif name == "fit":
-        if value not in (None, "on", "off"):
-            return False
-        kw[name] = value != "off"
-    elif name == "flash_attn" and value in ("on", "off", "auto"):
-        kw[name] = value
-    elif name == "load_mode" and flag in ("--load-mode", "-lm"):
-        modes = {"none": "pinned", "mmap": "mmap", "mlock": "mlock", "mmap+mlock": "mlock"}
-        if value not in modes:
-            return False
-        kw[name] = modes[value]
-    elif name == "op_offload_min_batch":
-        if flag == "--no-op-offload" and value is None:
-            kw[name] = OFFLOAD_NEVER
-        elif flag in ("-cuda", "--cuda-params") and value and _OFFLOAD_BATCH.match(value):
-            kw[name] = int(_OFFLOAD_BATCH.match(value).group(1))
-        else:
-            return False
-    else:
-        return False
-    return True
-
-
-
 def backend_seen_in(args: Sequence[str], server: str = "llama-server") -> BackendInfo:
     """What a set of flags shows about the binary they were written for, when nothing else tells: the features
     they use (a mainline that knows ``--fit`` also knows ``--load-mode``; ``-cuda`` is ik_llama.cpp's)."""
     flags = {f for f, _v in split_flags(args) if f}
-    seen = {"fit": {"--fit", "-fit"}, "load_mode": {"--load-mode", "-lm"}, "no_op_offload": {"--no-op-offload"},
-            "metrics": {"--metrics"}, "numa": {"--numa"}, "cuda_params": {"-cuda", "--cuda-params"},
-            "moe_cache": {"--moe-cache-mib"}, "moe_cache_cpu_misses": {"--moe-cache-cpu-misses"},
-            "moe_cache_prefetch": {"--moe-cache-prefetch"}, "moe_cache_slots": {"--moe-cache-slots"},
-            "moe_cache_prefill_ahead": {"--moe-cache-prefill-ahead"},
-            "moe_cache_prefill_ahead_min_batch": {"--moe-cache-prefill-ahead-min-batch"}}
-    feats = {name for name, spellings in seen.items() if flags & spellings}
-    ik = "cuda_params" in feats
+    feats = {BY_FLAG[f].feature for f in flags if f in BY_FLAG and BY_FLAG[f].feature}
+    ik = bool(feats & IK_MARKERS)
     if "fit" in feats and not ik:
         feats.add("load_mode")
     return BackendInfo(server=server, flavor=Flavor.IK if ik else Flavor.MAINLINE, features=frozenset(feats))

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
+from orchestrator.backend.server_options import ALL_LAYERS, SLOT_ASSIGNMENTS  # noqa: F401  (re-exported)
 from orchestrator.launch.numa import NumaPolicy
 
 LOAD_MODES = ("mmap", "pinned", "mlock")   # memory-mapped; read into pinned host buffers; read and locked
-ALL_LAYERS = 999                           # -ngl value meaning "every layer" (more than any model has)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class WorkerSettings:
     moe_cache_cpu_misses: bool = False         # rarely used experts are computed on the CPU,
                                                # not uploaded (--moe-cache-cpu-misses)
     moe_cache_prefetch: bool = False           # uploads ahead of need (--moe-cache-prefetch on)
-    moe_cache_device_slots: bool = False       # slots assigned on the GPU (--moe-cache-slots device)
+    moe_cache_slots: str | None = None         # where slots are assigned, one of SLOT_ASSIGNMENTS
+                                               # (--moe-cache-slots); None = llama-server's default (host)
     moe_cache_prefill_ahead: int = 0           # staging buffers for a prompt's uncached experts, copied ahead
                                                # of their layer (--moe-cache-prefill-ahead N); 0 = off
     moe_cache_prefill_ahead_min_batch: int = 0  # of those, micro-batches staged only from this many tokens
@@ -71,6 +72,9 @@ class WorkerSettings:
                              f"got {self.load_mode!r}")
         if self.moe_cache_mib < 0:
             raise ValueError(f"WorkerSettings.moe_cache_mib must be >= 0; got {self.moe_cache_mib}")
+        if self.moe_cache_slots is not None and self.moe_cache_slots not in SLOT_ASSIGNMENTS:
+            raise ValueError(f"WorkerSettings.moe_cache_slots must be one of {', '.join(SLOT_ASSIGNMENTS)}; "
+                             f"got {self.moe_cache_slots!r}")
         if self.moe_cache_max_batch is not None and self.moe_cache_max_batch < 1:
             raise ValueError(f"WorkerSettings.moe_cache_max_batch must be >= 1; got {self.moe_cache_max_batch}")
         if self.moe_cache_prefill_ahead < 0:
@@ -97,6 +101,8 @@ class WorkerSettings:
     def from_dict(cls, d: Mapping[str, Any]) -> "WorkerSettings":
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
+        if "moe_cache_slots" not in d and d.get("moe_cache_device_slots"):
+            kw["moe_cache_slots"] = "device"   # plan documents that said it as a boolean
         if "numa" in kw:
             kw["numa"] = NumaPolicy.from_dict(dict(kw["numa"]))
         if kw.get("gpus") is not None:

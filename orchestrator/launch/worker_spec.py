@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from orchestrator.backend.info import BackendInfo
+from orchestrator.backend.server_options import option
 from orchestrator.launch.llama_args import numactl_argv, server_args, server_env
 from orchestrator.launch.numa import NumaPolicy
 from orchestrator.launch.settings import WorkerSettings
@@ -79,7 +80,7 @@ def spec_for_worker(name: str, settings: WorkerSettings, backend: BackendInfo, *
     where = None if node in (None, local_node) else node
     argv = [backend.server, *server_args(settings, backend)]
     if router_trace > 0 and backend.has("router_trace"):
-        argv += ["--router-trace", str(router_trace)]
+        argv += [option("--router-trace").flag, str(router_trace)]
     spec = worker_spec(name, argv, numa=settings.numa,
                        disable_numa_balancing=settings.disable_numa_balancing, env=server_env(settings, backend),
                        host=settings.host or "127.0.0.1", port=settings.port or 8081, node=where, resources=resources,

@@ -493,3 +493,27 @@ def test_a_cpu_plan_is_graded_against_its_alternatives_without_a_target():
     out = [r for r in ratios(summary, configs) if r["kind"] == "plan/best-cpu"]
     assert len(out) == 1 and out[0]["other_config"] == "ub256" and out[0]["target"] is None
     assert out[0]["value"] == pytest.approx(10 / 12, rel=1e-3)
+
+
+def test_the_baseline_leaves_every_placement_option_of_the_table_to_llama_cpp():
+    """The baseline drops what the option table marks as placement (its fields and its flags in the user's own
+    arguments), the batches, load mode and op offload, and the cache; it keeps what every configuration shares."""
+    from dataclasses import replace
+
+    from orchestrator.backend.server_options import OPTIONS, PLACEMENT
+    from orchestrator.bench.configs import baseline
+    from orchestrator.launch.llama_args import parse_server_args
+    from orchestrator.launch.settings import WorkerSettings
+
+    s = replace(parse_server_args(PLAN_ARGS, PLAN_ENV), moe_cache_mib=512, moe_cache_slots="device",
+                extra_args=("-dev", "CUDA0", "--seed", "-1", "-fitt", "1024", "-ub", "64", "-cuda", "fusion=1"))
+    b = baseline(s)
+    fresh = WorkerSettings()
+    for o in OPTIONS:
+        if o.owner == PLACEMENT and o.field:
+            assert getattr(b, o.field) == getattr(fresh, o.field), o.field
+    assert (b.n_batch, b.n_ubatch, b.load_mode, b.op_offload_min_batch, b.moe_cache_mib) == (
+        None, None, "mmap", None, 0)
+    assert b.extra_args == ("--seed", "-1")
+    assert (b.context, b.parallel, b.threads, b.threads_batch, b.type_k, b.numa_flag, b.metrics) == (
+        s.context, s.parallel, s.threads, s.threads_batch, s.type_k, s.numa_flag, s.metrics)
