@@ -521,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("fit")
     p.add_argument("files", nargs="+")
     p.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
-                   help="store the fitted constants, rounded to their resolution, in orchestrator/_data/rates.json (or the RATES_JSON given)")
+                   help="store the fitted constants, rounded to their resolution, in "
+                        "orchestrator/_data/rates.json (or the RATES_JSON given)")
     p = sub.add_parser("serve")
     p.add_argument("plan", help="`orchestrator plan --json` output")
     p.add_argument("--worker", type=int, default=0)

@@ -196,7 +196,8 @@ def main() -> int:
     ap.add_argument("--upload", choices=("fit", "current"), default="fit",
                     help="fit the upload path's constants on these runs (default), or take rates.py's and check them")
     ap.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
-                    help="store the fitted constants, rounded to their resolution, in orchestrator/_data/rates.json (or the RATES_JSON given)")
+                    help="store the fitted constants, rounded to their resolution, in "
+                         "orchestrator/_data/rates.json (or the RATES_JSON given)")
     a = ap.parse_args()
     profiles = {}
     for spec in a.profile:

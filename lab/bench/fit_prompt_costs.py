@@ -142,7 +142,8 @@ def main() -> int:
     ap.add_argument("bench", nargs="+", type=Path)
     ap.add_argument("--current", action="store_true", help="show the points against rates.py, fit nothing")
     ap.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
-                    help="store the fitted constants, rounded to their resolution, in orchestrator/_data/rates.json (or the RATES_JSON given)")
+                    help="store the fitted constants, rounded to their resolution, in "
+                         "orchestrator/_data/rates.json (or the RATES_JSON given)")
     args = ap.parse_args()
     if args.current and args.write is not None:
         ap.error("--write stores what was fitted; --current fits nothing")

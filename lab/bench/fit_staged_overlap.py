@@ -70,7 +70,8 @@ def main() -> int:
     ap.add_argument("bench", nargs="+", type=Path)
     ap.add_argument("--host-layers", type=int)
     ap.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
-                    help="store the fitted constants, rounded to their resolution, in orchestrator/_data/rates.json (or the RATES_JSON given)")
+                    help="store the fitted constants, rounded to their resolution, in "
+                         "orchestrator/_data/rates.json (or the RATES_JSON given)")
     args = ap.parse_args()
     pts = []
     for path in args.bench:
