@@ -12,7 +12,7 @@ import json
 from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 
-RATES_JSON = Path(__file__).resolve().parents[1] / "orchestrator" / "_data" / "rates.json"
+from orchestrator.fitted_rates import PATH as RATES_JSON
 
 
 def rounded(value: float, resolution: str) -> float:
