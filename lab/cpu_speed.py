@@ -423,6 +423,18 @@ def fit(args) -> int:
               f"{p['ts']:9.1f} {p['median']:9.1f} {p['spread'][0]:9.1f} {pred:9.1f} {ratio:6.2f}")
     print(f"\nwith rates.py's constants: generation within {worst['tg'] * 100:.0f}%, prompts within "
           f"{worst['pp'] * 100:.0f}% of the fastest runs")
+    if args.write is not None:
+        from lab.rates_file import write_fitted
+
+        names = ("CPU_ONLY_TG_EFFICIENCY", "CPU_LAYER_OVERHEAD_S", "CPU_TOKEN_OVERHEAD_S", "CPU_ONLY_PP_FLOPS_FACTOR",
+                 "CPU_PP_LAYER_TOKEN_S", "CPU_PP_ATTN_MAC_S", "CPU_PP_THREAD_EXPONENT")
+        fitted = {**tg, **(pp or {})}
+        missing = [n for n in names if n not in fitted]
+        if missing:
+            print(f"not written: these runs do not fit {', '.join(missing)}", file=sys.stderr)
+            return 1
+        for line in write_fitted({n: fitted[n] for n in names}, args.write or None):
+            print(line)
     return 0
 
 
@@ -508,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p = sub.add_parser("fit")
     p.add_argument("files", nargs="+")
+    p.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
+                   help="store the fitted constants, rounded to their resolution, in "
+                        "orchestrator/_data/rates.json (or the RATES_JSON given)")
     p = sub.add_parser("serve")
     p.add_argument("plan", help="`orchestrator plan --json` output")
     p.add_argument("--worker", type=int, default=0)

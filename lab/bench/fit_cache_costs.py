@@ -15,9 +15,13 @@ is given for their model (``--profile MODEL_NAME=PATH``): the CPU path's own cos
 token and CACHE_CPU_MISS_HOP_S per layer that has a CPU miss (the hop GPU -> CPU -> GPU), are fitted on them.
 
 usage: lab/bench/fit_cache_costs.py RUN [RUN ...] [--profile w1-loc-default=PROFILE.json ...] [--upload current]
+                                   [--write [RATES_JSON]]
 
 With ``--upload current`` the upload path's three constants are not fitted but taken from rates.py, as the planner
 uses them: the runs then check them out of sample, and the CPU path's costs are fitted on top of them.
+
+With ``--write`` what this run fitted is stored in orchestrator/_data/rates.json: the three upload constants when
+they were fitted, else (``--upload current``) the CPU path's two, fitted on top of the stored upload constants.
 
 A RUN is a bench output directory whose parent holds the plan it ran (plan-<B>g.json, as run.sh writes), a bench
 JSON (NAME.json or NAME.json.xz) beside its plan (plan-NAME.json[.xz], as docs/benchmarks keeps them), or
@@ -191,6 +195,9 @@ def main() -> int:
                          "JSON.xz, as `orchestrator model --routing` caches it (tests/fixtures/routing/*.profile.json.xz)")
     ap.add_argument("--upload", choices=("fit", "current"), default="fit",
                     help="fit the upload path's constants on these runs (default), or take rates.py's and check them")
+    ap.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
+                    help="store the fitted constants, rounded to their resolution, in "
+                         "orchestrator/_data/rates.json (or the RATES_JSON given)")
     a = ap.parse_args()
     profiles = {}
     for spec in a.profile:
@@ -229,8 +236,17 @@ def main() -> int:
               f"{pt.tg:7.1f} {f:7.1f} {f / pt.tg:6.3f} {c:7.1f} {c / pt.tg:6.3f}")
     print(f"\n{'fitted' if a.upload == 'fit' else 'current'}: every cache configuration within {worst:.1%} of its "
           "measured generation")
+    if a.write is not None and a.upload == "fit":
+        from lab.rates_file import write_fitted
+
+        for line in write_fitted({"CACHE_UPLOAD_EFFICIENCY": eff, "CACHE_LAYER_OVERHEAD_S": layer_s,
+                                  "CACHE_FIXED_S": fixed_s}, a.write or None):
+            print(line)
     cpu = [pt for pt in pts if pt.cpu_misses]
     if not cpu:
+        if a.write is not None and a.upload == "current":
+            print("not written: no configuration with --moe-cache-cpu-misses in these runs", file=sys.stderr)
+            return 1
         return 0
     print("\n--moe-cache-cpu-misses (hit / upload / CPU shares: the routing profile's replay of the patch's rule):")
     rows = []
@@ -241,6 +257,9 @@ def main() -> int:
             continue
         rows.append((pt, *cpu_parts(pt, prof, eff, layer_s, fixed_s)))
     if len(rows) < 2:
+        if a.write is not None and a.upload == "current":
+            print("not written: fewer than two CPU-miss configurations with a routing profile", file=sys.stderr)
+            return 1
         return 0
     per_token, per_hop = fit_cpu([(pt, rest, hops) for pt, _h, _u, _c, rest, hops in rows])
     cur_token, cur_hop = R.CACHE_CPU_MISS_FIXED_S, R.CACHE_CPU_MISS_HOP_S
@@ -256,6 +275,12 @@ def main() -> int:
         print(f"{run:44} {pt.host_layers:4d} {pt.slots_per_layer:5d} {pt.hit_rate:6.3f} "
               f"{hit:6.3f}/{up:5.3f}/{on_cpu:5.3f} {hops:5.1f} {pt.tg:7.1f} {fitted:7.1f} {fitted / pt.tg:6.3f} "
               f"{upload:7.1f}")
+    if a.write is not None and a.upload == "current":
+        from lab.rates_file import write_fitted
+
+        for line in write_fitted({"CACHE_CPU_MISS_FIXED_S": per_token, "CACHE_CPU_MISS_HOP_S": per_hop},
+                                 a.write or None):
+            print(line)
     return 0
 
 

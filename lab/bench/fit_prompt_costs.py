@@ -17,11 +17,12 @@ Points: every configuration of a bench JSON that ran pp512/pp4096 with a known p
 plan JSON beside: host-resident layers, micro-batch) and llama.cpp's --fit (its host-resident experts from the
 CUDA_Host model buffer it logged, less the token embeddings; micro-batch 512).
 
-usage: lab/bench/fit_prompt_costs.py BENCH.json[.xz] [...] [--current]
+usage: lab/bench/fit_prompt_costs.py BENCH.json[.xz] [...] [--current | --write [RATES_JSON]]
 
 A plan beside BENCH is plan-NAME.txt[.xz] (its "layers ... experts CPU" lines; plan-NAME-balanced for the config
 plan-balanced; a second run NAME-b may share NAME's).
-With --current the constants are not fitted: the points are shown against rates.py as it is.
+With --current the constants are not fitted: the points are shown against rates.py as it is. With --write the
+fitted ones are stored in orchestrator/_data/rates.json (the recorded command there: its "fits").
 """
 
 from __future__ import annotations
@@ -140,7 +141,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench", nargs="+", type=Path)
     ap.add_argument("--current", action="store_true", help="show the points against rates.py, fit nothing")
+    ap.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
+                    help="store the fitted constants, rounded to their resolution, in "
+                         "orchestrator/_data/rates.json (or the RATES_JSON given)")
     args = ap.parse_args()
+    if args.current and args.write is not None:
+        ap.error("--write stores what was fitted; --current fits nothing")
     cache: dict = {}
     pts = [p for b in args.bench for p in points(b, lambda m: cache.setdefault(m, _costs(m)))]
     if not pts:
@@ -163,6 +169,13 @@ def main() -> int:
               f"{p['t'] * 1e3:7.1f} ms  model {t * 1e3:7.1f} ms  {t / p['t'] - 1:+.3f}")
     err = pred / T - 1.0
     print(f"{len(pts)} points: largest error {np.abs(err).max():.3f}, rms {np.sqrt(np.mean(err ** 2)):.3f}")
+    if args.write is not None:
+        from lab.rates_file import write_fitted
+
+        for line in write_fitted({"GPU_PP_FLOPS_EFFICIENCY": 1.0 / coef[0], "PP_LAYER_BATCH_S": coef[1],
+                                  "OFFLOAD_LAYER_BATCH_S": coef[2], "PREFILL_READ_OVERHEAD_S": coef[3]},
+                                 args.write or None):
+            print(line)
     return 0
 
 

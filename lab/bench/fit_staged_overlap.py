@@ -8,8 +8,9 @@ host-resident one (what the copies can hide behind: a layer's copy runs while th
 squares on the relative error of each prompt's time, with each run's slot share from its counters; the runs without
 staging (the plan and its A/A control) are shown beside, against the same model, for the spread.
 
-usage: lab/bench/fit_staged_overlap.py BENCH.json[.xz] [...] [--host-layers N]
+usage: lab/bench/fit_staged_overlap.py BENCH.json[.xz] [...] [--host-layers N] [--write [RATES_JSON]]
   --host-layers: the plan's host-resident expert layers (default: the -ot pattern's layer list in the run's argv)
+  --write: store the fitted share in orchestrator/_data/rates.json (the recorded command there: its "fits")
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench", nargs="+", type=Path)
     ap.add_argument("--host-layers", type=int)
+    ap.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
+                    help="store the fitted constants, rounded to their resolution, in "
+                         "orchestrator/_data/rates.json (or the RATES_JSON given)")
     args = ap.parse_args()
     pts = []
     for path in args.bench:
@@ -101,6 +105,12 @@ def main() -> int:
         pred = p["model"] - overlap * p["hidden"]
         print(f"{p['name']:28s} pp{p['n']:<5d} slots {p['f']:.2f}  measured {p['t'] * 1e3:7.1f} ms  model "
               f"{pred * 1e3:7.1f} ms  {pred / p['t'] - 1:+.3f}{'  staged' if p['hidden'] else ''}")
+    print(f"{len(staged)} staged prompts, fitted")
+    if args.write is not None:
+        from lab.rates_file import write_fitted
+
+        for line in write_fitted({"PREFILL_STAGED_OVERLAP": overlap}, args.write or None):
+            print(line)
     return 0
 
 

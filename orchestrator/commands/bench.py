@@ -118,8 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="context depths for generation (default 0,4096; none = skip)")
     how.add_argument("--tg-tokens", type=int, default=128, help="tokens generated per depth (default 128)")
     how.add_argument("--tg-reps", type=int, default=2,
-                     help="generation runs per depth per start (default 2; one 128-token run varied by +-10%% "
-                          "between identical starts on the H200)")
+                     help="generation runs per depth per start (default 2; identical starts vary, as the A/A "
+                          "control of docs/benchmarks.md, \"The whole workload\", shows)")
     how.add_argument("--concurrency", type=_ints, default=(1, 4), metavar="N,...",
                      help="concurrent streamed requests for time to first token (default 1,4; none = skip)")
     how.add_argument("--tg-streams", type=_ints, default=(), metavar="N,...",

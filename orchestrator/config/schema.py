@@ -259,8 +259,9 @@ class WorkersConfig(Section):
     used recently enough to stay in a cache of this size is computed on the CPU from host memory while the GPU
     computes the cached ones; one used again soon enough is uploaded), or auto (whichever the plan predicts
     faster from the host-memory and PCIe bandwidths and the shares the model's routing profile replays; without
-    a profile, upload). upload by default: on the H200 (PCIe Gen5) the CPU path ran at 0.67-0.80x of uploading,
-    and auto, which carries its measured costs, never chose it there. The cache is this project's patch of
+    a profile, upload). upload by default: where it was measured, over a fast PCIe link, the CPU path ran slower
+    than uploading, and auto, which carries its measured costs, never chose it there (measured: docs/benchmarks.md,
+    "Misses computed on the CPU"). The cache is this project's patch of
     llama.cpp; upstream has none merged (late 2026), and one that lands is driven through the flags its
     `--help` shows."""
 
@@ -269,16 +270,17 @@ class WorkersConfig(Section):
     while a layer computes, the experts the next layer's router would pick from this layer's hidden state are
     uploaded into that layer's slots on a second CUDA stream. auto: on where the plan predicts it faster, from the
     share of misses it turns into hits, the uploads it adds and the share of their link time hidden behind
-    compute, each measured (on the H200 with W1: 76% of the picks predicted, the hit rate 91.6 -> 97.1%, but none of
-    the uploads' time hidden and generation 0.95x at 1 stream, 0.92x at 4, so auto keeps it off there). on / off
-    force it where the cache is planned."""
+    compute, each measured (where they were measured, the hit rate rose but the uploads stayed on the critical path
+    and generation was slower, so auto keeps them off there; the measured shares and their runs:
+    orchestrator/_data/rates.json, `PREFETCH_*`). on / off force it where the cache is planned."""
 
     expert_cache_slots: Choice(AUTO, "device", "host") = AUTO
     """Where a decode step's experts are given cache slots (`--moe-cache-slots`, this project's patch of
     llama.cpp). host: llama-server reads each cached layer's expert ids back and assigns the slots on the CPU, a
     round trip to the host per layer and token. device: each layer's slot table lives in GPU memory and a CUDA
-    kernel assigns the slots and copies the misses from pinned host memory, with no round trip (on the H200 with
-    W1: 1.09-1.13x the generation of host at one stream, 1.07-1.10x at four; the same hits). auto: device where it
+    kernel assigns the slots and copies the misses from pinned host memory, with no round trip (faster generation
+    than host with the same hits; the measured costs per layer and their runs: orchestrator/_data/rates.json,
+    `CACHE_LAYER_OVERHEAD_HOST_S` and `CACHE_LAYER_OVERHEAD_DEVICE_S`). auto: device where it
     can work (a CUDA build that has the option, one GPU per worker, weights in pinned memory: `load_mode` not mmap,
     misses uploaded, no uploads ahead of need), host otherwise. llama-server itself falls back to host, with a
     warning, where the device cannot."""
@@ -288,15 +290,15 @@ class WorkersConfig(Section):
     when a prompt's micro-batch runs a host-resident expert layer on the GPU and uses nearly all its experts, the
     ones the cache's slots do not hold are copied into one of two staging buffers on a second CUDA stream while the
     layers before it compute, instead of when the layer starts. The buffers (one expert tensor's device copy each)
-    come out of the cache's VRAM, so generation has a few slots fewer. On the H200 (W1 at 8, 12 and 16 GiB, W2 at
-    24 GiB): pp512 1.10-1.29x, pp4096 1.12-1.56x, generation 0.96-1.01x of the same cache without it. A router
+    come out of the cache's VRAM, so generation has a few slots fewer: against the same cache without it, prompts
+    ran faster for about the same generation (measured: docs/benchmarks.md, "The whole workload"). A router
     repeats its picks across neighbouring tokens, so a short prompt uses fewer experts than uniform routing says,
-    and staged it copies unused ones: a 128-token prompt took up to 21% longer staged (W2). Where the model's
-    routing was measured (`orchestrator model MODEL --routing`), micro-batches smaller than the window that uses
-    all but a sixteenth of the experts under it are not staged (`--moe-cache-prefill-ahead-min-batch`; 333 tokens
-    for W1, 401 for W2). auto: on where the plan predicts it worth the slots for the objective (a CUDA build that
-    has the option, one GPU per worker, weights in pinned memory, micro-batches large enough to use nearly every
-    expert); on / off force it where the cache is planned."""
+    and staged it copies unused ones: a short prompt took longer staged. Where the model's routing was measured
+    (`orchestrator model MODEL --routing`), micro-batches smaller than the window that uses all but a sixteenth of
+    the experts under it are not staged (`--moe-cache-prefill-ahead-min-batch`, whose value `plan` prints).
+    auto: on where the plan predicts it worth the slots for the objective (a CUDA build that has the option, one
+    GPU per worker, weights in pinned memory, micro-batches large enough to use nearly every expert); on / off
+    force it where the cache is planned."""
 
     live_routing: Choice("off", "on", bools=("on", "off")) = "off"
     """Learn the model's routing from what the deployment serves. on: every worker's llama-server keeps the
@@ -374,8 +376,9 @@ class GatewayConfig(Section):
     processes: AutoInt(1, 64) = AUTO
     """Gateway processes sharing the port (SO_REUSEPORT; the kernel spreads connections over them), each
     balancing by its own in-flight counts. More than one helps only when one event loop cannot keep up with
-    the replicas' streamed tokens (it relays one in about 20 µs: tens of thousands a second); on the H200 four
-    processes added latency. auto: 1."""
+    the replicas' streamed tokens (what one relays is measured in docs/benchmarks.md, "`orchestrator up` and the
+    gateway"); where it was measured, four processes added latency (docs/benchmarks.md, "Choices of the planner").
+    auto: 1."""
 
 
 # -------------------------------------------------------------------------------------------------------- ray
