@@ -673,11 +673,6 @@ def gguf_metadata(shape: S.ModelShape, quant: str | None) -> dict[str, W.Typed]:
     return md
 
 
-def gguf_header(shape: S.ModelShape, quant: str | None, specs: list[S.TensorSpec]) -> bytes:
-    """Header, metadata (with the generated tokenizer) and tensor infos, padded to the data alignment."""
-    return W.header(gguf_metadata(shape, quant), specs, ALIGNMENT)
-
-
 def plan(like: str, *, scale: float = 1.0, quant: str | None = None, layers: int | None = None
          ) -> tuple[S.ModelShape, list[S.TensorSpec]]:
     shape = S.scaled(S.get(like), scale, layers=layers)
