@@ -61,7 +61,8 @@ def bench_bad(tmp: Path) -> list[tuple[str, str, float]]:
         "truncated": data,
         "absurd tensor count": encode_preamble(1 << 60, 0),
         # a string array (type 9 of type 8) that claims 2^60 items
-        "absurd array": encode_preamble(0, 1) + encode_str("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1 << 60),
+        "absurd array": encode_preamble(0, 1) + encode_str("tokenizer.ggml.tokens")
+                        + struct.pack("<IIQ", 9, 8, 1 << 60),
     }
     rows = []
     for name, content in cases.items():

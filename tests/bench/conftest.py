@@ -23,7 +23,7 @@ N_FF_EXP = 64
 
 def _byte_chars() -> dict[int, str]:
     """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the rest for U+0100..."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
