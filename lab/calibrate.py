@@ -31,11 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from lab.calibmodels import PRESETS, ArchSpec, write_model
+from lab.calibmodels import PRESETS, variant, write_model
 from orchestrator.backend import devices as D
 from orchestrator.bench.logparse import parse_load_log
 from orchestrator.model.memory import LayerOffload, ServerSettings, predict_memory
 from orchestrator.model.reader import read_model
+from orchestrator.model.shapes import ModelShape
 from lab.serverrun import run_server
 
 MiB = 1024 * 1024
@@ -60,8 +61,8 @@ class Case:
     vocab: int | None = None
     batch: bool = False             # decode one full micro-batch after loading
 
-    def spec(self) -> ArchSpec:
-        return PRESETS[self.preset].scaled(layers=self.layers, experts=self.experts, vocab=self.vocab)
+    def spec(self) -> ModelShape:
+        return variant(PRESETS[self.preset], layers=self.layers, experts=self.experts, vocab=self.vocab)
 
     def args(self) -> list[str]:
         a = ["-c", str(self.ctx), "-ub", str(self.ubatch), "-b", str(max(self.ubatch, 2048)),
@@ -147,9 +148,9 @@ GRID: list[tuple[str, dict]] = [
 GRID_RUNS = [(512, 4096, True), (1024, 4096, True), (512, 8192, True), (512, 4096, False), (512, 8192, False)]
 
 
-def grid_spec(preset: str, dims: dict) -> ArchSpec:
+def grid_spec(preset: str, dims: dict) -> ModelShape:
     base = PRESETS[preset]
-    d = {"n_layers": 3, "n_vocab": 32000, **({"n_expert": 8} if base.n_expert else {}),
+    d = {"n_layer": 3, "n_vocab": 32000, **({"n_expert": 8} if base.n_expert else {}),
          **({"n_dense_lead": 1} if base.n_dense_lead else {}), **dims}
     return dataclasses.replace(base, **d)
 

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from orchestrator.errors import ModelError
-from lab.calibmodels import PRESETS, build
-from lab.ggufwrite import write_gguf, write_gguf_split
+from lab.calibmodels import PRESETS, build, variant
 from orchestrator.model.reader import read_model
+from orchestrator.model.writer import encode_preamble, encode_str, write_gguf, write_gguf_split
 
 
 def _time(fn, repeat: int = 5) -> float:
@@ -51,7 +51,7 @@ def bench_read(tmp: Path) -> list[tuple[str, str, float]]:
 
 
 def bench_bad(tmp: Path) -> list[tuple[str, str, float]]:
-    md, ts = build(PRESETS["qwen3-30b-a3b"].scaled(layers=2, experts=4))
+    md, ts = build(variant(PRESETS["qwen3-30b-a3b"], layers=2, experts=4))
     good = tmp / "good.gguf"
     write_gguf(good, md, ts)
     data = good.read_bytes()[:4096]
@@ -59,8 +59,9 @@ def bench_bad(tmp: Path) -> list[tuple[str, str, float]]:
         "empty": b"",
         "text": b"not a model\n" * 100,
         "truncated": data,
-        "absurd tensor count": b"GGUF" + struct.pack("<IQQ", 3, 1 << 60, 0),
-        "absurd array": b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 21) + b"tokenizer.ggml.tokens"
+        "absurd tensor count": encode_preamble(1 << 60, 0),
+        # a string array (type 9 of type 8) that claims 2^60 items
+        "absurd array": encode_preamble(0, 1) + encode_str("tokenizer.ggml.tokens")
                         + struct.pack("<IIQ", 9, 8, 1 << 60),
     }
     rows = []

@@ -8,74 +8,83 @@ Used by the cluster and launch tests and by ``lab/bench/gateway_overhead.py``::
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout: run as a script too
+from orchestrator.model.writer import TensorInfo, Typed, write_gguf  # noqa: E402
+
+# llama.cpp's token types (llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _BYTE = 1, 2, 3, 6
+
 
 def write_tiny_llama(path: Path | str, n_embd: int = 64, n_layer: int = 2, n_head: int = 4, n_ff: int = 128,
                      seed: int = 0) -> Path:
-    import gguf
-
     path = Path(path)
     rng = np.random.default_rng(seed)
-    tmp = path.with_name(path.name + ".partial")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    tokens, scores, types = [], [], []
+    tokens: list[str] = []
+    scores: list[float] = []
+    types: list[int] = []
 
-    def tok(text: str, score: float, kind) -> None:
-        tokens.append(text.encode())
+    def tok(text: str, score: float, kind: int) -> None:
+        tokens.append(text)
         scores.append(score)
         types.append(kind)
 
-    tok("<unk>", 0.0, gguf.TokenType.UNKNOWN)
-    tok("<s>", 0.0, gguf.TokenType.CONTROL)
-    tok("</s>", 0.0, gguf.TokenType.CONTROL)
+    tok("<unk>", 0.0, _UNKNOWN)
+    tok("<s>", 0.0, _CONTROL)
+    tok("</s>", 0.0, _CONTROL)
     # byte fallback only for ASCII: whatever the random weights generate is valid UTF-8 (ik_llama.cpp's server
     # answers 500 on invalid UTF-8); prompts must be ASCII, which the tests' are
     for b in range(128):
-        tok(f"<0x{b:02X}>", 0.0, gguf.TokenType.BYTE)
-    tok("\u2581", -0.5, gguf.TokenType.NORMAL)
+        tok(f"<0x{b:02X}>", 0.0, _BYTE)
+    tok("\u2581", -0.5, _NORMAL)
     for i, c in enumerate("abcdefghijklmnopqrstuvwxyz .,!?<>|_/"):
-        tok(c, -1.0 - i, gguf.TokenType.NORMAL)
-        tok("\u2581" + c, -1.5 - i, gguf.TokenType.NORMAL)
+        tok(c, -1.0 - i, _NORMAL)
+        tok("\u2581" + c, -1.5 - i, _NORMAL)
     n_vocab = len(tokens)
-    w.add_context_length(4096)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(0)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    metadata = {
+        "general.architecture": "llama",
+        "llama.context_length": 4096,
+        "llama.embedding_length": n_embd,
+        "llama.block_count": n_layer,
+        "llama.feed_forward_length": n_ff,
+        "llama.attention.head_count": n_head,
+        "llama.attention.head_count_kv": n_head,
+        "llama.rope.dimension_count": n_embd // n_head,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "general.file_type": 0,
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": Typed("i32[]", types),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    tensors: list[tuple[str, np.ndarray]] = []
 
-    def rand(name: str, *shape: int) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    def rand(name: str, *shape: int) -> None:   # numpy's shape: ggml's ne reversed
+        tensors.append((name, (rng.standard_normal(shape) * 0.02).astype(np.float32)))
+
+    def ones(name: str) -> None:
+        tensors.append((name, np.ones(n_embd, np.float32)))
 
     rand("token_embd.weight", n_vocab, n_embd)
-    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    ones("output_norm.weight")
     rand("output.weight", n_vocab, n_embd)
     for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        ones(f"blk.{i}.attn_norm.weight")
+        ones(f"blk.{i}.ffn_norm.weight")
         for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
             rand(f"blk.{i}.{n}.weight", n_embd, n_embd)
         rand(f"blk.{i}.ffn_gate.weight", n_ff, n_embd)
         rand(f"blk.{i}.ffn_up.weight", n_ff, n_embd)
         rand(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
+    write_gguf(path, metadata, [TensorInfo(name, a.shape[::-1], "f32") for name, a in tensors],
+               ([a] for _, a in tensors))
     return path
 
 

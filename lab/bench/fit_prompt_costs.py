@@ -40,7 +40,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO)]
 
-from orchestrator.model import read_model, shapes, synth  # noqa: E402
+from orchestrator.model import read_model, synth  # noqa: E402
 from orchestrator.plan import rates as R  # noqa: E402
 from orchestrator.plan.costs import model_costs  # noqa: E402
 from orchestrator.plan.predict import experts_used  # noqa: E402
@@ -57,13 +57,8 @@ def _read(path: Path) -> str:
 
 def _costs(model: str):
     like, layers = SHAPES[model]
-    shape, specs = synth.plan(like, quant="q4_0", layers=layers)
-    head = synth.gguf_header(shape, "q4_0", specs)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"{model}.gguf"
-        with open(path, "wb") as f:
-            f.write(head)
-            f.truncate(len(head) + shapes.total_bytes(specs, synth.ALIGNMENT))
+        path = synth.write_header_only(Path(tmp) / f"{model}.gguf", like, quant="q4_0", layers=layers)
         return model_costs(read_model(path))
 
 

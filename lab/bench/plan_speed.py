@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from orchestrator.hardware.dump import load_machine  # noqa: E402
-from orchestrator.model import read_model, shapes, synth  # noqa: E402
+from orchestrator.model import read_model, synth  # noqa: E402
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan  # noqa: E402
 from orchestrator.resolve import nominal_backend  # noqa: E402
 
@@ -35,12 +35,7 @@ def main() -> int:
     ap.add_argument("--vram-limit", type=float, metavar="GIB", help="hold every GPU to this budget")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        shape, specs = synth.plan("deepseek-v3", quant="q4_0")
-        head = synth.gguf_header(shape, "q4_0", specs)
-        path = Path(tmp) / "deepseek-v3-q4_0.gguf"
-        with open(path, "wb") as f:
-            f.write(head)
-            f.truncate(len(head) + shapes.total_bytes(specs, synth.ALIGNMENT))
+        path = synth.write_header_only(Path(tmp) / "deepseek-v3-q4_0.gguf", "deepseek-v3", quant="q4_0")
         t0 = time.perf_counter()
         model = read_model(path)
         t_read = time.perf_counter() - t0

@@ -19,25 +19,26 @@ How the weights are made (never element-wise quantization):
 * F32 tensors: routers are Gaussian, norms are 1, biases and attention sinks small.
 
 The file is written to ``OUT.part`` and renamed when complete; any failure (including Ctrl-C) removes it.
-The GGUF v3 container is written here directly (no gguf package needed); only numpy is imported.
+The GGUF container is written by :mod:`orchestrator.model.writer` (no gguf package needed); only numpy is
+imported.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from orchestrator.errors import ModelError
 from orchestrator.model import shapes as S
+from orchestrator.model import writer as W
 
-ALIGNMENT = 32  # GGUF default general.alignment
+ALIGNMENT = W.ALIGNMENT
 
 # Target RMS of a tensor's elements, as gain / sqrt(row length) (the row length is the matmul fan-in).
 # "embd" is absolute. Chosen so that hidden states stay O(1) through every layer and routing spreads over the
@@ -577,25 +578,6 @@ class _Pools:
 # writer
 
 
-def _write_all(fd: int, bufs: list) -> int:
-    """writev everything in ``bufs`` (handles short writes and the IOV_MAX limit)."""
-    total = 0
-    views = [memoryview(b).cast("B") for b in bufs if len(b)]
-    while views:
-        batch = views[:512]
-        n = os.writev(fd, batch)
-        total += n
-        # drop fully written views, trim a partial one
-        i = 0
-        while i < len(batch) and n >= len(batch[i]):
-            n -= len(batch[i])
-            i += 1
-        views = views[i:]
-        if n:
-            views[0] = views[0][n:]
-    return total
-
-
 def _human(n: int) -> str:
     for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= k:
@@ -603,19 +585,15 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _pad(n: int) -> int:
-    return (-n) % ALIGNMENT
-
-
-def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: WeightStyle,
-                  lp: LocalityPlan | None = None, mshape: S.ModelShape | None = None) -> int:
+def _tensor_data(spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: WeightStyle,
+                 lp: LocalityPlan | None = None, mshape: S.ModelShape | None = None) -> Iterator[np.ndarray]:
+    """The buffers of one tensor's data, generated as the writer takes them."""
     if spec.type == "f32":
-        data = _f32_data(spec, rng, style, lp, mshape)
-        return _write_all(fd, [data, bytes(_pad(data.nbytes))])
+        yield _f32_data(spec, rng, style, lp, mshape)
+        return
     blk, size = S.BLOCK[spec.type]
     rms = _scale_for(spec, style)
     nbytes = spec.nbytes
-    written = 0
     if spec.is_expert:
         pool = pools.get(spec.type, rms, nbytes)
         per_expert = nbytes // spec.ne[2]
@@ -623,20 +601,15 @@ def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: 
         # with locality, expert outputs leave the bias and context blocks alone (rows 0..63 of down)
         quiet = 64 * (spec.ne[0] // blk) * size if (lp is not None and spec.role == "exp_down") else 0
         zeros = np.zeros(quiet, np.uint8)
-        bufs = []
         for _ in range(spec.ne[2]):
             if quiet:
-                bufs.append(zeros)
+                yield zeros
             left = per_expert - quiet
             while left:
                 off = int(rng.gen.integers(0, n_pool_blocks)) * size
                 take = min(left, len(pool) - off)
-                bufs.append(pool[off:off + take])
+                yield pool[off:off + take]
                 left -= take
-            if len(bufs) >= 256:
-                written += _write_all(fd, bufs)
-                bufs = []
-        written += _write_all(fd, bufs)
     else:
         bpr = spec.ne[0] // blk
         patch = lp is not None and (spec.name.split(".")[-2] if spec.name.startswith("blk.")
@@ -651,10 +624,19 @@ def _write_tensor(fd: int, spec: S.TensorSpec, rng: _Rng, pools: _Pools, style: 
             data = make_blocks(spec.type, k, rms, rng, signed=style.signed)
             if patch:
                 _patch_rows(spec, data.reshape(k // bpr, bpr, size), done // bpr, lp, mshape, rng, style)
-            written += _write_all(fd, [data])
+            yield data
             done += k
-    assert written == nbytes, (spec.name, written, nbytes)
-    return written + _write_all(fd, [bytes(_pad(nbytes))])
+
+
+def tensor_data(specs: list[S.TensorSpec], *, seed: int = 0, pool_bytes: int = POOL_BYTES,
+                style: str = "realistic", rng: _Rng | None = None, locality: LocalityPlan | None = None,
+                shape: S.ModelShape | None = None) -> Iterator[Iterator[np.ndarray]]:
+    """The weights of ``specs``, one stream of buffers per tensor, for :mod:`orchestrator.model.writer`."""
+    wstyle = STYLES[style]
+    rng = rng or _Rng(seed)
+    pools = _Pools(rng, pool_bytes, signed=wstyle.signed)
+    for sp in specs:
+        yield _tensor_data(sp, rng, pools, wstyle, locality, shape)
 
 
 def write_data(fd: int, specs: list[S.TensorSpec], *, seed: int = 0, pool_bytes: int = POOL_BYTES,
@@ -663,82 +645,47 @@ def write_data(fd: int, specs: list[S.TensorSpec], *, seed: int = 0, pool_bytes:
                shape: S.ModelShape | None = None) -> int:
     """Write the tensor data of ``specs`` (each padded to the alignment) to ``fd``; returns the bytes written.
 
-    Also used on its own by scripts/bench/synth_write.py to time the generator against /dev/null.
+    Also used on its own by lab/bench/synth_write.py to time the generator against /dev/null.
     """
-    wstyle = STYLES[style]
-    rng = rng or _Rng(seed)
-    pools = _Pools(rng, pool_bytes, signed=wstyle.signed)
-    total = S.total_bytes(specs, ALIGNMENT)
-    done = 0
-    for sp in specs:
-        done += _write_tensor(fd, sp, rng, pools, wstyle, locality, shape)
-        if progress:
-            progress(done, total)
-    return done
+    data = tensor_data(specs, seed=seed, pool_bytes=pool_bytes, style=style, rng=rng, locality=locality,
+                       shape=shape)
+    return W.write_tensor_data(fd, specs, data, alignment=ALIGNMENT, progress=progress)
 
 
-# GGUF v3 (ggml/include/gguf.h): header, key/values, tensor infos, padding to the alignment, tensor data.
-_GGUF_MAGIC = b"GGUF"
-_GGUF_VERSION = 3
-_T_U32, _T_I32, _T_F32, _T_BOOL, _T_STR, _T_ARR = 4, 5, 6, 7, 8, 9
-
-
-def _str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-def _kv(key: str, kind: str, val) -> bytes:
-    head = _str(key)
-    if kind == "u32":
-        return head + struct.pack("<II", _T_U32, int(val))
-    if kind == "i32":
-        return head + struct.pack("<Ii", _T_I32, int(val))
-    if kind == "f32":
-        return head + struct.pack("<If", _T_F32, float(val))
-    if kind == "bool":
-        return head + struct.pack("<IB", _T_BOOL, 1 if val else 0)
-    if kind == "str":
-        return head + struct.pack("<I", _T_STR) + _str(str(val))
-    if kind == "str[]":
-        return head + struct.pack("<IIQ", _T_ARR, _T_STR, len(val)) + b"".join(_str(v) for v in val)
-    if kind == "i32[]":
-        return head + struct.pack("<IIQ", _T_ARR, _T_I32, len(val)) + np.asarray(val, dtype="<i4").tobytes()
-    raise ValueError(kind)  # pragma: no cover
-
-
-def gguf_header(shape: S.ModelShape, quant: str | None, specs: list[S.TensorSpec]) -> bytes:
-    """Header, metadata (with the generated tokenizer) and tensor infos, padded to the data alignment."""
-    kvs = [(k, kind, v) for k, v, kind in S.metadata(shape, quant)]
+def gguf_metadata(shape: S.ModelShape, quant: str | None) -> dict[str, W.Typed]:
+    """The file's metadata: the shape's key/values (:func:`orchestrator.model.shapes.metadata`) and the
+    generated tokenizer."""
+    md = {k: W.Typed(kind, v) for k, v, kind in S.metadata(shape, quant)}
     tokens, types, merges, special = build_vocab(shape)
-    kvs += [
-        ("tokenizer.ggml.model", "str", "gpt2"),
-        ("tokenizer.ggml.pre", "str", shape.tokenizer_pre),
-        ("tokenizer.ggml.tokens", "str[]", tokens),
-        ("tokenizer.ggml.token_type", "i32[]", types),
-        ("tokenizer.ggml.merges", "str[]", merges),
-    ]
+    md.update({
+        "tokenizer.ggml.model": W.Typed("str", "gpt2"),
+        "tokenizer.ggml.pre": W.Typed("str", shape.tokenizer_pre),
+        "tokenizer.ggml.tokens": W.Typed("str[]", tokens),
+        "tokenizer.ggml.token_type": W.Typed("i32[]", types),
+        "tokenizer.ggml.merges": W.Typed("str[]", merges),
+    })
     for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
         if role in special:
-            kvs.append((f"tokenizer.ggml.{key}", "u32", special[role]))
-    kvs.append(("tokenizer.ggml.add_bos_token", "bool", shape.add_bos))
+            md[f"tokenizer.ggml.{key}"] = W.Typed("u32", special[role])
+    md["tokenizer.ggml.add_bos_token"] = W.Typed("bool", shape.add_bos)
     if shape.chat_template:
-        kvs.append(("tokenizer.chat_template", "str", shape.chat_template))
-    parts = [_GGUF_MAGIC, struct.pack("<IQQ", _GGUF_VERSION, len(specs), len(kvs))]
-    parts += [_kv(k, kind, v) for k, kind, v in kvs]
-    offset = 0
-    for sp in specs:
-        parts.append(_str(sp.name) + struct.pack("<I", len(sp.ne)) + struct.pack(f"<{len(sp.ne)}Q", *sp.ne)
-                     + struct.pack("<IQ", S.GGML_TYPE_ID[sp.type], offset))
-        offset += sp.nbytes + _pad(sp.nbytes)
-    head = b"".join(parts)
-    return head + bytes(_pad(len(head)))
+        md["tokenizer.chat_template"] = W.Typed("str", shape.chat_template)
+    return md
 
 
 def plan(like: str, *, scale: float = 1.0, quant: str | None = None, layers: int | None = None
          ) -> tuple[S.ModelShape, list[S.TensorSpec]]:
     shape = S.scaled(S.get(like), scale, layers=layers)
     return shape, S.tensor_specs(shape, quant)
+
+
+def write_header_only(out: os.PathLike | str, like: str, *, scale: float = 1.0, quant: str | None = None,
+                      layers: int | None = None) -> Path:
+    """The file :func:`write_model` writes, with every weight zero: the header, and the data as a hole in a
+    sparse file (no disk). What reading, planning and memory prediction need, written in milliseconds."""
+    shape, specs = plan(like, scale=scale, quant=quant, layers=layers)
+    W.write_gguf(out, gguf_metadata(shape, quant), specs)
+    return Path(out)
 
 
 def write_model(
@@ -767,7 +714,6 @@ def write_model(
         locality = default_locality(shape) if style == "realistic" else 0.0
     lp = locality_plan(shape, locality)
     quant = quant or shape.default_quant
-    data_bytes = S.total_bytes(specs, ALIGNMENT)
     parent = out.parent if str(out.parent) else Path(".")
     if out.is_dir():
         raise ModelError(f"{out}: is a directory; give the output file name (e.g. {out / (like + '.gguf')})")
@@ -775,48 +721,27 @@ def write_model(
         raise ModelError(f"{out}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ModelError(f"{out}: directory {parent} is not writable")
-    part = out.with_name(out.name + ".part")
-    rng = _Rng(seed)
     t0 = time.monotonic()
-    fd = -1
-    ok = False
+    gguf = W.GGUFOut(out, gguf_metadata(shape, quant), specs, alignment=ALIGNMENT)
     try:
-        header = gguf_header(shape, quant, specs)
-        try:
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError as e:
-            raise ModelError(f"{out}: cannot write {part}: {e.strerror or e}") from None
-        st = os.fstatvfs(fd)
-        free_bytes = st.f_bavail * st.f_frsize
-        spare = 16 << 20
-        if free_bytes < len(header) + data_bytes + spare:
-            raise ModelError(f"{out}: needs {_human(len(header) + data_bytes)} and {_human(spare)} to spare but "
-                             f"{parent} has only {_human(free_bytes)} free (use --scale or --layers for a smaller "
-                             f"model)")
-        _write_all(fd, [header])
-        write_data(fd, specs, seed=seed, pool_bytes=pool_bytes, style=style, progress=progress, rng=rng,
-                   locality=lp, shape=shape)
-        if fsync:
-            os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        size = part.stat().st_size
-        expect = len(header) + data_bytes
-        if size != expect:  # pragma: no cover - a bug, not a user error
-            raise RuntimeError(f"{part}: wrote {size} bytes, expected {expect}")
-        os.replace(part, out)
-        ok = True
+        with gguf:
+            try:
+                gguf.open()
+            except OSError as e:
+                raise ModelError(f"{out}: cannot write {gguf.part}: {e.strerror or e}") from None
+            st = os.fstatvfs(gguf.fd)
+            free_bytes = st.f_bavail * st.f_frsize
+            spare = 16 << 20
+            if free_bytes < gguf.size + spare:
+                raise ModelError(f"{out}: needs {_human(gguf.size)} and {_human(spare)} to spare but {parent} has "
+                                 f"only {_human(free_bytes)} free (use --scale or --layers for a smaller model)")
+            gguf.write_header()
+            gguf.write_data(tensor_data(specs, seed=seed, pool_bytes=pool_bytes, style=style, locality=lp,
+                                        shape=shape), progress=progress)
+            gguf.commit(fsync=fsync)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise ModelError(f"{out}: disk full while writing ({_human(data_bytes)} needed)") from None
+            raise ModelError(f"{out}: disk full while writing ({_human(gguf.data_bytes)} needed)") from None
         raise ModelError(f"{out}: write failed: {e.strerror or e}") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if not ok:
-            try:
-                part.unlink()
-            except OSError:
-                pass
     seconds = time.monotonic() - t0
     return SynthResult(out, shape, quant, len(specs), out.stat().st_size, seconds, locality)

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.model.writer import TensorInfo, Typed, write_gguf
+
 N_VOCAB = 512
 N_EMBD = 64
 N_HEAD = 4
@@ -19,39 +21,23 @@ N_EXPERT_USED = 2
 N_FF_EXP = 64
 
 
+def _byte_chars() -> dict[int, str]:
+    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the rest for U+0100..."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
 def write_tiny_moe(path: Path, *, seed: int = 0, n_layer: int = N_LAYER) -> Path:
-    import gguf
-
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_name("bench-tiny-moe")
-    w.add_context_length(8192)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(N_FF_EXP * N_EXPERT_USED)
-    w.add_expert_feed_forward_length(N_FF_EXP)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD_KV)
-    w.add_key_length(HEAD_DIM)
-    w.add_value_length(HEAD_DIM)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(N_EXPERT)
-    w.add_expert_used_count(N_EXPERT_USED)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-
     # byte-level BPE vocabulary: 256 byte tokens, merged pairs, then 2 control tokens
-    byte_chars = gguf.vocab_bytes_to_unicode() if hasattr(gguf, "vocab_bytes_to_unicode") else None
-    if byte_chars is None:
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-        cs = bs[:]
-        n = 0
-        for b in range(256):
-            if b not in bs:
-                bs.append(b)
-                cs.append(256 + n)
-                n += 1
-        byte_chars = dict(zip(bs, (chr(c) for c in cs)))
+    byte_chars = _byte_chars()
     tokens = [byte_chars[b] for b in range(256)]
     merges = []
     letters = "abcdefghijklmnopqrstuvwxyz"
@@ -62,22 +48,42 @@ def write_tiny_moe(path: Path, *, seed: int = 0, n_layer: int = N_LAYER) -> Path
             tokens.append(a + b)
             merges.append(f"{a} {b}")
     tokens += ["<|bos|>", "<|eos|>"]
-    types = [gguf.TokenType.NORMAL] * (len(tokens) - 2) + [gguf.TokenType.CONTROL] * 2
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
+    types = [1] * (len(tokens) - 2) + [3] * 2     # NORMAL, CONTROL (llama_token_type)
+    a = "qwen3moe"
+    metadata = {
+        "general.architecture": a,
+        "general.name": "bench-tiny-moe",
+        f"{a}.context_length": 8192,
+        f"{a}.embedding_length": N_EMBD,
+        f"{a}.block_count": n_layer,
+        f"{a}.feed_forward_length": N_FF_EXP * N_EXPERT_USED,
+        f"{a}.expert_feed_forward_length": N_FF_EXP,
+        f"{a}.attention.head_count": N_HEAD,
+        f"{a}.attention.head_count_kv": N_HEAD_KV,
+        f"{a}.attention.key_length": HEAD_DIM,
+        f"{a}.attention.value_length": HEAD_DIM,
+        f"{a}.rope.freq_base": 10000.0,
+        f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{a}.expert_count": N_EXPERT,
+        f"{a}.expert_used_count": N_EXPERT_USED,
+        "general.file_type": 1,                     # llama_ftype MOSTLY_F16
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": Typed("i32[]", types),
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": len(tokens) - 2,
+        "tokenizer.ggml.eos_token_id": len(tokens) - 1,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+    tensors: list[tuple[str, np.ndarray]] = []
 
     def t(name: str, *shape: int, scale: float = 0.05, dtype=np.float16) -> None:
         # numpy shape is the reverse of ggml's ne
-        w.add_tensor(name, (rng.standard_normal(tuple(reversed(shape))) * scale).astype(dtype))
+        tensors.append((name, (rng.standard_normal(tuple(reversed(shape))) * scale).astype(dtype)))
 
     def ones(name: str, n: int) -> None:
-        w.add_tensor(name, np.ones(n, dtype=np.float32))
+        tensors.append((name, np.ones(n, dtype=np.float32)))
 
     t("token_embd.weight", N_EMBD, N_VOCAB)
     ones("output_norm.weight", N_EMBD)
@@ -96,10 +102,9 @@ def write_tiny_moe(path: Path, *, seed: int = 0, n_layer: int = N_LAYER) -> Path
         t(p + "ffn_gate_exps.weight", N_EMBD, N_FF_EXP, N_EXPERT)
         t(p + "ffn_up_exps.weight", N_EMBD, N_FF_EXP, N_EXPERT)
         t(p + "ffn_down_exps.weight", N_FF_EXP, N_EMBD, N_EXPERT)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    infos = [TensorInfo(name, data.shape[::-1], "f32" if data.dtype == np.float32 else "f16")
+             for name, data in tensors]
+    write_gguf(path, metadata, infos, ([data] for _, data in tensors))
     return path
 
 

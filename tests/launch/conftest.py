@@ -1,4 +1,4 @@
-"""Fixtures for tests/launch: tiny real GGUF models (written with gguf's GGUFWriter), a corrupt one, free ports."""
+"""Fixtures for tests/launch: tiny real GGUF models (tests/tiny_llama.py), a corrupt one, free ports."""
 
 from __future__ import annotations
 

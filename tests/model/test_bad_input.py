@@ -13,22 +13,19 @@ import pytest
 from orchestrator.errors import ModelError
 from orchestrator.model import read_model
 from lab.calibmodels import build
-from lab.ggufwrite import TensorSpec, _str, _value, write_gguf
+from orchestrator.model.writer import TensorInfo, encode_kv, encode_preamble, encode_str, encode_tensor_info, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def header(n_tensors: int, n_kv: int, version: int = 3) -> bytes:
-    return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv)
-
-
-def kv(key: str, value) -> bytes:
-    return _str(key) + _value(value)
+# The malformed files are made of the writer's own encoders with wrong counts, lengths, types or offsets; the
+# writer itself never writes such a file.
+header = encode_preamble
+kv = encode_kv
 
 
 def tensor_info(name: str, shape, type_id: int = 0, offset: int = 0) -> bytes:
-    return _str(name) + struct.pack("<I", len(shape)) + struct.pack(f"<{len(shape)}Q", *shape) + \
-        struct.pack("<IQ", type_id, offset)
+    return encode_tensor_info(name, shape, type_id, offset)
 
 
 def expect_error(path: Path, *fragments: str) -> str:
@@ -115,13 +112,13 @@ def test_absurd_string_length(tmp_path):
 
 def test_absurd_array_length(tmp_path):
     p = tmp_path / "a.gguf"
-    p.write_bytes(header(0, 1) + _str("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 6, 1 << 60) + b"\0" * 64)
+    p.write_bytes(header(0, 1) + encode_str("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 6, 1 << 60) + b"\0" * 64)
     expect_error(p, "tokenizer.ggml.scores", "claims")
 
 
 def test_absurd_string_array_length(tmp_path):
     p = tmp_path / "a.gguf"
-    p.write_bytes(header(0, 1) + _str("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1 << 60) + b"\0" * 64)
+    p.write_bytes(header(0, 1) + encode_str("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1 << 60) + b"\0" * 64)
     expect_error(p, "tokenizer.ggml.tokens", "claims")
 
 
@@ -220,27 +217,27 @@ def test_overlapping_tensors(tmp_path):
 
 def test_missing_architecture(tmp_path):
     p = tmp_path / "m.gguf"
-    write_gguf(p, {"general.name": "x"}, [TensorSpec("a", (8,))])
+    write_gguf(p, {"general.name": "x"}, [TensorInfo("a", (8,))])
     expect_error(p, "general.architecture")
 
 
 def test_missing_block_count(tmp_path):
     p = tmp_path / "m.gguf"
-    write_gguf(p, {"general.architecture": "llama", "llama.embedding_length": 8}, [TensorSpec("a", (8,))])
+    write_gguf(p, {"general.architecture": "llama", "llama.embedding_length": 8}, [TensorInfo("a", (8,))])
     expect_error(p, "llama.block_count")
 
 
 def test_layer_beyond_block_count(tmp_path):
     p = tmp_path / "m.gguf"
     write_gguf(p, {"general.architecture": "llama", "llama.block_count": 1, "llama.embedding_length": 8},
-               [TensorSpec("blk.5.attn_q.weight", (8, 8))])
+               [TensorInfo("blk.5.attn_q.weight", (8, 8))])
     expect_error(p, "blk.5.attn_q.weight", "layer 5")
 
 
 def test_per_layer_array_of_wrong_length(tmp_path):
     p = tmp_path / "m.gguf"
     write_gguf(p, {"general.architecture": "llama", "llama.block_count": 3, "llama.embedding_length": 8,
-                   "llama.attention.head_count_kv": [1, 2]}, [TensorSpec("a", (8,))])
+                   "llama.attention.head_count_kv": [1, 2]}, [TensorInfo("a", (8,))])
     expect_error(p, "head_count_kv", "one per layer")
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from orchestrator.model import read_model
 from lab.calibmodels import PRESETS, build
-from lab.ggufwrite import write_gguf_split
+from orchestrator.model.writer import write_gguf_split
 from orchestrator.model.memory import kv_bytes_per_token
 
 

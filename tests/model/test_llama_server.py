@@ -1,4 +1,4 @@
-"""End to end with the real llama-server: tiny real-architecture models written by gguf.GGUFWriter load, their
+"""End to end with the real llama-server: tiny real-architecture models written by the project's writer load, their
 logged buffers match our reader and memory model, and one full micro-batch decodes."""
 
 from __future__ import annotations

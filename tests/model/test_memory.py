@@ -72,7 +72,7 @@ def pad256(x):
 
 
 def test_layers_subset_and_nextn_excluded(write_model, tiny_specs):
-    spec = dataclasses.replace(tiny_specs["qwen3moe"], n_layers=4)
+    spec = dataclasses.replace(tiny_specs["qwen3moe"], n_layer=4)
 
     def mtp(md):
         md["qwen3moe.nextn_predict_layers"] = 1

@@ -1,5 +1,5 @@
-"""The GGUF reader against files written by the reference writer (gguf.GGUFWriter) and read by the reference
-reader (gguf.GGUFReader): same tensors, shapes, types, sizes, offsets; then what it derives from them."""
+"""The GGUF reader against the reference reader (gguf.GGUFReader) on files from the project's writer: same
+tensors, shapes, types, sizes, offsets; then what it derives from them."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_qwen3moe_hparams_and_classes(tiny_models, tiny_specs):
     assert (m.head_dim_k, m.head_dim_v, m.n_expert, m.n_expert_used, m.n_ff_exp) == (32, 32, 8, 2, 32)
     assert (m.n_vocab, m.n_ctx_train, m.mla, m.swa_layers, m.n_nextn_layers) == (320, 4096, None, (), 0)
     assert m.moe_layers == (0, 1, 2) and m.n_dense_lead == 0
-    assert m.name == spec.name
+    assert m.name == spec.like
     cls = {t.name: t.cls for t in m.tensors}
     assert cls["token_embd.weight"] is TensorClass.EMBEDDINGS
     assert cls["output.weight"] is TensorClass.OUTPUT
@@ -168,7 +168,7 @@ def test_expert_used_larger_than_count_is_an_error(write_model, tiny_specs):
 
 
 def test_nextn_layers_are_other_and_not_loaded(write_model, tiny_specs):
-    spec = dataclasses.replace(tiny_specs["deepseek2"], n_layers=4)
+    spec = dataclasses.replace(tiny_specs["deepseek2"], n_layer=4)
 
     def mtp(md):
         md["deepseek2.nextn_predict_layers"] = 1

@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.errors import ModelError
 from lab.calibmodels import PRESETS, build
-from lab.ggufwrite import write_gguf
+from orchestrator.model.writer import write_gguf
 from orchestrator.model.reader import read_model
 from orchestrator.model.remote import (is_downloaded, parse_ref, pick_quant, pull, quant_of, read_remote_model)
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from lab.calibmodels import PRESETS, build
-from lab.ggufwrite import write_gguf, write_gguf_split
+from orchestrator.model.writer import write_gguf, write_gguf_split
 
 from .remote_servers import Blob, FileServer, HubServer
 

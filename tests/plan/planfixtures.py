@@ -13,7 +13,6 @@ from pathlib import Path
 from orchestrator.backend.info import BackendInfo, parse_help
 from orchestrator.hardware.dump import load_machine
 from orchestrator.model import read_model
-from orchestrator.model import shapes as S
 from orchestrator.model import synth
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
@@ -25,12 +24,8 @@ def shape_model(tmp_root: Path, like: str, quant: str = "q4_0", *, scale: float 
     key = (like, quant, scale, layers)
     if key in _cache:
         return _cache[key]
-    shape, specs = synth.plan(like, scale=scale, quant=quant, layers=layers)
-    head = synth.gguf_header(shape, quant, specs)
     path = tmp_root / f"{like}-{quant}-{scale}-{layers}.gguf"
-    with open(path, "wb") as f:
-        f.write(head)
-        f.truncate(len(head) + S.total_bytes(specs, synth.ALIGNMENT))  # sparse: no data blocks on disk
+    synth.write_header_only(path, like, scale=scale, quant=quant, layers=layers)  # sparse: no data on disk
     info = read_model(path)
     _cache[key] = info
     return info
