@@ -2,15 +2,14 @@
 
 The llama.cpp vendored in llama-cpp-python 0.3.33 and in the pinned release are downloaded and cached as
 ``orchestrator build`` does (``orchestrator/backend/sources.py``: ``~/.cache/orchestrator/sources``, sha256
-checked), laid out as a git repository beside the pinned tree (whose blobs the patches name), and every patch of the product series is applied in order with
-``git apply --3way``: the patches' full upstream blob ids let git merge a hunk whose context moved. A conflict
-marker in any file, or a patch git refuses, fails the test. Skipped, with the reason, where the sources cannot be
-downloaded.
+checked), laid out as a git repository beside the pinned tree (whose blobs the patches name), and every patch of the
+product series is applied in order with ``git apply --3way``: the patches' full upstream blob ids let git merge a hunk
+whose context moved. A conflict marker in any file, or a patch git refuses, fails the test. Skipped, with the reason,
+where the sources cannot be downloaded.
 
-On 0.3.33 the server's patches (the router trace, the cache's /metrics) are left out: llama-server's batch
-bookkeeping and its /metrics code were rewritten between 0.3.33 and 0.3.36 (the trace reads the new batch's
-per-token fields), so they are ported by hand; everything else (the cache in ggml and llama, its options, the RPC
-device) must merge cleanly there.
+All of the series on both: llama-server's batch bookkeeping and its /metrics code were rewritten between 0.3.33 and
+0.3.36, and the server's patches (the router trace, the cache's /metrics) merge into both because their hooks are
+single calls on lines both releases share, the code behind them in the series' own files.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from orchestrator.errors import BackendError
 from orchestrator.paths import cache_dir
 
 PIN = sources.SOURCES["mainline"]
-SERVER_FILES = ("tools/server/", "common/arg.cpp", "common/common.h")     # llama-server and its options
 # an older release, pinned as the build pins its source (the package index's sdist and its sha256)
 OLDER = replace(PIN, version="0.3.33",
                 url="https://files.pythonhosted.org/packages/ad/5c/ca0eb0a3cd91918620dbcbefe46ef90335f75c62be8198a9e93fd2b9bb0f/"
@@ -49,8 +47,6 @@ def test_the_series_applies_three_way_without_conflicts(tmp_path, pin):
     if pin != PIN:
         ls.move_to(repo, pin, say=lambda s: None)
     series = patches.series("mainline")
-    if pin != PIN:
-        series = [p for p in series if not _server_only(p)]
     assert len(series) >= 2
     for p in series:
         res = subprocess.run(["git", "apply", "--3way", "--whitespace=nowarn", str(p)], cwd=repo,
@@ -62,11 +58,11 @@ def test_the_series_applies_three_way_without_conflicts(tmp_path, pin):
     markers = subprocess.run(["git", "grep", "-l", "-E", "^(<<<<<<<|>>>>>>>) "], cwd=repo, capture_output=True,
                              text=True).stdout.split()
     assert not markers, markers
-    # what the series adds is there: the cache's own files and its hooks in the scheduler
+    # what the series adds is there: the cache's own files and its hooks in the scheduler, and the server's hooks
     assert (repo / "ggml/src/ggml-moe-cache-sched.cpp").is_file()
     assert "ggml_moe_sched_copy_input" in Path(repo / "ggml/src/ggml-backend.cpp").read_text()
-
-
-def _server_only(patch: Path) -> bool:
-    files = [ln.split(" b/", 1)[1] for ln in patch.read_text().splitlines() if ln.startswith("diff --git ")]
-    return all(f.startswith(SERVER_FILES) for f in files)
+    server = Path(repo / "tools/server/server-context.cpp").read_text()
+    for hook in ("server_router_trace_init(", "server_router_trace_begin(", "server_router_trace_end(",
+                 "server_moe_cache_metrics_read(", "server_moe_cache_metrics_wrap("):
+        assert hook in server, f"{hook} not in tools/server/server-context.cpp on {pin.version}"
+    assert "server_router_trace_get(" in Path(repo / "tools/server/server.cpp").read_text()
