@@ -61,29 +61,40 @@ mins() { python3 -c "print(max(0.3, ($(left) - ${1:-12}) / 60))"; }
 H200=topologies/h200.yaml
 W1=$M/w1-loc-default.gguf W2=$M/w2-loc-default.gguf
 
-# 1. sources, builds, models (builds of the same two archives from an earlier command on this machine are kept:
-#    a second `run` while the machine is warm goes straight to measuring)
+# 1. sources, builds, models. Each stage leaves a mark, so a command that ran out of time before the builds ended
+#    leaves the next one (while the machine is warm) to resume where it stopped: ninja picks up a half-built tree;
+#    builds of the same two archives from an earlier command are kept, and a second `run` goes straight to measuring
 stamp=$(cat .devbundle/series-old.tar.xz .devbundle/series-new.tar.xz | sha256sum | cut -c1-16)
 if [ -x "$S/new-bin/llama-server" ] && [ "$(cat "$S/stamp" 2>/dev/null)" = "$stamp" ]; then
   reuse=1; log "builds of these sources kept from an earlier command"
+elif [ "$(cat "$S/src-stamp" 2>/dev/null)" = "$stamp" ]; then
+  reuse=0; log "resuming the builds of an earlier command"
 else
-  reuse=0; rm -rf "$S/src" "$S/new" "$S/build" "$S/old-bin" "$S/new-bin" "$S/stamp"; mkdir -p "$S/src" "$S/new"
+  reuse=0; rm -rf "$S/src" "$S/new" "$S/build" "$S/old-bin" "$S/new-bin" "$S/stamp" "$S/src-stamp" "$S/overlaid"
+  mkdir -p "$S/src" "$S/new"
   tar xJf .devbundle/series-old.tar.xz -C "$S/src" --strip-components=1
   tar xJf .devbundle/series-new.tar.xz -C "$S/new" --strip-components=1
+  echo "$stamp" > "$S/src-stamp"
 fi
 CMAKE=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON
        -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
        -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DGGML_RPC=ON)
 TARGETS=(llama-server)
+build() {   # build LOG: the targets, resumed where an earlier command stopped, within this command's time
+  ( time timeout $(( $(left) - 15 )) cmake --build "$S/build" -j 16 --target "${TARGETS[@]}" ) >> "$1" 2>&1
+}
 [ $reuse = 1 ] || (
   set -e
-  cmake -S "$S/src" -B "$S/build" "${CMAKE[@]}" > "$OUT/build-old.log" 2>&1
-  ( time cmake --build "$S/build" -j 16 --target "${TARGETS[@]}" ) >> "$OUT/build-old.log" 2>&1
-  mkdir -p "$S/old-bin"; cp "$S/build/bin/llama-server" "$S/old-bin/"
+  if [ ! -x "$S/old-bin/llama-server" ]; then
+    [ -f "$S/build/build.ninja" ] || cmake -S "$S/src" -B "$S/build" "${CMAKE[@]}" > "$OUT/build-old.log" 2>&1
+    build "$OUT/build-old.log"
+    mkdir -p "$S/old-bin"; cp "$S/build/bin/llama-server" "$S/old-bin/"
+  fi
   # the new series over the old: only files whose bytes differ are written (ninja rebuilds what they touch);
   # files only the old series has are removed
-  python3 lab/device/series_overlay.py "$S/new" "$S/src" > "$OUT/overlay.txt"
-  ( time cmake --build "$S/build" -j 16 --target "${TARGETS[@]}" ) > "$OUT/build-new.log" 2>&1
+  [ -f "$S/overlaid" ] || { python3 lab/device/series_overlay.py "$S/new" "$S/src" > "$OUT/overlay.txt"
+                            touch "$S/overlaid"; }
+  build "$OUT/build-new.log"
   mkdir -p "$S/new-bin"; cp "$S/build/bin/llama-server" "$S/new-bin/"
   echo "$stamp" > "$S/stamp"
 ) &
@@ -98,6 +109,7 @@ wait $builds; rc=$?
 log "builds rc=$rc: old $(grep -m1 real "$OUT/build-old.log" 2>/dev/null), new $(grep -m1 real "$OUT/build-new.log" 2>/dev/null)"
 [ $rc -eq 0 ] || { tail -20 "$OUT/build-old.log" "$OUT/build-new.log" 2>/dev/null; exit 1; }
 OLD=$S/old-bin/llama-server NEW=$S/new-bin/llama-server
+export LLAMA_SERVER=$NEW    # what bench resolves for everything not given its own server
 cmp -s "$OLD" "$NEW" && { log "the old and new binaries are the same: the overlay changed nothing"; exit 1; }
 
 # 2. the plans: one bench per workload, the old build (plan, and control: the plan again, the A/A spread) and the
