@@ -390,6 +390,29 @@ def fit_pp(pts: list[dict]) -> dict:
     return out
 
 
+def probe_reference(values: dict[str, float]) -> float:
+    """CPU_PROBE_REFERENCE_PP: the prompt tokens/s predict_pp gives, with the CPU constants ``values``, for the
+    probe's measurement (the probe's model as ``orchestrator probe`` writes it, its prompt, one core) on the
+    reference machine (cpu_rate 1, the reference core's FLOP/s): a machine's cpu_rate is its probe over this."""
+    import tempfile
+
+    from orchestrator.hardware.probe import CPU_PROBE_PROMPT, CPU_PROBE_SHAPE
+    from orchestrator.model.reader import read_model
+    from orchestrator.model.synth import write_header_only
+    from orchestrator.plan import rates as R
+    from orchestrator.plan.costs import model_costs
+    from orchestrator.plan.placement import place_cpu_only
+    from orchestrator.plan.predict import SpeedInputs, predict_pp
+
+    like, scale, quant = CPU_PROBE_SHAPE
+    with tempfile.TemporaryDirectory() as tmp:
+        costs = model_costs(read_model(write_header_only(Path(tmp) / "probe.gguf", like, scale=scale, quant=quant)))
+    sp = SpeedInputs((), (), 1.0, 20e9, R.CPU_REFERENCE_CORE_FLOPS, threads=1, cpu_rate=1.0)
+    with constants(**values):
+        return predict_pp(costs, place_cpu_only(costs, [0] * costs.n_layers), sp, 512, None,
+                          lengths=(CPU_PROBE_PROMPT,))[CPU_PROBE_PROMPT]
+
+
 def fit(args) -> int:
     docs = [load(f) for f in args.files]
     pts = points(docs)
@@ -424,7 +447,7 @@ def fit(args) -> int:
     print(f"\nwith rates.py's constants: generation within {worst['tg'] * 100:.0f}%, prompts within "
           f"{worst['pp'] * 100:.0f}% of the fastest runs")
     if args.write is not None:
-        from lab.rates_file import write_fitted
+        from lab.rates_file import RATES_JSON, write_fitted
 
         names = ("CPU_ONLY_TG_EFFICIENCY", "CPU_LAYER_OVERHEAD_S", "CPU_TOKEN_OVERHEAD_S", "CPU_ONLY_PP_FLOPS_FACTOR",
                  "CPU_PP_LAYER_TOKEN_S", "CPU_PP_ATTN_MAC_S", "CPU_PP_THREAD_EXPONENT")
@@ -433,7 +456,14 @@ def fit(args) -> int:
         if missing:
             print(f"not written: these runs do not fit {', '.join(missing)}", file=sys.stderr)
             return 1
-        for line in write_fitted({n: fitted[n] for n in names}, args.write or None):
+        # the probe's reference follows from the prompt constants as they are stored (rounded to their resolution)
+        lines = write_fitted({n: fitted[n] for n in names}, args.write or None)
+        from lab.rates_file import load as load_rates
+
+        stored = load_rates(args.write or RATES_JSON)["constants"]
+        ref = probe_reference({n: stored[n]["value"] for n in names})
+        print(f"CPU_PROBE_REFERENCE_PP {ref:.1f} (predict_pp of the probe's measurement on the reference machine)")
+        for line in lines + write_fitted({"CPU_PROBE_REFERENCE_PP": ref}, args.write or None):
             print(line)
     return 0
 
