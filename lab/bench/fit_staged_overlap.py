@@ -8,9 +8,17 @@ host-resident one (what the copies can hide behind: a layer's copy runs while th
 squares on the relative error of each prompt's time, with each run's slot share from its counters; the runs without
 staging (the plan and its A/A control) are shown beside, against the same model, for the spread.
 
-usage: lab/bench/fit_staged_overlap.py BENCH.json[.xz] [...] [--host-layers N] [--write [RATES_JSON]]
+With ``--profile`` for the runs' workloads also rates.PREFILL_STAGE_SLOT_COST, the share of the staging buffers'
+bytes the plan takes from the slots when it predicts staged generation: each BENCH's plan is replanned as it ran
+(lab/bench/replan.py, with the routing profile given) with staging on and off, and the share fitted by least squares
+on the relative error of the predicted staged / unstaged generation against the measured one (the mean over each
+side's configurations of their median generation; staged: the runs with PREFILL_STAGE_BUFFERS buffers).
+
+usage: lab/bench/fit_staged_overlap.py BENCH.json[.xz] [...] [--host-layers N] [--profile w1=PROFILE.json.xz ...]
+                                       [--write [RATES_JSON]]
   --host-layers: the plan's host-resident expert layers (default: the -ot pattern's layer list in the run's argv)
-  --write: store the fitted share in orchestrator/_data/rates.json (the recorded command there: its "fits")
+  --profile: the routing profile of a workload (w1, w2), traced on the machine the runs ran on
+  --write: store the fitted constants in orchestrator/_data/rates.json (the recorded command there: its "fits")
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -65,10 +74,65 @@ def prompt_parts(costs, n: int, ub: int, host: float, f: float, pinned: float, s
     return total, hidden
 
 
+STAGING = frozenset({"moe_cache_slots", "moe_cache_prefill_ahead"})
+
+
+def slot_cost_pairs(paths: list[Path], profiles: dict[str, Path]) -> list[dict]:
+    """Each BENCH with staged and unstaged runs of one plan: the measured staged / unstaged generation, and a
+    function of the slot cost giving the predicted one."""
+    import replan as P
+
+    out = []
+    for path in paths:
+        bench = json.loads(_read(path))
+        w = P.workload(path)
+        if w not in profiles:
+            raise SystemExit(f"{path}: no routing profile of {w} given (--profile {w}=PATH)")
+        cached = [r for r in bench["runs"] if r.get("status") == "ok" and r["samples"].get("tg")
+                  and "--moe-cache-mib" in r["argv"]]
+        on = [r for r in cached if _ahead(r) == R.PREFILL_STAGE_BUFFERS]
+        off = [r for r in cached if _ahead(r) == 0]
+        if not on or not off:
+            continue
+
+        def tg(runs: list[dict]) -> float:
+            return statistics.mean(statistics.median(s["tps"] for s in r["samples"]["tg"]) for r in runs)
+
+        curve = P.curve(profiles[w])
+        plain = P.replan(bench, off[0], w, curve, STAGING, expert_cache_staging="off").predicted.tg
+
+        def predicted(cost: float, bench=bench, run=off[0], w=w, curve=curve, plain=plain) -> float:
+            with P.rates(PREFILL_STAGE_SLOT_COST=cost):
+                staged = P.replan(bench, run, w, curve, STAGING, expert_cache_staging="on")
+            return staged.predicted.tg / plain
+
+        out.append(dict(name=f"{path.parent.name}/{path.name.split('.')[0]}", measured=tg(on) / tg(off),
+                        predicted=predicted, on=[r["config"] for r in on], off=[r["config"] for r in off]))
+    return out
+
+
+def fit_slot_cost(pairs: list[dict], step: float = 0.01) -> tuple[float, list[tuple[float, float, float]]]:
+    """The share in [0, 1] of least squared relative error of the pairs' ratios, and every plateau (first, last
+    share, error). The plan's slots are whole experts, so the predicted ratios, and the error, are steps in the
+    share: it is scanned at ``step`` and the middle of the lowest plateau taken."""
+    plateaus: list[list[float]] = []
+    for i in range(int(round(1.0 / step)) + 1):
+        cost = i * step
+        err = sum((p["predicted"](cost) / p["measured"] - 1.0) ** 2 for p in pairs)
+        if plateaus and abs(plateaus[-1][2] - err) < 1e-12:
+            plateaus[-1][1] = cost
+        else:
+            plateaus.append([cost, cost, err])
+    first, last, _ = min(plateaus, key=lambda q: q[2])
+    return (first + last) / 2, [tuple(q) for q in plateaus]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench", nargs="+", type=Path)
     ap.add_argument("--host-layers", type=int)
+    ap.add_argument("--profile", action="append", default=[], metavar="WORKLOAD=PATH",
+                    help="the routing profile of a workload (w1, w2): fit PREFILL_STAGE_SLOT_COST too")
     ap.add_argument("--write", nargs="?", const="", metavar="RATES_JSON",
                     help="store the fitted constants, rounded to their resolution, in "
                          "orchestrator/_data/rates.json (or the RATES_JSON given)")
@@ -106,10 +170,28 @@ def main() -> int:
         print(f"{p['name']:28s} pp{p['n']:<5d} slots {p['f']:.2f}  measured {p['t'] * 1e3:7.1f} ms  model "
               f"{pred * 1e3:7.1f} ms  {pred / p['t'] - 1:+.3f}{'  staged' if p['hidden'] else ''}")
     print(f"{len(staged)} staged prompts, fitted")
+    fitted = {"PREFILL_STAGED_OVERLAP": overlap}
+    if args.profile:
+        profiles = {k: Path(v) for k, _, v in (p.partition("=") for p in args.profile)}
+        pairs = slot_cost_pairs(args.bench, profiles)
+        if not pairs:
+            print("no run with staged and unstaged generation of one plan", file=sys.stderr)
+            return 1
+        cost, plateaus = fit_slot_cost(pairs)
+        print(f"\nPREFILL_STAGE_SLOT_COST = {cost:.3f} (least squares on {len(pairs)} staged / unstaged generation "
+              f"ratios; the middle of the lowest plateau; {R.PREFILL_STAGE_SLOT_COST} in rates.py)")
+        for first, last, err in plateaus:
+            mark = "  <- rates.py" if first <= R.PREFILL_STAGE_SLOT_COST <= last else ""
+            print(f"  {first:.2f}-{last:.2f}: relative rms {(err / len(pairs)) ** 0.5:.4f}{mark}")
+        for p in pairs:
+            print(f"{p['name']:36s} {'+'.join(p['on'])} / {'+'.join(p['off'])}: measured {p['measured']:.3f}x, model "
+                  f"{p['predicted'](cost):.3f}x, at no cost {p['predicted'](0.0):.3f}x, at the whole buffers "
+                  f"{p['predicted'](1.0):.3f}x")
+        fitted["PREFILL_STAGE_SLOT_COST"] = cost
     if args.write is not None:
         from lab.rates_file import write_fitted
 
-        for line in write_fitted({"PREFILL_STAGED_OVERLAP": overlap}, args.write or None):
+        for line in write_fitted(fitted, args.write or None):
             print(line)
     return 0
 
