@@ -75,28 +75,42 @@ def replan(bench: dict, run: dict, w: str, routing, features: frozenset = frozen
            without: frozenset = frozenset(), **request):
     """The worker the plan makes for ``run`` of ``bench`` (workload ``w``, hit-rate curve ``routing``), with the
     binary's ``features`` added and ``without`` removed, and more PlanRequest fields in ``request``."""
+    args = run["argv"]
+    layers, mib = host_layers_and_cache(args)
+    worker = plan_worker(w, routing, layers, mib, int(args[args.index("-ub") + 1]),
+                         int(args[args.index("-np") + 1]), bench["vram_budget"],
+                         bench["plan_context"]["bandwidth"], features, without, **request)
+    if worker.settings.moe_cache_mib != mib:
+        raise SystemExit(f"the replan gives a cache of {worker.settings.moe_cache_mib} MiB where the run had {mib}")
+    return worker
+
+
+def plan_worker(w: str, routing, layers: tuple[int, ...], mib: int, ubatch: int, parallel: int,
+                vram_budget: int | None, bandwidth: dict | None, features: frozenset = frozenset(),
+                without: frozenset = frozenset(), **request):
+    """The worker the plan makes for workload ``w`` with these expert layers in host memory and this cache, on the
+    recorded H200 with ``vram_budget`` free (None: as recorded) and the probe's ``bandwidth`` (None: the one
+    recorded with the machine)."""
     from orchestrator.backend.info import BackendInfo, parse_help
     from orchestrator.hardware.dump import load_machine
     from orchestrator.hardware.topology import Bandwidth
     from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 
-    args = run["argv"]
-    layers, mib = host_layers_and_cache(args)
-    req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=bench["vram_budget"], vram_reserve=256 * MiB),),
-                      expert_layers_on_cpu=layers, expert_cache=mib * MiB, ubatch=int(args[args.index("-ub") + 1]),
-                      parallel=int(args[args.index("-np") + 1]), **request)
+    node = NodeRequest(name="h200", vram_limit=vram_budget, vram_reserve=256 * MiB) if vram_budget else \
+        NodeRequest(name="h200")
+    req = PlanRequest(nodes=(node,), expert_layers_on_cpu=layers, expert_cache=mib * MiB, ubatch=ubatch,
+                      parallel=parallel, **request)
     fl, feats, modes, gpu = parse_help((FIX / "backend" / "mainline-llama-server-help.txt").read_text())
     feats = (feats | {"moe_cache", "moe_cache_prefill"} | set(features)) - set(without)
     b = BackendInfo(server="/opt/llama/bin/llama-server", flavor=fl, version="recorded", cuda=True,
                     gpu_offload=gpu, features=feats, split_modes=modes)
     h200 = load_machine(FIX / "machines" / "h200.inspect.json")
-    h200 = dataclasses.replace(h200, gpus=tuple(dataclasses.replace(g, memory_free_bytes=bench["vram_budget"])
-                                                for g in h200.gpus),
-                               bandwidth=Bandwidth.from_json(bench["plan_context"]["bandwidth"]))
-    worker = make_plan(machines={"h200": h200}, model=model(w), request=req, backend=b, routing=routing).workers[0]
-    if worker.settings.moe_cache_mib != mib:
-        raise SystemExit(f"the replan gives a cache of {worker.settings.moe_cache_mib} MiB where the run had {mib}")
-    return worker
+    if vram_budget:
+        h200 = dataclasses.replace(h200, gpus=tuple(dataclasses.replace(g, memory_free_bytes=vram_budget)
+                                                    for g in h200.gpus))
+    if bandwidth:
+        h200 = dataclasses.replace(h200, bandwidth=Bandwidth.from_json(bandwidth))
+    return make_plan(machines={"h200": h200}, model=model(w), request=req, backend=b, routing=routing).workers[0]
 
 
 @contextlib.contextmanager
