@@ -28,6 +28,40 @@ import replan as P  # noqa: E402
 NO_CACHE = frozenset({"moe_cache", "moe_cache_prefill"})
 
 
+def solve(bench_path: Path, pinned_config: str = "plan", mmap_config: str = "plan-mmap",
+          prompt: int = 512) -> dict[str, float]:
+    """The measured prompt speeds pinned and memory-mapped, the predicted ones at rates.py's share, and the share
+    solved for the measured ratio (``share``) and for the memory-mapped prompt alone (``alone``)."""
+    from orchestrator.plan import rates as R
+
+    bench = P.read_json(bench_path)
+    w = P.workload(bench_path) if bench_path.name.startswith("w") else "w1"
+    runs = {r["config"]: r for r in bench["runs"] if r.get("status") == "ok"}
+    for c in (pinned_config, mmap_config):
+        if c not in runs:
+            raise SystemExit(f"{bench_path}: no configuration {c!r} that ran (it has: {', '.join(runs)})")
+
+    def measured(config: str) -> float:
+        pp = [s["tps"] for r in bench["runs"] if r["config"] == config and r.get("status") == "ok"
+              for s in r["samples"].get("pp", []) if s["n"] == prompt]
+        if not pp:
+            raise SystemExit(f"{bench_path}: {config} has no pp{prompt} sample")
+        return statistics.median(pp)
+
+    def predicted(mode: str, share: float) -> float:
+        with P.rates(PAGEABLE_FRACTION=share):
+            wk = P.replan(bench, runs[pinned_config], w, None, without=NO_CACHE, load_mode=mode)
+        return wk.predicted.pp[prompt]
+
+    out = {"pinned": measured(pinned_config), "mmap": measured(mmap_config),
+           "predicted_pinned": predicted("pinned", R.PAGEABLE_FRACTION),
+           "predicted_mmap": predicted("mmap", R.PAGEABLE_FRACTION)}
+    ratio = out["mmap"] / out["pinned"]
+    out["share"] = P.solve(lambda x: predicted("mmap", x) / out["predicted_pinned"] - ratio, 0.01, 1.0, iters=30)
+    out["alone"] = P.solve(lambda x: predicted("mmap", x) - out["mmap"], 0.01, 1.0, iters=30)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench", type=Path)
@@ -40,37 +74,16 @@ def main() -> int:
     args = ap.parse_args()
     from orchestrator.plan import rates as R
 
-    bench = P.read_json(args.bench)
-    w = P.workload(args.bench) if args.bench.name.startswith("w") else "w1"
-    runs = {r["config"]: r for r in bench["runs"] if r.get("status") == "ok"}
-    for c in (args.pinned, args.mmap):
-        if c not in runs:
-            raise SystemExit(f"{args.bench}: no configuration {c!r} that ran (it has: {', '.join(runs)})")
-
-    def measured(config: str) -> float:
-        pp = [s["tps"] for r in bench["runs"] if r["config"] == config and r.get("status") == "ok"
-              for s in r["samples"].get("pp", []) if s["n"] == args.prompt]
-        if not pp:
-            raise SystemExit(f"{args.bench}: {config} has no pp{args.prompt} sample")
-        return statistics.median(pp)
-
-    def predicted(mode: str, share: float) -> float:
-        with P.rates(PAGEABLE_FRACTION=share):
-            wk = P.replan(bench, runs[args.pinned], w, None, without=NO_CACHE, load_mode=mode)
-        return wk.predicted.pp[args.prompt]
-
-    pinned, mapped = measured(args.pinned), measured(args.mmap)
-    pred_pinned = predicted("pinned", R.PAGEABLE_FRACTION)
-    share = P.solve(lambda x: predicted("mmap", x) / pred_pinned - mapped / pinned, 0.01, 1.0, iters=30)
-    alone = P.solve(lambda x: predicted("mmap", x) - mapped, 0.01, 1.0, iters=30)
-    print(f"pp{args.prompt}: measured {pinned:.0f} t/s pinned, {mapped:.0f} memory-mapped ({mapped / pinned:.3f}x); "
-          f"predicted pinned {pred_pinned:.0f}")
-    print(f"PAGEABLE_FRACTION = {share:.4f} (the ratio); {alone:.4f} from the memory-mapped prompt alone; "
-          f"rates.py {R.PAGEABLE_FRACTION}")
+    got = solve(args.bench, args.pinned, args.mmap, args.prompt)
+    print(f"pp{args.prompt}: measured {got['pinned']:.0f} t/s pinned, {got['mmap']:.0f} memory-mapped "
+          f"({got['mmap'] / got['pinned']:.3f}x); predicted at rates.py's share {R.PAGEABLE_FRACTION}: "
+          f"{got['predicted_pinned']:.0f} and {got['predicted_mmap']:.0f} "
+          f"({got['predicted_mmap'] / got['predicted_pinned']:.3f}x)")
+    print(f"PAGEABLE_FRACTION = {got['share']:.4f} (the ratio); {got['alone']:.4f} from the memory-mapped prompt alone")
     if args.write is not None:
         from lab.rates_file import write_fitted
 
-        for line in write_fitted({"PAGEABLE_FRACTION": share}, args.write or None):
+        for line in write_fitted({"PAGEABLE_FRACTION": got["share"]}, args.write or None):
             print(line)
     return 0
 

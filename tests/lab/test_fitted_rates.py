@@ -29,7 +29,7 @@ def _values(constant: dict) -> list[float]:
 def test_every_constant_has_its_unit_resolution_source_and_fit():
     assert len(DOC["constants"]) >= 20
     for name, c in DOC["constants"].items():
-        assert set(c) == {"value", "unit", "resolution", "fit", "source"}, name
+        assert set(c) == {"value", "unit", "resolution", "fit", "source", "checked_by"}, name
         assert c["unit"] and c["source"], name
         assert c["fit"] is None or c["fit"] in FITS, name
         if c["fit"] is None:
@@ -39,6 +39,22 @@ def test_every_constant_has_its_unit_resolution_source_and_fit():
         # every run or fixture it names is in the repository
         for path in re.findall(r"(?:docs/benchmarks|tests/fixtures)/[\w./*-]+", c["source"]):
             assert list(REPO.glob(path.rstrip("."))), f"{name}: {path} is not in the repository"
+
+
+def test_every_constant_names_the_tests_that_check_it_and_they_exist():
+    """checked_by holds pytest node ids: each file exists and defines the test (and a parametrised id of the fit
+    test is a fit); a constant that a fit produces is checked by that fit's rerun."""
+    for name, c in DOC["constants"].items():
+        assert c["checked_by"], name
+        for node in c["checked_by"]:
+            path, _, test = node.partition("::")
+            func, _, param = test.partition("[")
+            assert (REPO / path).is_file(), f"{name}: {path} is not in the repository"
+            assert re.search(rf"^def {re.escape(func)}\(", (REPO / path).read_text(), re.M), f"{name}: no {node}"
+            if param:
+                assert param.rstrip("]") in FITS, f"{name}: {node} names no fit"
+        if c["fit"]:
+            assert f"test_each_fit_stores_again_the_values_it_holds[{c['fit']}]" in " ".join(c["checked_by"]), name
 
 
 def test_every_fit_names_data_that_exists_and_produces_constants():
@@ -87,3 +103,16 @@ def test_each_fit_stores_again_the_values_it_holds(key, tmp_path):
     for n, c in DOC["constants"].items():
         assert got[n]["value"] == c["value"], f"{n}: the fit {key} gives {got[n]['value']}, stored {c['value']}"
     assert all(f"wrote {n} = " in res.stdout for n in mine), res.stdout[-2000:]
+
+
+def test_the_stored_pageable_share_predicts_the_memory_mapped_prompt():
+    """PAGEABLE_FRACTION's own copy run is not kept; the run that measured its effect is: the plan's prompt with the
+    host-resident experts memory-mapped against pinned. Replanned with the stored share, the predicted ratio is
+    the measured one within 15%."""
+    sys.path.insert(0, str(REPO / "lab" / "bench"))
+    from fit_pageable_share import solve
+
+    got = solve(REPO / "docs/benchmarks/h200-2026-11-29-w1-load-modes/bench.json.xz")
+    measured = got["mmap"] / got["pinned"]
+    predicted = got["predicted_mmap"] / got["predicted_pinned"]
+    assert predicted / measured == pytest.approx(1.0, abs=0.15), (predicted, measured)
