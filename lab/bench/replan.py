@@ -30,6 +30,8 @@ _TMP = tempfile.TemporaryDirectory(prefix="replan-")
 
 
 def read_json(path: Path) -> dict:
+    if not Path(path).is_file():
+        raise SystemExit(f"{path}: not found")
     data = Path(path).read_bytes()
     return json.loads(lzma.decompress(data) if str(path).endswith(".xz") else data)
 
