@@ -315,7 +315,7 @@ def write_charts(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
     if tg and any(summary[n]["group"] == "cache-grid" for n in grid):
         m = tg[0]                                   # generation at the shallowest depth
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        pts = [(float(summary[n]["params"].get("moe_cache_mib") or 0), summary[n]["metrics"][m], n)
+        pts = [(float(summary[n]["params"].get("expert_cache_mib") or 0), summary[n]["metrics"][m], n)
                for n in grid if m in summary[n]["metrics"]]
         for x, v, n in sorted(pts):
             plan = n == "plan"

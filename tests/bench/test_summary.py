@@ -214,7 +214,7 @@ def test_the_cache_grid_chart(tmp_path):
         metrics = {"tg128@0": {"median": tg, "min": tg - 1, "max": tg + 1, "n": 3}}
         if hit is not None:
             metrics["moe_cache_hit_rate"] = {"median": hit, "min": hit, "max": hit, "n": 3}
-        return {"group": group, "params": {"moe_cache_mib": mib} if mib else {}, "metrics": metrics, "runs": 3,
+        return {"group": group, "params": {"expert_cache_mib": mib} if mib else {}, "metrics": metrics, "runs": 3,
                 "loaded": 3}
 
     summary = {"plan": entry("plan", 1953, 128.0, 0.87), "ncmoe19": entry("cache-grid", 0, 76.0),

@@ -70,7 +70,7 @@ def test_the_planner_runs_the_decision_as_it_stands(models, h200):
     got = decide_expert_cache(cc, cand)
     w = make_plan(machines={"h200": h200}, model=cc.plan.model, request=cc.plan.req, backend=back).workers[0]
     s = w.settings
-    assert (s.moe_cache_mib, s.moe_cache_prefill_ahead, s.moe_cache_slots == "device") == \
+    assert (s.expert_cache_mib, s.expert_cache_stage_buffers, s.expert_cache_slots == "device") == \
         (got.mib, got.stage_buffers, got.slots == "device")
     assert next(d for d in w.decisions if d.what == "expert cache") == got.decision
     assert w.memory[0].cache == got.banks[0] and w.expert_cache == got.plan

@@ -184,7 +184,7 @@ def test_several_gpus_each_hold_the_banks_of_their_own_layers(models):
     assert all(mm.total <= mm.budget for mm in gpu_mem) and sum(1 for mm in gpu_mem if mm.cache) >= 2
     from orchestrator.model.memory import moe_cache_size
 
-    size = moe_cache_size(model, w.cpu_expert_layers, w.settings.moe_cache_mib)
+    size = moe_cache_size(model, w.cpu_expert_layers, w.settings.expert_cache_mib)
     assert size.slots == w.expert_cache.chosen.slots_per_layer
     assert sum(mm.cache for mm in gpu_mem) == size.bytes
     assert w.predicted.tg > off.predicted.tg

@@ -32,6 +32,7 @@ from planfixtures import backend, with_gpu_free
 from orchestrator.bench.logparse import parse_load_log
 from orchestrator.hardware.dump import load_machine
 from orchestrator.hardware.topology import Bandwidth
+from orchestrator.launch.settings import WorkerSettings
 from orchestrator.model.routing_profile import RoutingProfile, hit_rate
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 from orchestrator.plan import expert_cache as X
@@ -185,7 +186,7 @@ def test_predicted_generation_within_15_percent_of_measured(models, h200):
         high = 1.15 if "--moe-cache-mib" in rec["args"] else 1.20
         assert 0.85 <= ratio <= high, (rec["run"], rec["config"], round(w.predicted.tg, 1), round(rec["tg"], 1))
         if "--moe-cache-mib" in rec["args"]:
-            assert w.settings.moe_cache_mib == _layers_and_cache(rec["args"])[1]
+            assert w.settings.expert_cache_mib == _layers_and_cache(rec["args"])[1]
             assert w.expert_cache is not None and w.expert_cache.use_cache
             assert w.expert_cache.chosen.miss_mode == ("cpu" if rec["cpu_misses"] else "upload")
         checked += 1
@@ -248,7 +249,8 @@ def test_the_planner_still_makes_the_plans_that_ran(models, h200):
             assert abs(len(w.cpu_expert_layers) - len(ran["cpu_expert_layers"])) <= 2, run
             continue
         assert list(w.cpu_expert_layers) == ran["cpu_expert_layers"], run
-        assert w.settings.moe_cache_mib == pytest.approx(ran["settings"]["moe_cache_mib"] or 0, rel=0.05), run
+        ran_mib = WorkerSettings.from_dict(ran["settings"]).expert_cache_mib    # recorded under the older names
+        assert w.settings.expert_cache_mib == pytest.approx(ran_mib, rel=0.05), run
 
 
 def _plan(models, h200, budget_gib, curve, **kw):
@@ -261,10 +263,10 @@ def _plan(models, h200, budget_gib, curve, **kw):
 def test_the_plan_chooses_a_cache_with_locality_and_none_without(models, h200, budget):
     local = _plan(models, h200, budget, _curve("default"))
     flat = _plan(models, h200, budget, _curve("loc0"))
-    assert local.expert_cache.use_cache and local.settings.moe_cache_mib > 0
+    assert local.expert_cache.use_cache and local.settings.expert_cache_mib > 0
     assert "--moe-cache-mib" in local.args
     # the no-cache candidate predicts exactly what the plan without a cache predicts
-    assert not flat.expert_cache.use_cache and flat.settings.moe_cache_mib == 0
+    assert not flat.expert_cache.use_cache and flat.settings.expert_cache_mib == 0
     assert "--moe-cache-mib" not in flat.args
     same_ub = _plan(models, h200, budget, _curve("default"), expert_cache=0, ubatch=local.n_ubatch)
     assert local.expert_cache.no_cache.tokens_per_s == pytest.approx(same_ub.predicted.tg, rel=1e-9)
@@ -288,7 +290,7 @@ def test_objective_prompt_and_off_keep_whole_layers(models, h200):
     assert prompt.predicted.pp[4096] >= gen.predicted.pp[4096]
     assert prompt.n_ubatch >= gen.n_ubatch
     sized = _plan(models, h200, 12, _curve("default"), expert_cache=2048 * MiB)
-    assert sized.settings.moe_cache_mib == 2048
+    assert sized.settings.expert_cache_mib == 2048
 
 
 def test_many_slots_widen_the_batch_the_cache_serves(models, h200):
@@ -299,8 +301,8 @@ def test_many_slots_widen_the_batch_the_cache_serves(models, h200):
     auto = _plan(models, h200, 12, _curve("default"), parallel=16)
     assert not auto.expert_cache.use_cache and "16 streams" in auto.expert_cache.reason
     many = _plan(models, h200, 12, _curve("default"), parallel=16, expert_cache=2048 * MiB)
-    assert one.settings.moe_cache_max_batch is None and "--moe-cache-max-batch" not in one.args
-    assert many.settings.moe_cache_max_batch == 16
+    assert one.settings.expert_cache_max_batch is None and "--moe-cache-max-batch" not in one.args
+    assert many.settings.expert_cache_max_batch == 16
     assert many.args[many.args.index("--moe-cache-max-batch") + 1] == "16"
 
 
@@ -332,7 +334,7 @@ def test_plan_reads_the_cached_routing_profile_and_prints_the_arithmetic(models,
     assert "hit-rate curve: default" in text and "predicted hit rate" in text and "expert cache" in text
     doc = plan_document(res)["workers"][0]
     assert doc["expert_cache"]["use_cache"] and "--moe-cache-mib" in doc["argv"]
-    assert doc["memory"][0]["cache"] > 0 and doc["settings"]["moe_cache_mib"] == doc["expert_cache"]["chosen"][
+    assert doc["memory"][0]["cache"] > 0 and doc["settings"]["expert_cache_mib"] == doc["expert_cache"]["chosen"][
         "cache_mib"]
 
     def cache_profile(locality):
@@ -352,7 +354,7 @@ def test_plan_reads_the_cached_routing_profile_and_prints_the_arithmetic(models,
     off = plan_document(_resolve(model, **{"workers.expert_cache": "off"}))["workers"][0]
     assert "--moe-cache-mib" not in off["argv"] and "expert_cache" not in off
     sized = plan_document(_resolve(model, **{"workers.expert_cache": "1GiB"}))["workers"][0]
-    assert sized["settings"]["moe_cache_mib"] == 1024
+    assert sized["settings"]["expert_cache_mib"] == 1024
 
 
 def _plan_with(models, h200, budget_gib, curve, backend, **kw):
@@ -370,7 +372,7 @@ def test_misses_on_the_cpu_when_asked_for_and_when_predicted_faster(models, h200
     # at 8 GiB a cache with CPU misses still beats none (measured 74.0 against 35.5 t/s), so asked for, it is taken
     cpu = _plan_with(models, h200, 8, curve, both, expert_cache_misses="cpu")
     assert cpu.expert_cache.use_cache and cpu.expert_cache.chosen.miss_mode == "cpu"
-    assert cpu.settings.moe_cache_cpu_misses and "--moe-cache-cpu-misses" in cpu.args
+    assert cpu.settings.expert_cache_cpu_misses and "--moe-cache-cpu-misses" in cpu.args
     chosen = cpu.expert_cache.chosen                         # the shares replayed on the recorded trace
     hit, up = curve.cpu_misses.at(chosen.fraction)
     assert chosen.hit_rate == pytest.approx(hit) and chosen.host_read_bytes > 0

@@ -42,7 +42,7 @@ def _replan(models, bench, prefetch: str):
 @pytest.mark.parametrize("streams", ["1", "4"])
 def test_the_predicted_effect_of_uploads_ahead_is_the_measured_one(models, bench, streams):
     on, off = _replan(models, bench, "on"), _replan(models, bench, "off")
-    assert on.settings.moe_cache_prefetch and not off.settings.moe_cache_prefetch
+    assert on.settings.expert_cache_prefetch and not off.settings.expert_cache_prefetch
     pick = (lambda w: w.predicted.tg) if streams == "1" else (lambda w: w.predicted.tg_streams)
     predicted = pick(on) / pick(off)
     # the plan without them: its own start and its A/A control, both in the same run
@@ -54,7 +54,7 @@ def test_the_predicted_effect_of_uploads_ahead_is_the_measured_one(models, bench
 
 def test_auto_keeps_uploads_ahead_off_where_they_measured_slower(models, bench):
     w = _replan(models, bench, "auto")
-    assert not w.settings.moe_cache_prefetch
+    assert not w.settings.expert_cache_prefetch
     assert "--moe-cache-prefetch" not in w.args
     c = w.expert_cache.chosen
     assert not c.prefetch and c.prefetch_gain < 1.0

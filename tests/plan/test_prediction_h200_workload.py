@@ -70,7 +70,7 @@ def _replan(models, h200, bench, run, model: str, curve=None, features: frozense
     shape = models(like, layers=n_layers) if n_layers else models(like)
     w = make_plan(machines={"h200": machine}, model=shape, request=req, backend=b,
                   routing=curve or _curve(model)).workers[0]
-    assert w.settings.moe_cache_mib == mib
+    assert w.settings.expert_cache_mib == mib
     return w
 
 

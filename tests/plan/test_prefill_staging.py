@@ -107,9 +107,9 @@ def test_staged_prompts_hide_part_of_their_copies_and_no_more(models, h200):
 def test_staged_plans_keep_the_cache_s_vram_and_give_slots_to_prompts(models, h200):
     staged = _worker(models, h200, objective="prompt")
     off = _worker(models, h200, objective="prompt", expert_cache_staging="off")
-    assert staged.settings.moe_cache_prefill_ahead == R.PREFILL_STAGE_BUFFERS == 2
-    assert off.settings.moe_cache_prefill_ahead == 0
-    assert staged.settings.moe_cache_mib == off.settings.moe_cache_mib == 3362
+    assert staged.settings.expert_cache_stage_buffers == R.PREFILL_STAGE_BUFFERS == 2
+    assert off.settings.expert_cache_stage_buffers == 0
+    assert staged.settings.expert_cache_mib == off.settings.expert_cache_mib == 3362
     assert staged.predicted.pp[512] > 1.15 * off.predicted.pp[512]
     assert 0.94 <= staged.predicted.tg / off.predicted.tg < 1.0              # fewer slots
     assert staged.expert_cache.chosen.stage_buffers == 2 and staged.expert_cache.chosen.slots_per_layer < \
@@ -129,17 +129,17 @@ def test_staged_plans_keep_the_cache_s_vram_and_give_slots_to_prompts(models, h2
 ])
 def test_asked_for_where_it_cannot_work_the_plan_says_why(models, h200, change, why):
     asked = _worker(models, h200, expert_cache_staging="on", **change)
-    assert asked.settings.moe_cache_prefill_ahead == 0
+    assert asked.settings.expert_cache_stage_buffers == 0
     assert f"prompts not staged: " in _cache_decision(asked) and why in _cache_decision(asked)
     auto = _worker(models, h200, **change)
-    assert auto.settings.moe_cache_prefill_ahead == 0 and "staged" not in _cache_decision(auto)
+    assert auto.settings.expert_cache_stage_buffers == 0 and "staged" not in _cache_decision(auto)
 
 
 def test_no_staging_without_the_option_or_without_cuda(models, h200):
     assert _worker(models, h200, back=_backend(STAGING - {"moe_cache_prefill_ahead"})).settings \
-        .moe_cache_prefill_ahead == 0
+        .expert_cache_stage_buffers == 0
     assert _worker(models, h200, back=_backend(cuda=False), expert_cache_staging="on").settings \
-        .moe_cache_prefill_ahead == 0
+        .expert_cache_stage_buffers == 0
 
 
 @pytest.mark.parametrize("objective", ["generation", "balanced", "prompt"])
@@ -151,14 +151,14 @@ def test_objectives_weigh_the_slots_against_the_prompts(models, h200, objective,
     on = _worker(models, h200, expert_cache_staging="on", **kw)
     off = _worker(models, h200, expert_cache_staging="off", **kw)
     auto = _worker(models, h200, **kw)
-    assert on.settings.moe_cache_prefill_ahead == 2 and off.settings.moe_cache_prefill_ahead == 0
+    assert on.settings.expert_cache_stage_buffers == 2 and off.settings.expert_cache_stage_buffers == 0
     tg, pp = on.predicted.tg / off.predicted.tg, on.predicted.pp[512] / off.predicted.pp[512]
     want = {"generation": tg >= 0.97 and pp > 1.01, "balanced": (tg * pp) ** 0.5 > 1.01, "prompt": pp > 1.01}
-    assert (auto.settings.moe_cache_prefill_ahead == 2) == want[objective], (tg, pp)
+    assert (auto.settings.expert_cache_stage_buffers == 2) == want[objective], (tg, pp)
     assert auto.predicted.pp[512] == pytest.approx((on if want[objective] else off).predicted.pp[512])
     if mib == 6000:
         # a larger cache loses a smaller share of its slots to the buffers: every objective stages
-        assert auto.settings.moe_cache_prefill_ahead == 2
+        assert auto.settings.expert_cache_stage_buffers == 2
 
 
 
@@ -227,7 +227,7 @@ def test_the_plan_passes_the_minimum_where_the_server_has_the_option(models, h20
     need = staging_min_batch(128, 8, w2.distinct)
     with_option = _backend(STAGING | {"moe_cache_prefill_ahead_min_batch"})
     w = _worker(models, h200, back=with_option, routing=w2, objective="prompt")
-    assert w.settings.moe_cache_prefill_ahead == 2 and w.settings.moe_cache_prefill_ahead_min_batch == need
+    assert w.settings.expert_cache_stage_buffers == 2 and w.settings.expert_cache_stage_min_batch == need
     argv = list(w.args)
     assert argv[argv.index("--moe-cache-prefill-ahead-min-batch") + 1] == str(need)
     assert f"micro-batches from {need} tokens" in _cache_decision(w)
@@ -237,16 +237,16 @@ def test_the_plan_passes_the_minimum_where_the_server_has_the_option(models, h20
     assert w.predicted.pp[512] > 1.05 * off.predicted.pp[512]
     # a server without the option stages every micro-batch by the uniform rule: no flag, no minimum
     old = _worker(models, h200, routing=w2, objective="prompt")
-    assert old.settings.moe_cache_prefill_ahead == 2 and old.settings.moe_cache_prefill_ahead_min_batch == 0
+    assert old.settings.expert_cache_stage_buffers == 2 and old.settings.expert_cache_stage_min_batch == 0
     assert "--moe-cache-prefill-ahead-min-batch" not in old.args
     # nothing measured (the default curve): no minimum either
     assert _worker(models, h200, back=with_option, objective="prompt").settings \
-        .moe_cache_prefill_ahead_min_batch == 0
+        .expert_cache_stage_min_batch == 0
 
 
 def test_a_micro_batch_below_the_measured_minimum_is_not_staged_and_the_plan_says_so(models, h200):
     w2 = _profile("routing-w2-default").curve()
     with_option = _backend(STAGING | {"moe_cache_prefill_ahead_min_batch"})
     w = _worker(models, h200, back=with_option, routing=w2, ubatch=256, expert_cache_staging="on")
-    assert w.settings.moe_cache_prefill_ahead == 0
+    assert w.settings.expert_cache_stage_buffers == 0
     assert "the measured routing needs" in _cache_decision(w)

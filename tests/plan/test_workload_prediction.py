@@ -53,7 +53,7 @@ def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placemen
                          backend=back).workers[0]
 
     without, reads = worker(_backend()), worker(_backend("moe_cache_prefill"))
-    assert without.settings.moe_cache_mib == reads.settings.moe_cache_mib == mib
+    assert without.settings.expert_cache_mib == reads.settings.expert_cache_mib == mib
     assert reads.predicted.tg == pytest.approx(without.predicted.tg)
     gain = reads.predicted.pp[512] / without.predicted.pp[512]
     assert low < gain < high, gain
