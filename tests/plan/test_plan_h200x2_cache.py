@@ -122,7 +122,7 @@ def check_cache_plan(w, model, n_gpus: int):
         assert f"{s.device}: {s.whole_layers} whole expert layers, {s.host_layers} host-resident x " \
                f"{s.slots_per_layer} slots = {s.slots} experts = {s.cache_bytes / MiB:.1f} MiB" in text
     doc = json.loads(json.dumps(w.to_dict()))
-    assert [g["cache_bytes"] for g in doc["expert_cache"]["per_gpu"]] == [m.cache for m in gpu_mem]
+    assert [g["cache_mib"] for g in doc["expert_cache"]["per_gpu"]] == [round(m.cache / MiB, 1) for m in gpu_mem]
     assert [g["slots"] for g in doc["expert_cache"]["per_gpu"]] == [s.slots for s in shares]
 
 

@@ -114,7 +114,7 @@ def test_staged_plans_keep_the_cache_s_vram_and_give_slots_to_prompts(models, h2
     assert 0.94 <= staged.predicted.tg / off.predicted.tg < 1.0              # fewer slots
     assert staged.expert_cache.chosen.stage_buffers == 2 and staged.expert_cache.chosen.slots_per_layer < \
         off.expert_cache.chosen.slots_per_layer
-    assert staged.expert_cache.to_json()["chosen"]["prefill_stage_buffers"] == 2
+    assert staged.expert_cache.to_json()["chosen"]["stage_buffers"] == 2
     # the same VRAM: the buffers are inside the cache's MiB, and the memory model counts them there
     cuda = lambda w: next(m for m in w.memory if m.device.startswith("CUDA"))   # noqa: E731
     assert abs(cuda(staged).cache - cuda(off).cache) < 64 * MiB
@@ -231,7 +231,7 @@ def test_the_plan_passes_the_minimum_where_the_server_has_the_option(models, h20
     argv = list(w.args)
     assert argv[argv.index("--moe-cache-prefill-ahead-min-batch") + 1] == str(need)
     assert f"micro-batches from {need} tokens" in _cache_decision(w)
-    assert w.expert_cache.to_json()["chosen"]["prefill_stage_min_batch"] == need
+    assert w.expert_cache.to_json()["chosen"]["stage_min_batch"] == need
     # the prediction follows: a 128-token prompt as unstaged, 512 staged
     off = _worker(models, h200, back=with_option, routing=w2, objective="prompt", expert_cache_staging="off")
     assert w.predicted.pp[512] > 1.05 * off.predicted.pp[512]
