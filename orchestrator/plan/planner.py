@@ -278,7 +278,7 @@ def _with_expert_cache(w: _GpuWorker, chosen: _Chosen) -> _Chosen:
     best = choose(shown, ctx.req.objective)
     cache = next(d for d in decided if d.candidate is best)
     lm_why = chosen.load_why
-    if cache.banks and ctx.req.load_mode == "auto":
+    if cache.bank_bytes and ctx.req.load_mode == "auto":
         # layers moved to the cache stay in host memory (their room there was checked): say so with the
         # bytes that are really there
         again, why = _load_mode(w, best.placement.cpu_weights)
@@ -326,7 +326,7 @@ def _batch_and_offload_decisions(w: _GpuWorker, chosen: _Chosen, decisions: list
 def _gpu_memory(w: _GpuWorker, chosen: _Chosen) -> tuple[DeviceMemory, ...]:
     """Predicted memory on each GPU (the expert cache's banks included) and in host memory."""
     model, req, node_req, best = w.ctx.model, w.ctx.req, w.ctx.node_req, chosen.best
-    placement, banks = best.placement, chosen.cache.banks
+    placement, banks = best.placement, chosen.cache.bank_bytes
     memory = []
     for k, g in enumerate(w.gpus):
         free, _why = gpu_free(g, node_req)
@@ -422,7 +422,7 @@ def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], po
         tensor_split=tuple(placement.tensor_split) if len(gpus) > 1 else (),
         main_gpu=gpus.index(side.main) if len(gpus) > 1 else None,
         tensor_overrides=overrides, fit=False, op_offload_min_batch=side.threshold, load_mode=load_mode,
-        expert_cache_mib=side.cache.mib, expert_cache_max_batch=side.cache.max_batch,
+        expert_cache_mib=side.cache.cache_mib, expert_cache_max_batch=side.cache.max_batch,
         expert_cache_cpu_misses=side.cache.cpu_misses, expert_cache_prefetch=side.cache.prefetch,
         expert_cache_slots="device" if side.cache.slots == "device" else None,
         expert_cache_stage_buffers=side.cache.stage_buffers,

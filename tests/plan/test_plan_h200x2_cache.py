@@ -139,7 +139,7 @@ def test_two_h200s_split_the_cache_by_the_layers_they_run(models, x2, case, curv
     w = plan.workers[0]
     assert w.expert_cache.use_cache
     check_cache_plan(w, model, 2)
-    off = make_plan(machines={"x2": with_gpu_free(x2, budget)}, model=model, request=req.copy(expert_cache=0),
+    off = make_plan(machines={"x2": with_gpu_free(x2, budget)}, model=model, request=req.copy(expert_cache_bytes=0),
                     backend=_cached_backend(), routing=routing).workers[0]
     assert w.predicted.tg > off.predicted.tg
     # bytes per token by device: each GPU reads its own banks, and the layers moved to the cache no longer as

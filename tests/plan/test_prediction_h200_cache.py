@@ -146,7 +146,7 @@ def _worker(models, h200, rec, **kw):
     layers, mib = _layers_and_cache(rec["args"])
     a = rec["args"]
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=rec["budget"], vram_reserve=256 * MiB),),
-                      expert_layers_on_cpu=layers, expert_cache=mib * MiB if mib else 0,
+                      expert_layers_on_cpu=layers, expert_cache_bytes=mib * MiB if mib else 0,
                       ubatch=int(a[a.index("-ub") + 1]), **kw)
     b = _cached_backend()
     if rec["cpu_misses"]:
@@ -268,7 +268,7 @@ def test_the_plan_chooses_a_cache_with_locality_and_none_without(models, h200, b
     # the no-cache candidate predicts exactly what the plan without a cache predicts
     assert not flat.expert_cache.use_cache and flat.settings.expert_cache_mib == 0
     assert "--moe-cache-mib" not in flat.args
-    same_ub = _plan(models, h200, budget, _curve("default"), expert_cache=0, ubatch=local.n_ubatch)
+    same_ub = _plan(models, h200, budget, _curve("default"), expert_cache_bytes=0, ubatch=local.n_ubatch)
     assert local.expert_cache.no_cache.tokens_per_s == pytest.approx(same_ub.predicted.tg, rel=1e-9)
     # measured at 12 GiB: 1.92x (143.5 t/s with the cache against 74.7 for the locality-0 plan without one)
     assert local.predicted.tg > 1.3 * flat.predicted.tg
@@ -282,14 +282,14 @@ def test_the_plan_chooses_a_cache_with_locality_and_none_without(models, h200, b
 def test_objective_prompt_and_off_keep_whole_layers(models, h200):
     gen = _plan(models, h200, 12, _curve("default"))
     prompt = _plan(models, h200, 12, _curve("default"), objective="prompt")
-    off = _plan(models, h200, 12, _curve("default"), expert_cache=0)
+    off = _plan(models, h200, 12, _curve("default"), expert_cache_bytes=0)
     assert not prompt.expert_cache.use_cache and off.expert_cache is None
-    off_same_ub = _plan(models, h200, 12, _curve("default"), expert_cache=0, ubatch=prompt.n_ubatch)
+    off_same_ub = _plan(models, h200, 12, _curve("default"), expert_cache_bytes=0, ubatch=prompt.n_ubatch)
     assert prompt.cpu_expert_layers == off_same_ub.cpu_expert_layers
     assert len(off.cpu_expert_layers) < len(gen.cpu_expert_layers)
     assert prompt.predicted.pp[4096] >= gen.predicted.pp[4096]
     assert prompt.n_ubatch >= gen.n_ubatch
-    sized = _plan(models, h200, 12, _curve("default"), expert_cache=2048 * MiB)
+    sized = _plan(models, h200, 12, _curve("default"), expert_cache_bytes=2048 * MiB)
     assert sized.settings.expert_cache_mib == 2048
 
 
@@ -300,7 +300,7 @@ def test_many_slots_widen_the_batch_the_cache_serves(models, h200):
     one = _plan(models, h200, 12, _curve("default"))
     auto = _plan(models, h200, 12, _curve("default"), parallel=16)
     assert not auto.expert_cache.use_cache and "16 streams" in auto.expert_cache.reason
-    many = _plan(models, h200, 12, _curve("default"), parallel=16, expert_cache=2048 * MiB)
+    many = _plan(models, h200, 12, _curve("default"), parallel=16, expert_cache_bytes=2048 * MiB)
     assert one.settings.expert_cache_max_batch is None and "--moe-cache-max-batch" not in one.args
     assert many.settings.expert_cache_max_batch == 16
     assert many.args[many.args.index("--moe-cache-max-batch") + 1] == "16"

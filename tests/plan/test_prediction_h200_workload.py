@@ -60,7 +60,8 @@ def _replan(models, h200, bench, run, model: str, curve=None, features: frozense
     layers, mib = _layers_and_cache(args)
     parallel = int(args[args.index("-np") + 1])
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=bench["vram_budget"], vram_reserve=256 * MiB),),
-                      expert_layers_on_cpu=layers, expert_cache=mib * MiB, ubatch=int(args[args.index("-ub") + 1]),
+                      expert_layers_on_cpu=layers, expert_cache_bytes=mib * MiB,
+                      ubatch=int(args[args.index("-ub") + 1]),
                       parallel=parallel, **request)
     b = backend("mainline")
     b = dataclasses.replace(b, features=(b.features | {"moe_cache", "moe_cache_prefill"} | set(features)) - without)

@@ -11,7 +11,7 @@ import pytest
 from planfixtures import backend, with_gpu_free
 
 from orchestrator.hardware.dump import load_machine
-from orchestrator.model.memory import moe_cache_size, moe_cache_stage_bytes
+from orchestrator.model.memory import expert_cache_size, expert_cache_stage_bytes
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import model_costs
@@ -40,7 +40,7 @@ def _backend(features=STAGING, cuda: bool = True):
 
 
 def _worker(models, h200, back=None, budget: int = 12 * GiB, routing=None, **kw):
-    fixed = dict(expert_layers_on_cpu=tuple(range(30)), expert_cache=3362 * MiB, ubatch=2048)
+    fixed = dict(expert_layers_on_cpu=tuple(range(30)), expert_cache_bytes=3362 * MiB, ubatch=2048)
     fixed.update(kw)
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=budget, vram_reserve=256 * MiB),), **fixed)
     return make_plan(machines={"h200": with_gpu_free(h200, budget)}, model=models("qwen3-30b-a3b"), request=req,
@@ -55,25 +55,25 @@ def test_the_buffers_are_the_largest_expert_tensor_as_cuda_allocates_it(models):
     model = models("qwen3-30b-a3b")
     # the down tensor's rows (768) are padded to 512 elements on CUDA: 256 more q4_0 elements, once; then aligned
     down = -(-(EXPERT_TENSOR + 256 // 32 * 18) // 128) * 128
-    assert moe_cache_stage_bytes(model, range(30), 2) == 2 * down
-    assert moe_cache_stage_bytes(model, range(30), 3) == 3 * down
-    assert moe_cache_stage_bytes(model, (), 2) == 0
-    assert moe_cache_stage_bytes(model, range(30), 0) == 0
+    assert expert_cache_stage_bytes(model, range(30), 2) == 2 * down
+    assert expert_cache_stage_bytes(model, range(30), 3) == 3 * down
+    assert expert_cache_stage_bytes(model, (), 2) == 0
+    assert expert_cache_stage_bytes(model, range(30), 0) == 0
 
 
 def test_the_buffers_come_out_of_the_cache_and_leave_fewer_slots(models):
     model = models("qwen3-30b-a3b")
-    stage = moe_cache_stage_bytes(model, range(30), 2)
+    stage = expert_cache_stage_bytes(model, range(30), 2)
     per_slot = 30 * 3 * EXPERT
-    plain = moe_cache_size(model, range(30), 3362)
-    staged = moe_cache_size(model, range(30), 3362, stage_bytes=stage)
+    plain = expert_cache_size(model, range(30), 3362)
+    staged = expert_cache_size(model, range(30), 3362, stage_bytes=stage)
     assert plain.slots == 3362 * MiB // per_slot == 44 and plain.stage_bytes == 0
     assert staged.slots == (3362 * MiB - stage) // per_slot == 41 and staged.stage_bytes == stage
     # the patch drops the buffers where the rest would not hold one token's experts (8 slots) per tensor
     small = (stage + 8 * per_slot) // MiB
-    dropped = moe_cache_size(model, range(30), small, stage_bytes=stage)
+    dropped = expert_cache_size(model, range(30), small, stage_bytes=stage)
     assert dropped.stage_bytes == 0 and dropped.slots == small * MiB // per_slot
-    kept = moe_cache_size(model, range(30), small + 1, stage_bytes=stage)
+    kept = expert_cache_size(model, range(30), small + 1, stage_bytes=stage)
     assert kept.stage_bytes == stage and kept.slots == 8
 
 
@@ -147,7 +147,7 @@ def test_no_staging_without_the_option_or_without_cuda(models, h200):
 def test_objectives_weigh_the_slots_against_the_prompts(models, h200, objective, budget, mib):
     """generation: staged where its generation stays within 3% of the same cache unstaged and prompts gain;
     balanced: where the geometric mean of both ratios gains; prompt: where prompts gain."""
-    kw = dict(budget=budget, expert_cache=mib * MiB, objective=objective)
+    kw = dict(budget=budget, expert_cache_bytes=mib * MiB, objective=objective)
     on = _worker(models, h200, expert_cache_staging="on", **kw)
     off = _worker(models, h200, expert_cache_staging="off", **kw)
     auto = _worker(models, h200, **kw)

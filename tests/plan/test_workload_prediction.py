@@ -43,7 +43,7 @@ def _worker(models, h200, budget: int, back, **kw):
 def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placement(models, h200, shape, host, mib,
                                                                                   low, high):
     like, layers = shape
-    fixed = dict(expert_layers_on_cpu=host, expert_cache=mib * MiB, ubatch=1024)
+    fixed = dict(expert_layers_on_cpu=host, expert_cache_bytes=mib * MiB, ubatch=1024)
     budget = 12 * GiB if layers is None else 24 * GiB
     model = models(like, layers=layers) if layers else models(like)
 
