@@ -98,7 +98,7 @@ def _cache_lines():
         for line in lzma.decompress((BENCH / d / "cache-init.txt.xz").read_bytes()).decode().splitlines():
             run, rest = line.split(" ", 1)
             config, text = rest.split(": ", 1)
-            out[(f"{d}/{run}", config)] = parse_load_log(text).moe_cache
+            out[(f"{d}/{run}", config)] = parse_load_log(text).expert_cache
     return out
 
 
