@@ -31,7 +31,7 @@ from orchestrator.model.memory import (EXPERT_CACHE_MAX_BATCH, ExpertCacheSize, 
 from orchestrator.plan import expert_cache as X
 from orchestrator.plan import rates as R
 from orchestrator.plan.candidates import Candidate, evaluate, kv_layers, offload_threshold
-from orchestrator.plan.context import PlanContext
+from orchestrator.plan.planning_context import PlanningContext
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.cpu import CpuChoice, node_available
 from orchestrator.plan.placement import Placement, layer_split_placement
@@ -46,7 +46,7 @@ class CacheContext:
     """What the expert-cache decision of one GPU worker reads beside its candidate: the planning context, the
     worker's GPUs, how its host-resident weights are loaded, its NUMA and thread choice, and its split mode."""
 
-    plan: PlanContext
+    plan: PlanningContext
     gpus: tuple[Gpu, ...]
     load_mode: str
     cpu: CpuChoice
@@ -405,7 +405,7 @@ def cache_shares(costs: ModelCosts, placement: Placement, host: tuple[int, ...],
     return tuple(out)
 
 
-def prefetch_mode(ctx: PlanContext) -> str:
+def prefetch_mode(ctx: PlanningContext) -> str:
     """Uploads ahead of need as the plan weighs them: "off" where the backend or the model's architecture has
     none (or the topology says off), else the topology's auto or on."""
     if ctx.req.expert_cache_prefetch == "off" or not ctx.backend.has("moe_cache_prefetch") or \
@@ -414,7 +414,7 @@ def prefetch_mode(ctx: PlanContext) -> str:
     return ctx.req.expert_cache_prefetch
 
 
-def slots_on_device(ctx: PlanContext, gpus: list[Gpu], load_mode: str) -> str | None:
+def slots_on_device(ctx: PlanningContext, gpus: list[Gpu], load_mode: str) -> str | None:
     """None where the worker's slots can be assigned on the GPU (``--moe-cache-slots device``), else why not. The
     device kernels read the misses from the weights' host memory, so it must be pinned (not memory-mapped); the
     CUDA backend exports them; one GPU per worker is what was measured (several keep the host's assignment)."""

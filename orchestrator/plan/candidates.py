@@ -12,7 +12,7 @@ from orchestrator.hardware.topology import Gpu, Machine
 from orchestrator.model.info import ModelInfo
 from orchestrator.plan import buffers as M
 from orchestrator.plan import rates as R
-from orchestrator.plan.context import PlanContext, buffer_shape
+from orchestrator.plan.planning_context import PlanningContext, buffer_shape
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.cpu import CpuChoice
 from orchestrator.plan.placement import (
@@ -137,7 +137,7 @@ def offload_threshold(req: PlanRequest, costs: ModelCosts, placement: Placement,
                                 min_batch=max(req.parallel + 1, R.OP_OFFLOAD_MIN_BATCH_FLOOR))
 
 
-def evaluate(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], *, mode: str, ub: int, load_mode: str,
+def evaluate(ctx: PlanningContext, gpus: list[Gpu], kv_layer: list[int], *, mode: str, ub: int, load_mode: str,
              cpu: CpuChoice) -> Candidate:
     """Place the model for micro-batch ``ub`` and predict its speed."""
     model, costs, req, node_req = ctx.model, ctx.costs, ctx.req, ctx.node_req

@@ -17,7 +17,7 @@ from orchestrator.plan import rates as R
 from orchestrator.plan.cache_choice import NO_CACHE, CacheContext, CacheDecision, decide_expert_cache
 from orchestrator.plan.candidates import (REPLY_TOKENS, WORKLOAD_PROMPTS, Candidate, choose, evaluate, gpu_free,
                                          kv_layers, request_seconds, speed_inputs)
-from orchestrator.plan.context import PlanContext
+from orchestrator.plan.planning_context import PlanningContext
 from orchestrator.plan.costs import ModelCosts, model_costs
 from orchestrator.plan.cpu import CpuChoice, CpuWants, choose_cpu, node_available
 from orchestrator.plan.layout import worker_layout
@@ -90,7 +90,7 @@ def _ranges(placement: Placement, n_layers: int, gpu_names: list[str]) -> tuple[
     return tuple(out)
 
 
-def _choose_cpu(ctx: PlanContext, host_bytes: int, anchor: int | None) -> CpuChoice:
+def _choose_cpu(ctx: PlanningContext, host_bytes: int, anchor: int | None) -> CpuChoice:
     """The worker's NUMA policy and threads for ``host_bytes`` in host memory, near ``anchor`` (the main GPU's
     node; None: no GPU)."""
     req = ctx.req
@@ -120,7 +120,7 @@ class _GpuWorker:
     """What every step of a GPU worker's plan reads: the planning context, the worker's GPUs, the KV cache by
     layer, the main GPU and the NUMA node nearest it, and the host memory available to load weights into."""
 
-    ctx: PlanContext
+    ctx: PlanningContext
     gpus: list[Gpu]
     kv_layer: list[int]
     main: Gpu
@@ -142,7 +142,7 @@ class _Chosen:
     cache: CacheDecision = NO_CACHE
 
 
-def _gpu_side(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], mode: str, mode_why: str,
+def _gpu_side(ctx: PlanningContext, gpus: list[Gpu], kv_layer: list[int], mode: str, mode_why: str,
               decisions: list[Decision]) -> _Side:
     """Placement over the worker's GPUs: micro-batch candidates, load mode, expert cache, NUMA binding, op-offload
     threshold."""
@@ -169,7 +169,7 @@ def _n_host_expert_layers(costs: ModelCosts, placement: Placement) -> int:
     return len([i for i in placement.cpu_expert_layers if costs.layer_experts[i]])
 
 
-def _gpu_worker(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int]) -> _GpuWorker:
+def _gpu_worker(ctx: PlanningContext, gpus: list[Gpu], kv_layer: list[int]) -> _GpuWorker:
     """The main GPU (best measured host bandwidth; ties: lowest index), the node nearest it, the host memory."""
     machine = ctx.machine
     bw = machine.bandwidth
@@ -341,7 +341,7 @@ def _gpu_memory(w: _GpuWorker, chosen: _Chosen) -> tuple[DeviceMemory, ...]:
     return tuple(memory)
 
 
-def _cpu_side(ctx: PlanContext, kv_layer: list[int], decisions: list[Decision]) -> _Side:
+def _cpu_side(ctx: PlanningContext, kv_layer: list[int], decisions: list[Decision]) -> _Side:
     """Everything in host memory: NUMA binding decides the load mode."""
     model, costs, req, machine = ctx.model, ctx.costs, ctx.req, ctx.machine
     placement = place_cpu_only(costs, kv_layer)
@@ -370,7 +370,7 @@ def _cpu_side(ctx: PlanContext, kv_layer: list[int], decisions: list[Decision]) 
                  load_mode=load_mode, cpu=cpu)
 
 
-def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], port: int) -> WorkerPlan:
+def plan_worker(ctx: PlanningContext, *, name: str, gpu_indexes: tuple[int, ...], port: int) -> WorkerPlan:
     """One worker on ``ctx.machine`` over the GPUs ``gpu_indexes`` (none: CPU only), serving on ``port``."""
     decisions: list[Decision] = []
     machine, model, costs, req, backend = ctx.machine, ctx.model, ctx.costs, ctx.req, ctx.backend
@@ -499,7 +499,7 @@ def _make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pl
         decisions.append(Decision(f"layout {node_req.name}", why.value, why.why))
         for k, (gidx, pkg, share) in enumerate(groups):
             name = f"{node_req.name}-{k}" if len(groups) > 1 or len(request.nodes) > 1 else node_req.name
-            ctx = PlanContext(machine=machine, model=model, costs=costs, req=request, node_req=node_req,
+            ctx = PlanningContext(machine=machine, model=model, costs=costs, req=request, node_req=node_req,
                               backend=backend, curve=curve, package=pkg, share=share)
             workers.append(plan_worker(ctx, name=name, gpu_indexes=gidx, port=port))
             port += 1

@@ -16,7 +16,7 @@ from orchestrator.model.routing_profile import default_curve
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 from orchestrator.plan.cache_choice import CacheContext, decide_expert_cache
 from orchestrator.plan.candidates import evaluate, kv_layers
-from orchestrator.plan.context import PlanContext
+from orchestrator.plan.planning_context import PlanningContext
 from orchestrator.plan.costs import model_costs
 from orchestrator.plan.cpu import CpuWants, choose_cpu
 
@@ -41,7 +41,7 @@ def _inputs(models, h200, **kw):
     model, req = models("qwen3-30b-a3b"), _request(**kw)
     back = dataclasses.replace(backend("mainline"), features=backend("mainline").features | FEATURES)
     node_req = req.nodes[0].for_machine(h200.memory_total_bytes)
-    ctx = PlanContext(machine=h200, model=model, costs=model_costs(model), req=req, node_req=node_req, backend=back,
+    ctx = PlanningContext(machine=h200, model=model, costs=model_costs(model), req=req, node_req=node_req, backend=back,
                       curve=default_curve(model.n_expert, model.n_expert_used, model.arch), fa="on")
     gpus = list(h200.gpus[:1])
     cpu = choose_cpu(h200, host_bytes=ctx.costs.total_bytes, ram_reserve=node_req.ram_reserve,
