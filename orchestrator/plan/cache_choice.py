@@ -68,7 +68,7 @@ class CacheDecision:
     max_batch: int | None = None      # --moe-cache-max-batch (None: the server's default)
     cpu_misses: bool = False          # misses computed on the CPU where they lie (--moe-cache-cpu-misses)
     prefetch: bool = False            # uploads ahead of need (--moe-cache-prefetch)
-    slots: str = "host"               # where the slots are assigned: "device" or "host" (--moe-cache-slots)
+    slot_assignment: str = "host"     # where the slots are assigned: "device" or "host" (--moe-cache-slots)
     stage_buffers: int = 0            # prompts' staging buffers (--moe-cache-prefill-ahead; 0: not staged)
     stage_min_batch: int = 0          # micro-batches staged from this many tokens (0: the patch's rule)
 
@@ -121,7 +121,7 @@ def _decided(cc: CacheContext, cand: Candidate, cplan: X.CachePlan, decision: De
         candidate=cand, plan=cplan, decision=decision, bank_bytes=banks, cache_mib=mib,
         max_batch=cache_max_batch(req) if mib and req.parallel > EXPERT_CACHE_MAX_BATCH else None,
         cpu_misses=bool(mib and c.miss_mode == "cpu"), prefetch=bool(mib and c.prefetch),
-        slots="device" if mib and c.device_slots else "host",
+        slot_assignment="device" if mib and c.device_slots else "host",
         stage_buffers=c.stage_buffers if mib else 0, stage_min_batch=c.stage_min_batch if mib else 0)
 
 

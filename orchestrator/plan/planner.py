@@ -424,7 +424,7 @@ def plan_worker(ctx: PlanningContext, *, name: str, gpu_indexes: tuple[int, ...]
         tensor_overrides=overrides, fit=False, op_offload_min_batch=side.threshold, load_mode=load_mode,
         expert_cache_mib=side.cache.cache_mib, expert_cache_max_batch=side.cache.max_batch,
         expert_cache_cpu_misses=side.cache.cpu_misses, expert_cache_prefetch=side.cache.prefetch,
-        expert_cache_slots="device" if side.cache.slots == "device" else None,
+        expert_cache_slots="device" if side.cache.slot_assignment == "device" else None,
         expert_cache_stage_buffers=side.cache.stage_buffers,
         expert_cache_stage_min_batch=side.cache.stage_min_batch,
         numa=cpu.numa, numa_flag=cpu.numa_flag,

@@ -59,7 +59,7 @@ def test_one_result_holds_what_the_worker_runs_with(models, h200):
     c = got.plan.chosen
     assert got.cache_mib == c.cache_mib == 3362 and got.decision.value == "3362 MiB"
     assert got.stage_buffers == c.stage_buffers == 2 and "prompts staged: 2 buffers" in got.decision.why
-    assert got.slots == ("device" if c.device_slots else "host") and got.max_batch is None
+    assert got.slot_assignment == ("device" if c.device_slots else "host") and got.max_batch is None
     assert len(got.bank_bytes) == 1 and got.bank_bytes[0] >= c.stage_bytes > 0      # the buffers sit on the first GPU
     assert got.candidate.tg == c.tokens_per_s and got.candidate.pp != cand.pp    # predicted with the cache
     assert got.decision.why.startswith(got.plan.reason)     # one line: the split's reason, then the steps' notes
@@ -71,7 +71,7 @@ def test_the_planner_runs_the_decision_as_it_stands(models, h200):
     w = make_plan(machines={"h200": h200}, model=cc.plan.model, request=cc.plan.req, backend=back).workers[0]
     s = w.settings
     assert (s.expert_cache_mib, s.expert_cache_stage_buffers, s.expert_cache_slots == "device") == \
-        (got.cache_mib, got.stage_buffers, got.slots == "device")
+        (got.cache_mib, got.stage_buffers, got.slot_assignment == "device")
     assert next(d for d in w.decisions if d.what == "expert cache") == got.decision
     assert w.memory[0].cache == got.bank_bytes[0] and w.expert_cache == got.plan
 
@@ -80,5 +80,5 @@ def test_a_cache_the_topology_turns_off_leaves_the_candidate_as_it_was(models, h
     cc, cand, _back = _inputs(models, h200, expert_cache_bytes=0)
     got = decide_expert_cache(cc, cand)
     assert got.candidate is cand and got.plan is None and got.bank_bytes == ()
-    assert (got.cache_mib, got.stage_buffers, got.slots) == (0, 0, "host")
+    assert (got.cache_mib, got.stage_buffers, got.slot_assignment) == (0, 0, "host")
     assert (got.decision.value, got.decision.why) == ("off", "set by the topology")
