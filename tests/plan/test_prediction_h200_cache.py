@@ -334,6 +334,8 @@ def test_plan_reads_the_cached_routing_profile_and_prints_the_arithmetic(models,
     assert "hit-rate curve: default" in text and "predicted hit rate" in text and "expert cache" in text
     doc = plan_document(res)["workers"][0]
     assert doc["expert_cache"]["use_cache"] and "--moe-cache-mib" in doc["argv"]
+    # the memory line shows the cache in MiB, as the flag, the decision and the document do
+    assert f", expert cache {doc['memory'][0]['cache'] / MiB:.1f} MiB)" in text
     assert doc["memory"][0]["cache"] > 0 and doc["settings"]["expert_cache_mib"] == doc["expert_cache"]["chosen"][
         "cache_mib"]
 
