@@ -68,9 +68,8 @@ def _header(k: str) -> str:
         return f"{k} agg"
     if m := _LOAD.match(k):
         return f"x{m.group(2)} {'per req' if m.group(1) else 'agg'}"
-    return {"load_s": "load s", "rss_peak": "RSS peak", "expert_cache_hit_rate": "cache hits"}.get(k, k.replace("vram_peak_", "VRAM ")
-                                                             .replace("power_mean_w_", "W ")
-                                                             .replace("temp_max_c_", "°C "))
+    named = {"load_s": "load s", "rss_peak": "RSS peak", "expert_cache_hit_rate": "cache hits"}
+    return named.get(k, k.replace("vram_peak_", "VRAM ").replace("power_mean_w_", "W ").replace("temp_max_c_", "°C "))
 
 
 def _cell(k: str, m: Mapping[str, Any] | None) -> str:

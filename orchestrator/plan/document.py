@@ -231,8 +231,8 @@ def json_schema() -> dict:
             "env": {"type": "object", "additionalProperties": {"type": "string"}},
             "settings": {"type": "object", "description": (
                 "WorkerSettings: what args and env are rendered from; the expert cache's fields are expert_cache_*, "
-                "and documents with their older names (moe_cache_mib, moe_cache_prefill_ahead ..., moe_cache_device_slots) "
-                "are still read")},
+                "and documents with their older names (moe_cache_mib, moe_cache_prefill_ahead ..., "
+                "moe_cache_device_slots) are still read")},
             "decisions": {"type": "array", "items": decision},
             "predicted": {"type": "object", "properties": {
                 "tg": {"type": ["number", "null"]},
