@@ -97,3 +97,16 @@ def test_the_product_names_the_cache_expert_cache_outside_llama_servers_spelling
     fields = {f.name for f in dataclasses.fields(WorkerSettings)}
     assert {"expert_cache_mib", "expert_cache_slots", "expert_cache_stage_buffers"} <= fields
     assert not [f for f in fields if "moe_cache" in f]
+
+
+def test_the_plans_names_are_names_of_the_code():
+    """Every name the glossary gives the plan (its fields, the document's keys, the bench's metrics) is a word of
+    the product package, and none of the names it replaced is."""
+    source = "".join(p.read_text() for p in (REPO / "orchestrator").rglob("*.py"))
+    words = set(re.findall(r"\w+", source))
+    named = {n for c in _column("The expert cache", "in the plan") for n in re.findall(r"`(\w+)`", c)}
+    assert {"expert_cache_bytes", "cache_mib", "slot_assignment", "stage_buffers", "stage_mib"} <= named
+    assert named <= words, sorted(named - words)
+    former = {"prefill_stage_buffers", "prefill_stage_bytes", "prefill_stage_min_batch", "moe_cache_hit_rate",
+              "PlanContext", "MoeCacheSize", "moe_cache_size", "staging_bytes"}
+    assert not former & words, sorted(former & words)
