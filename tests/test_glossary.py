@@ -73,19 +73,19 @@ def _moe_cache_words(path: Path) -> list[tuple[int, str, str]]:
 
 def test_the_product_names_the_cache_expert_cache_outside_llama_servers_spellings():
     """``moe_cache`` in the product package is llama-server's spelling only: its ``/metrics`` names
-    (``llamacpp:moe_cache_*``), its environment (``LLAMA_MOE_CACHE_*``) and log lines, the features named after
-    its flags (``BackendInfo.has("moe_cache_slots")``: the binary's ``--help`` shows ``--moe-cache-slots``), the
-    run records' counter keys named after its metrics, and the settings names older plan documents carry (read
-    by ``WorkerSettings.from_dict``). No identifier of the project says it."""
+    (``llamacpp:moe_cache_*``), its environment (``LLAMA_MOE_CACHE_*``) and log lines, the run records' counter
+    keys named after its metrics, and the names older plan documents carry for the settings and the binary's
+    features (read by ``WorkerSettings.from_dict`` and ``BackendInfo.from_dict``). No name of the project says
+    it: not a settings field, not a feature, not a metric of the bench."""
+    from orchestrator.backend.info import FORMER_FEATURES
     from orchestrator.backend.server_options import BY_FEATURE
     from orchestrator.bench.measure import COUNTERS, PROMPT_COUNTERS
     from orchestrator.launch.settings import FORMER_FIELDS
 
-    features = {f for f in BY_FEATURE if f.startswith("moe_cache")}
-    assert {"moe_cache", "moe_cache_slots", "moe_cache_prefill_ahead"} <= features
-    for f in features:       # a feature is its flag's name: --moe-cache-slots shows moe_cache_slots
-        assert BY_FEATURE[f].long.removeprefix("--").replace("-", "_").startswith(f), f
-    allowed = features | set(FORMER_FIELDS) | {"moe_cache_device_slots", COUNTERS, PROMPT_COUNTERS}
+    assert {"expert_cache", "expert_cache_slots", "expert_cache_staging"} <= set(BY_FEATURE)
+    assert not [f for f in BY_FEATURE if "moe_cache" in f]
+    assert set(FORMER_FEATURES.values()) <= set(BY_FEATURE)
+    allowed = set(FORMER_FEATURES) | set(FORMER_FIELDS) | {"moe_cache_device_slots", COUNTERS, PROMPT_COUNTERS}
     theirs = re.compile(r"(llamacpp:|LLAMA_(ARG_)?|ggml_backend_sched_)$", re.I)
     wrong = []
     for path in sorted((REPO / "orchestrator").rglob("*.py")):
@@ -93,11 +93,9 @@ def test_the_product_names_the_cache_expert_cache_outside_llama_servers_spelling
             if before == "name" or (word not in allowed and not theirs.search(before)):
                 wrong.append(f"{path.relative_to(REPO)}:{line}: {word}")
     assert not wrong, wrong
-    # what the project names: the settings fields, the plan's size and staging
     fields = {f.name for f in dataclasses.fields(WorkerSettings)}
     assert {"expert_cache_mib", "expert_cache_slots", "expert_cache_stage_buffers"} <= fields
     assert not [f for f in fields if "moe_cache" in f]
-
 
 def test_the_plans_names_are_names_of_the_code():
     """Every name the glossary gives the plan (its fields, the document's keys, the bench's metrics) is a word of

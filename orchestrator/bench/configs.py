@@ -751,7 +751,7 @@ def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_val
         elif w == "fit-pinned":
             out.append(fit_pinned_config(plan))
         elif w == "cache-grid":
-            has_cache = plan.renders_for.has("moe_cache")
+            has_cache = plan.renders_for.has("expert_cache")
             if layer_expert_bytes is None or not has_cache:
                 if which is not GROUPS:
                     why = ("the routed-expert bytes of a layer (plan from a topology or a model)"

@@ -82,7 +82,7 @@ def decide_expert_cache(cc: CacheContext, best: Candidate) -> CacheDecision:
     worker then runs with (see the module docstring for the steps)."""
     costs = cc.plan.costs
     host = tuple(i for i in best.placement.cpu_expert_layers if costs.layer_experts[i])
-    if not host or not costs.n_expert or not cc.plan.backend.has("moe_cache"):
+    if not host or not costs.n_expert or not cc.plan.backend.has("expert_cache"):
         return CacheDecision(candidate=best)
     off = why_no_cache(cc, best)
     if off is not None:
@@ -150,7 +150,7 @@ def cache_notes(cc: CacheContext) -> str:
     why_host = slots_on_device(cc.plan, cc.gpus, cc.load_mode)
     if req.expert_cache_slots == "device" and why_host:
         notes += f"; slots assigned on the host: {why_host}"
-    if req.expert_cache_misses == "cpu" and not backend.has("moe_cache_cpu_misses"):
+    if req.expert_cache_misses == "cpu" and not backend.has("expert_cache_cpu_misses"):
         notes += "; misses uploaded: this llama-server has no --moe-cache-cpu-misses"
     return notes
 
@@ -217,13 +217,13 @@ def _cache_inputs(cc: CacheContext, best: Candidate, host: tuple[int, ...], laye
         curve=ctx.curve, layer_expert_bytes=layer_bytes, n_expert=costs.n_expert, n_expert_used=costs.n_expert_used,
         n_moe_layers=len(costs.moe_layers), vram_free=vram_free, pcie_bw=pcie, host_bw=host_bw, gpu_bw=gpu_bw,
         base_seconds=_base_seconds(costs, best, host, gpu_bw, host_bw),
-        cpu_misses=req.expert_cache_misses != "upload" and backend.has("moe_cache_cpu_misses"),
+        cpu_misses=req.expert_cache_misses != "upload" and backend.has("expert_cache_cpu_misses"),
         upload_misses=req.expert_cache_misses != "cpu",
         host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
-        cache_layer_overhead_s=(R.CACHE_LAYER_OVERHEAD_HOST_S if backend.has("moe_cache_slots")
+        cache_layer_overhead_s=(R.CACHE_LAYER_OVERHEAD_HOST_S if backend.has("expert_cache_slots")
                                 else R.CACHE_LAYER_OVERHEAD_S), cache_fixed_s=R.CACHE_FIXED_S,
         cpu_miss_hop_s=R.CACHE_CPU_MISS_HOP_S, cpu_miss_fixed_s=R.CACHE_CPU_MISS_FIXED_S,
-        min_gpu_layers=min_gpu_layers, prefill_reads_cache=backend.has("moe_cache_prefill"),
+        min_gpu_layers=min_gpu_layers, prefill_reads_cache=backend.has("expert_cache_slot_reads"),
         prefill_read_saving=R.PREFILL_READ_SAVING, prefill_read_overhead_s=R.PREFILL_READ_OVERHEAD_S,
         streams=req.parallel, stream_share_exponent=R.STREAM_SHARE_EXPONENT,
         prefetch=prefetch_mode(ctx), prefetch_miss_cut=tuple(R.PREFETCH_MISS_CUT.items()),
@@ -267,7 +267,7 @@ def place_for_cache(cc: CacheContext, best: Candidate, host: tuple[int, ...], ne
         else:
             cand = evaluate(replace(ctx, req=ctx.req.copy(expert_layers_on_cpu=new_host)), list(cc.gpus), kv_ub,
                             mode=cc.split_mode, ub=best.ubatch, load_mode=cc.load_mode, cpu=cc.cpu)
-    if ctx.backend.has("moe_cache_prefill"):
+    if ctx.backend.has("expert_cache_slot_reads"):
         cand = replace(cand, pp=predict_pp(ctx.costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
                                            cache=PromptCache(size.slots / ctx.costs.n_expert)))
     return cand
@@ -317,13 +317,13 @@ def prompt_staging(cc: CacheContext, cand: Candidate, c: X.CacheCandidate, inp: 
     prompts hide part of their copies behind the layers before. None where the plan keeps it off without a word;
     else the staging, with why it is off in its note where the topology asked for it or the gain is too small."""
     req, backend = cc.plan.req, cc.plan.backend
-    if req.expert_cache_staging == "off" or not backend.has("moe_cache_prefill_ahead") or \
-            not backend.has("moe_cache_prefill"):
+    if req.expert_cache_staging == "off" or not backend.has("expert_cache_staging") or \
+            not backend.has("expert_cache_slot_reads"):
         return None
     # where the model's routing was measured, micro-batches too small to use nearly every expert under it are left
     # unstaged (--moe-cache-prefill-ahead-min-batch); a server without the option stages by the uniform rule
     min_batch = (staging_min_batch(cc.plan.costs.n_expert, cc.plan.costs.n_expert_used, cc.plan.curve.distinct)
-                 if backend.has("moe_cache_prefill_ahead_min_batch") else 0)
+                 if backend.has("expert_cache_stage_min_batch") else 0)
     why = why_not_staged(cc, cand, min_batch)
     buffers = R.PREFILL_STAGE_BUFFERS
     if why is None:
@@ -408,7 +408,7 @@ def cache_shares(costs: ModelCosts, placement: Placement, host: tuple[int, ...],
 def prefetch_mode(ctx: PlanningContext) -> str:
     """Uploads ahead of need as the plan weighs them: "off" where the backend or the model's architecture has
     none (or the topology says off), else the topology's auto or on."""
-    if ctx.req.expert_cache_prefetch == "off" or not ctx.backend.has("moe_cache_prefetch") or \
+    if ctx.req.expert_cache_prefetch == "off" or not ctx.backend.has("expert_cache_prefetch") or \
             ctx.costs.arch not in R.PREFETCH_ARCHS:
         return "off"
     return ctx.req.expert_cache_prefetch
@@ -420,7 +420,7 @@ def slots_on_device(ctx: PlanningContext, gpus: list[Gpu], load_mode: str) -> st
     CUDA backend exports them; one GPU per worker is what was measured (several keep the host's assignment)."""
     if ctx.req.expert_cache_slots == "host":
         return "set by the topology"
-    if not ctx.backend.has("moe_cache_slots"):
+    if not ctx.backend.has("expert_cache_slots"):
         return "this llama-server has no --moe-cache-slots"
     if not ctx.backend.cuda:
         return "the device assignment is CUDA's"

@@ -269,7 +269,7 @@ def _with_expert_cache(w: _GpuWorker, chosen: _Chosen) -> _Chosen:
     """The split between whole layers and the expert cache for every micro-batch: a cache can make up for the
     layers a bigger compute buffer displaces, so the micro-batch is chosen again with it."""
     ctx = w.ctx
-    if not ctx.backend.has("moe_cache"):
+    if not ctx.backend.has("expert_cache"):
         return chosen
     cc = CacheContext(plan=ctx, gpus=tuple(w.gpus), load_mode=chosen.load_mode, cpu=chosen.cpu,
                       split_mode=chosen.mode)

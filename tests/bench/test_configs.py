@@ -323,7 +323,7 @@ def test_cache_grid_moves_layers_into_the_cache():
 
     p = parse_config_option(r"plan=-m m.gguf -c 8192 -ngl 999 -ot blk\.(0|1|2)\.ffn_(up|down|gate)_exps=CPU "
                             "-ub 2048 --load-mode none --moe-cache-mib 1000")
-    assert p.renders_for.has("moe_cache")
+    assert p.renders_for.has("expert_cache")
     layer = 324 << 20
     grid = cache_grid(p, layer)
     assert [c.name for c in grid] == ["ncmoe3", "ncmoe7+cache2232", "ncmoe11+cache3528", "ncmoe15+cache4824"]
@@ -363,7 +363,7 @@ def test_cache_grid_of_a_two_gpu_plan_fits_every_gpu(tmp_path, like, layers, gib
     model = shape_model(tmp_path, like, "q4_0", layers=layers)
     x2 = with_gpu_free(load_machine(FIXTURES / "machines" / "h200x2.tar.gz"), gib * GiB)
     b = backend()
-    b = b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
+    b = b.__class__(**{**b.__dict__, "features": b.features | {"expert_cache"}})
     req = PlanRequest(nodes=(NodeRequest(name="x2", vram_limit=gib * GiB, vram_reserve=256 * MiB),),
                       ubatch=2048)   # the grid needs layers left to move at this budget
     w = make_plan(machines={"x2": x2}, model=model, request=req, backend=b).workers[0]

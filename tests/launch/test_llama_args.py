@@ -46,11 +46,11 @@ def test_never_is_a_switch_where_the_binary_has_one_else_the_variable():
 
 def test_expert_cache_only_when_asked_for_and_offered():
     with_cache = MAINLINE                                # the nominal mainline is our patched build
-    assert "moe_cache" in with_cache.features
+    assert "expert_cache" in with_cache.features
     assert "--moe-cache-mib" not in server_args(S, with_cache)                     # 0 = off
     cached = replace(S, expert_cache_mib=4096)
     assert _value(server_args(cached, with_cache), "--moe-cache-mib") == "4096"
-    without = replace(MAINLINE, features=MAINLINE.features - {"moe_cache"})
+    without = replace(MAINLINE, features=MAINLINE.features - {"expert_cache"})
     assert "--moe-cache-mib" not in server_args(cached, without)                   # the binary lacks it
     assert "--moe-cache-max-batch" not in server_args(cached, with_cache)          # llama-server's default
     wide = replace(cached, expert_cache_max_batch=16)
@@ -63,10 +63,10 @@ def test_expert_cache_only_when_asked_for_and_offered():
 
 def test_cpu_misses_only_with_a_cache_and_a_binary_that_has_them():
     cpu = replace(S, expert_cache_mib=4096, expert_cache_cpu_misses=True)
-    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache_cpu_misses"})
+    has = replace(MAINLINE, features=MAINLINE.features | {"expert_cache_cpu_misses"})
     args = server_args(cpu, has)
     assert "--moe-cache-cpu-misses" in args and parse_server_args(args).expert_cache_cpu_misses
-    older = replace(MAINLINE, features=MAINLINE.features - {"moe_cache_cpu_misses"})
+    older = replace(MAINLINE, features=MAINLINE.features - {"expert_cache_cpu_misses"})
     assert "--moe-cache-cpu-misses" not in server_args(cpu, older)                   # the binary lacks it
     assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, expert_cache_mib=0), has)      # no cache
     assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, expert_cache_cpu_misses=False), has)
@@ -74,10 +74,10 @@ def test_cpu_misses_only_with_a_cache_and_a_binary_that_has_them():
 
 def test_uploads_ahead_only_with_a_cache_and_a_binary_that_has_them():
     ahead = replace(S, expert_cache_mib=4096, expert_cache_prefetch=True)
-    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefetch"})
+    has = replace(MAINLINE, features=MAINLINE.features | {"expert_cache", "expert_cache_prefetch"})
     args = server_args(ahead, has)
     assert _value(args, "--moe-cache-prefetch") == "on" and parse_server_args(args).expert_cache_prefetch
-    assert "--moe-cache-prefetch" not in server_args(ahead, replace(has, features=has.features - {"moe_cache_prefetch"}))
+    assert "--moe-cache-prefetch" not in server_args(ahead, replace(has, features=has.features - {"expert_cache_prefetch"}))
     assert "--moe-cache-prefetch" not in server_args(replace(ahead, expert_cache_mib=0), has)        # no cache
     assert "--moe-cache-prefetch" not in server_args(replace(ahead, expert_cache_prefetch=False), has)
     assert not parse_server_args(["--moe-cache-prefetch", "off"]).expert_cache_prefetch
@@ -85,12 +85,12 @@ def test_uploads_ahead_only_with_a_cache_and_a_binary_that_has_them():
 
 def test_prompt_staging_only_with_a_cache_and_a_binary_that_has_it():
     staged = replace(S, expert_cache_mib=4096, expert_cache_stage_buffers=2)
-    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefill_ahead"})
+    has = replace(MAINLINE, features=MAINLINE.features | {"expert_cache", "expert_cache_staging"})
     args = server_args(staged, has)
     assert _value(args, "--moe-cache-prefill-ahead") == "2" and parse_server_args(args).expert_cache_stage_buffers == 2
-    assert backend_seen_in(args).has("moe_cache_prefill_ahead")
+    assert backend_seen_in(args).has("expert_cache_staging")
     assert "--moe-cache-prefill-ahead" not in server_args(
-        staged, replace(has, features=has.features - {"moe_cache_prefill_ahead"}))      # the binary lacks it
+        staged, replace(has, features=has.features - {"expert_cache_staging"}))      # the binary lacks it
     assert "--moe-cache-prefill-ahead" not in server_args(replace(staged, expert_cache_mib=0), has)         # no cache
     assert "--moe-cache-prefill-ahead" not in server_args(replace(staged, expert_cache_stage_buffers=0), has)
     with pytest.raises(ValueError):
@@ -99,14 +99,14 @@ def test_prompt_staging_only_with_a_cache_and_a_binary_that_has_it():
 
 def test_the_smallest_staged_micro_batch_goes_with_staging_and_a_binary_that_has_it():
     staged = replace(S, expert_cache_mib=4096, expert_cache_stage_buffers=2, expert_cache_stage_min_batch=401)
-    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefill_ahead",
-                                                          "moe_cache_prefill_ahead_min_batch"})
+    has = replace(MAINLINE, features=MAINLINE.features | {"expert_cache", "expert_cache_staging",
+                                                          "expert_cache_stage_min_batch"})
     args = server_args(staged, has)
     assert _value(args, "--moe-cache-prefill-ahead-min-batch") == "401"
     back = parse_server_args(args)
     assert (back.expert_cache_stage_buffers, back.expert_cache_stage_min_batch) == (2, 401)
-    assert backend_seen_in(args).has("moe_cache_prefill_ahead_min_batch")
-    lacks = replace(has, features=has.features - {"moe_cache_prefill_ahead_min_batch"})
+    assert backend_seen_in(args).has("expert_cache_stage_min_batch")
+    lacks = replace(has, features=has.features - {"expert_cache_stage_min_batch"})
     assert "--moe-cache-prefill-ahead-min-batch" not in server_args(staged, lacks)
     assert "--moe-cache-prefill-ahead" in server_args(staged, lacks)          # staging itself stays
     assert "--moe-cache-prefill-ahead-min-batch" not in server_args(replace(staged, expert_cache_stage_buffers=0), has)
@@ -120,7 +120,7 @@ def test_the_smallest_staged_micro_batch_goes_with_staging_and_a_binary_that_has
 def test_rendered_flags_read_back_to_the_same_settings(backend):
     """What launch renders, parse_server_args reads back (the NUMA binding is numactl's, not llama-server's)."""
     cached = replace(S, expert_cache_mib=512, expert_cache_cpu_misses=not backend.ik, extra_args=("--seed", "-1"))
-    b = replace(backend, features=backend.features | {"moe_cache"} | ({"moe_cache_cpu_misses"} if not backend.ik
+    b = replace(backend, features=backend.features | {"expert_cache"} | ({"expert_cache_cpu_misses"} if not backend.ik
                                                                         else set()))
     back = parse_server_args(server_args(cached, b), server_env(cached, b))
     expected = cached if not b.ik else replace(cached, fit=None)                   # ik is never told --fit

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backend.info import BackendInfo, Flavor, parse_help
+from orchestrator.backend.info import FORMER_FEATURES, BackendInfo, Flavor, parse_help
 from orchestrator.backend.server_options import (
     ALL_LAYERS, BY_FEATURE, IK_MARKERS, OFFLOAD_NEVER, OPTIONS, OWNED_FLAGS, PLACEMENT, RENDERS, Choice, Int,
     LoadMode, Numbers, OffloadBatch, OnOff, Overrides, Switch, Value, field_flags, long_flag,
@@ -159,3 +159,16 @@ def test_plan_documents_with_the_former_field_names_read_the_same():
     assert not set(FORMER_FIELDS) & set(new.to_dict())           # written only under the new names
     assert WorkerSettings.from_dict({"moe_cache_mib": 1, "expert_cache_mib": 2}).expert_cache_mib == 2
     assert server_args(WorkerSettings.from_dict(old), MAINLINE) == server_args(new, MAINLINE)
+
+
+def test_backends_recorded_with_the_former_feature_names_read_the_same():
+    """A plan document's backend written when the expert cache's features said ``moe_cache`` offers the same
+    options now: the argv rendered from it is the same."""
+    now = replace(MAINLINE, features=MAINLINE.features | set(FORMER_FEATURES.values()))
+    recorded = {**now.to_dict(), "features": sorted((now.features - set(FORMER_FEATURES.values()))
+                                                    | set(FORMER_FEATURES))}
+    assert BackendInfo.from_dict(recorded) == now
+    s = WorkerSettings(expert_cache_mib=512, expert_cache_slots="device", expert_cache_stage_buffers=2,
+                       expert_cache_prefetch=True)
+    assert server_args(s, BackendInfo.from_dict(recorded)) == server_args(s, now)
+    assert {"--moe-cache-slots", "--moe-cache-prefill-ahead", "--moe-cache-prefetch"} <= set(server_args(s, now))

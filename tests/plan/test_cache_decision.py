@@ -21,7 +21,7 @@ from orchestrator.plan.costs import model_costs
 from orchestrator.plan.cpu import CpuWants, choose_cpu
 
 GiB, MiB = 1 << 30, 1 << 20
-FEATURES = {"moe_cache", "moe_cache_prefill", "moe_cache_slots", "moe_cache_prefill_ahead"}
+FEATURES = {"expert_cache", "expert_cache_slot_reads", "expert_cache_slots", "expert_cache_staging"}
 BUDGET = 12 * GiB
 
 

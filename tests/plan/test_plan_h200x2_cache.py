@@ -198,7 +198,7 @@ def test_pipeline_parallelism_is_what_llama_cpp_turns_on_without_overrides():
 
 def _cached_backend():
     b = backend("mainline")
-    return b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
+    return b.__class__(**{**b.__dict__, "features": b.features | {"expert_cache"}})
 
 
 def test_plan_prints_each_gpus_share_with_a_cached_profile(models, tmp_path, monkeypatch):

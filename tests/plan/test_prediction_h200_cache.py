@@ -55,7 +55,7 @@ SHAPES = {"w1": ("qwen3-30b-a3b", None), "w2": ("qwen3-235b-a22b", 24)}
 
 def _cached_backend():
     b = backend("mainline")
-    return b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
+    return b.__class__(**{**b.__dict__, "features": b.features | {"expert_cache"}})
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,7 +150,7 @@ def _worker(models, h200, rec, **kw):
                       ubatch=int(a[a.index("-ub") + 1]), **kw)
     b = _cached_backend()
     if rec["cpu_misses"]:
-        b = b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache_cpu_misses"}})
+        b = b.__class__(**{**b.__dict__, "features": b.features | {"expert_cache_cpu_misses"}})
         req = dataclasses.replace(req, expert_cache_misses="cpu")
     return make_plan(machines={"h200": _machine(h200, rec)}, model=_shape(models, rec["model"]), request=req,
                      backend=b, routing=_curve(rec["locality"], rec["model"])).workers[0]
@@ -367,7 +367,7 @@ def _plan_with(models, h200, budget_gib, curve, backend, **kw):
 
 def test_misses_on_the_cpu_when_asked_for_and_when_predicted_faster(models, h200):
     cached = _cached_backend()
-    both = cached.__class__(**{**cached.__dict__, "features": cached.features | {"moe_cache_cpu_misses"}})
+    both = cached.__class__(**{**cached.__dict__, "features": cached.features | {"expert_cache_cpu_misses"}})
     curve = _curve("default")
     upload = _plan_with(models, h200, 8, curve, both)                        # the default: upload
     assert upload.expert_cache.chosen.miss_mode == "upload" and "--moe-cache-cpu-misses" not in upload.args

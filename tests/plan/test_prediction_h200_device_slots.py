@@ -46,7 +46,7 @@ def _tps(bench: dict, configs: tuple[str, ...], streams: str) -> float:
     return statistics.median(x["tps"] for r in runs for x in r["samples"]["tg_streams"][streams]["runs"])
 
 
-def _replan(models, h200, bench, curve, slots: str, features=frozenset({"moe_cache_slots"})):
+def _replan(models, h200, bench, curve, slots: str, features=frozenset({"expert_cache_slots"})):
     run = next(r for r in bench["runs"] if r["config"] == "plan")
     return W._replan(models, h200, bench, run, "w1", curve=curve, features=features, expert_cache_slots=slots)
 
@@ -104,7 +104,7 @@ def test_a_build_without_the_option_keeps_the_host_and_the_old_cost(models, h200
 def test_the_host_assigns_where_the_device_cannot(models, h200, curve, topology, why):
     bench = _bench("12")
     run = next(r for r in bench["runs"] if r["config"] == "plan")
-    w = W._replan(models, h200, bench, run, "w1", curve=curve, features=frozenset({"moe_cache_slots"}),
+    w = W._replan(models, h200, bench, run, "w1", curve=curve, features=frozenset({"expert_cache_slots"}),
                   **{"expert_cache_slots": "auto", **topology})
     assert w.settings.expert_cache_slots is None
     assert not w.expert_cache.chosen.device_slots

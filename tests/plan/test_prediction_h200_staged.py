@@ -26,7 +26,7 @@ from orchestrator.launch.llama_args import parse_server_args, server_args
 ROOT = Path(__file__).resolve().parents[2]
 EARLIER = ROOT / "docs" / "benchmarks" / "h200-2026-12-03-staged"
 RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-04-staged"
-STAGING = frozenset({"moe_cache_slots", "moe_cache_prefill_ahead"})
+STAGING = frozenset({"expert_cache_slots", "expert_cache_staging"})
 # (directory, run, model, the configurations without staging, those with it)
 PAIRS = [(EARLIER, "w1-12g", "w1", ("plan", "plan-control"), ("plan-ahead2",)),
          (RUN, "w1-12g", "w1", ("plan-unstaged",), ("plan", "plan-control")),
@@ -38,7 +38,7 @@ IDS = [f"{d.name[5:15]}-{n}" for d, n, *_ in PAIRS]
 
 def _argv(w) -> tuple[str, ...]:
     b = backend("mainline")
-    b = dataclasses.replace(b, features=b.features | {"moe_cache", "moe_cache_prefill"} | STAGING)
+    b = dataclasses.replace(b, features=b.features | {"expert_cache", "expert_cache_slot_reads"} | STAGING)
     return server_args(w.settings, b)
 
 

@@ -64,7 +64,7 @@ def _replan(models, h200, bench, run, model: str, curve=None, features: frozense
                       ubatch=int(args[args.index("-ub") + 1]),
                       parallel=parallel, **request)
     b = backend("mainline")
-    b = dataclasses.replace(b, features=(b.features | {"moe_cache", "moe_cache_prefill"} | set(features)) - without)
+    b = dataclasses.replace(b, features=(b.features | {"expert_cache", "expert_cache_slot_reads"} | set(features)) - without)
     machine = dataclasses.replace(with_gpu_free(h200, bench["vram_budget"]),
                                   bandwidth=Bandwidth.from_json(bench["plan_context"]["bandwidth"]))
     like, n_layers = SHAPES[model]

@@ -23,7 +23,7 @@ from orchestrator.plan.predict import (
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 GiB, MiB = 1 << 30, 1 << 20
-STAGING = {"moe_cache", "moe_cache_prefill", "moe_cache_slots", "moe_cache_prefill_ahead"}
+STAGING = {"expert_cache", "expert_cache_slot_reads", "expert_cache_slots", "expert_cache_staging"}
 # W1 (Qwen3-30B-A3B q4_0): each routed-expert tensor is 128 experts of 2048 x 768 q4_0 weights (18 bytes per 32)
 EXPERT_TENSOR = 2048 * 768 * 128 // 32 * 18
 EXPERT = EXPERT_TENSOR // 128
@@ -136,7 +136,7 @@ def test_asked_for_where_it_cannot_work_the_plan_says_why(models, h200, change, 
 
 
 def test_no_staging_without_the_option_or_without_cuda(models, h200):
-    assert _worker(models, h200, back=_backend(STAGING - {"moe_cache_prefill_ahead"})).settings \
+    assert _worker(models, h200, back=_backend(STAGING - {"expert_cache_staging"})).settings \
         .expert_cache_stage_buffers == 0
     assert _worker(models, h200, back=_backend(cuda=False), expert_cache_staging="on").settings \
         .expert_cache_stage_buffers == 0
@@ -225,7 +225,7 @@ def test_a_prompt_below_the_minimum_is_predicted_as_unstaged(models):
 def test_the_plan_passes_the_minimum_where_the_server_has_the_option(models, h200):
     w2 = _profile("routing-w2-default").curve()
     need = staging_min_batch(128, 8, w2.distinct)
-    with_option = _backend(STAGING | {"moe_cache_prefill_ahead_min_batch"})
+    with_option = _backend(STAGING | {"expert_cache_stage_min_batch"})
     w = _worker(models, h200, back=with_option, routing=w2, objective="prompt")
     assert w.settings.expert_cache_stage_buffers == 2 and w.settings.expert_cache_stage_min_batch == need
     argv = list(w.args)
@@ -246,7 +246,7 @@ def test_the_plan_passes_the_minimum_where_the_server_has_the_option(models, h20
 
 def test_a_micro_batch_below_the_measured_minimum_is_not_staged_and_the_plan_says_so(models, h200):
     w2 = _profile("routing-w2-default").curve()
-    with_option = _backend(STAGING | {"moe_cache_prefill_ahead_min_batch"})
+    with_option = _backend(STAGING | {"expert_cache_stage_min_batch"})
     w = _worker(models, h200, back=with_option, routing=w2, ubatch=256, expert_cache_staging="on")
     assert w.settings.expert_cache_stage_buffers == 0
     assert "the measured routing needs" in _cache_decision(w)
