@@ -166,7 +166,7 @@ def routing_curve(model_path: str, backend: BackendInfo):
     cache reads it."""
     from orchestrator.model.routing import load_profile
 
-    if not backend.has("moe_cache") or not Path(model_path).is_file():
+    if not backend.has("expert_cache") or not Path(model_path).is_file():
         return None
     found = load_profile(model_path)
     return found[0].curve("lru-layer") if found else None

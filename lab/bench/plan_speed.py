@@ -55,7 +55,7 @@ def main() -> int:
           f"(target < 200 ms)")
     print(f"  -> {len(w.cpu_expert_layers)} expert layers in host memory, -sm {w.args[w.args.index('-sm') + 1]}, "
           f"ub {w.n_ubatch}, predicted tg {w.predicted.tg:.1f} t/s, expert cache "
-          f"{w.settings.moe_cache_mib or 0} MiB")
+          f"{w.settings.expert_cache_mib or 0} MiB")
     return 0
 
 

@@ -154,7 +154,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("w*-*g/*.json")):
     if "summary" not in d:
         continue
     out[f.parent.name] = {c: {k: v.get("median") for k, v in s.get("metrics", {}).items()
-                              if k.startswith(("pp", "tg", "moe_cache_hit"))}
+                              if k.startswith(("pp", "tg", "expert_cache_hit"))}
                           for c, s in d["summary"].items()}
 print(json.dumps(out, indent=1))
 PY

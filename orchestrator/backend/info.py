@@ -32,6 +32,13 @@ class Flavor(str, Enum):
         return cls(value)
 
 
+# Plan documents written before the expert cache's features took the project's name: the older name -> the name now
+FORMER_FEATURES = {"moe_cache": "expert_cache", "moe_cache_cpu_misses": "expert_cache_cpu_misses",
+                   "moe_cache_prefill": "expert_cache_slot_reads", "moe_cache_prefetch": "expert_cache_prefetch",
+                   "moe_cache_slots": "expert_cache_slots", "moe_cache_prefill_ahead": "expert_cache_staging",
+                   "moe_cache_prefill_ahead_min_batch": "expert_cache_stage_min_batch"}
+
+
 @dataclass(frozen=True)
 class BackendInfo:
     """What a llama-server binary is and can do. Pure data: the planner reads it."""
@@ -71,7 +78,8 @@ class BackendInfo:
     def from_dict(cls, d: Mapping[str, Any]) -> "BackendInfo":
         return cls(server=d["server"], flavor=d.get("flavor", Flavor.MAINLINE), version=d.get("version", ""),
                    build_info=d.get("build_info", ""), cuda=bool(d.get("cuda")),
-                   gpu_offload=bool(d.get("gpu_offload")), features=frozenset(d.get("features", ())),
+                   gpu_offload=bool(d.get("gpu_offload")),
+                   features=frozenset(FORMER_FEATURES.get(f, f) for f in d.get("features", ())),
                    split_modes=tuple(d.get("split_modes", ())), devices=tuple(d.get("devices", ())),
                    bench=d.get("bench"), fit_params=d.get("fit_params"))
 
@@ -106,9 +114,9 @@ def parse_help(help_text: str) -> tuple[Flavor, frozenset[str], tuple[str, ...],
 NOMINAL_FEATURES = {
     Flavor.MAINLINE: frozenset({"fit", "fit_target", "n_cpu_moe", "cpu_moe", "override_tensor", "load_mode", "numa",
                                 "flash_attn", "metrics", "no_host", "cpu_range", "threads_batch", "no_op_offload",
-                                "kv_unified", "sm_none", "sm_layer", "sm_row", "sm_tensor", "moe_cache",
-                                "moe_cache_cpu_misses", "moe_cache_prefill", "moe_cache_prefetch", "moe_cache_slots",
-                                "moe_cache_prefill_ahead", "moe_cache_prefill_ahead_min_batch"}),
+                                "kv_unified", "sm_none", "sm_layer", "sm_row", "sm_tensor", "expert_cache",
+                                "expert_cache_cpu_misses", "expert_cache_slot_reads", "expert_cache_prefetch",
+                                "expert_cache_slots", "expert_cache_staging", "expert_cache_stage_min_batch"}),
     Flavor.IK: frozenset({"fit", "fit_margin", "n_cpu_moe", "cpu_moe", "override_tensor", "no_mmap", "mlock",
                           "numa", "flash_attn", "metrics", "threads_batch", "mla", "merge_qkv",
                           "attn_max_batch", "graph_reuse", "split_mode_graph_scheduling", "cuda_params",

@@ -245,7 +245,7 @@ def _opt(*flags: str, **kw: Any) -> ServerOption:
     return ServerOption(tuple(flags), **kw)
 
 
-_CACHE = {"within": "moe_cache_mib"}   # the expert cache's own options go only with a cache
+_CACHE = {"within": "expert_cache_mib"}   # the expert cache's own options go only with a cache
 
 # In rendering order: the order here is the order of the argv (tests/plan/golden holds it).
 OPTIONS: tuple[ServerOption, ...] = (
@@ -271,23 +271,23 @@ OPTIONS: tuple[ServerOption, ...] = (
     _opt("-cuda", "--cuda-params", field="op_offload_min_batch", value=CudaParams("tokens"), feature="cuda_params",
          ik_only=True),
     # the expert cache (this project's patch series, native/llama.cpp-patches)
-    _opt("--moe-cache-mib", field="moe_cache_mib", value=Int("MiB"), feature="moe_cache", requires="moe_cache",
-         owner="workers.expert_cache"),
-    _opt("--moe-cache-max-batch", field="moe_cache_max_batch", value=Int("tokens"), owner="workers.expert_cache",
+    _opt("--moe-cache-mib", field="expert_cache_mib", value=Int("MiB"), feature="expert_cache",
+         requires="expert_cache", owner="workers.expert_cache"),
+    _opt("--moe-cache-max-batch", field="expert_cache_max_batch", value=Int("tokens"), owner="workers.expert_cache",
          **_CACHE),
-    _opt("--moe-cache-cpu-misses", field="moe_cache_cpu_misses", value=Switch(), feature="moe_cache_cpu_misses",
-         requires="moe_cache_cpu_misses", owner="workers.expert_cache_misses", **_CACHE),
-    _opt("--moe-cache-prefetch", field="moe_cache_prefetch", value=OnOff(), feature="moe_cache_prefetch",
-         requires="moe_cache_prefetch", owner="workers.expert_cache_prefetch", **_CACHE),
-    _opt("--moe-cache-slots", field="moe_cache_slots", value=Choice(choices=SLOT_ASSIGNMENTS),
-         feature="moe_cache_slots", requires="moe_cache_slots", owner="workers.expert_cache_slots", **_CACHE),
-    _opt("--moe-cache-prefill-ahead", field="moe_cache_prefill_ahead", value=Int("staging buffers"),
-         feature="moe_cache_prefill_ahead", requires="moe_cache_prefill_ahead", owner="workers.expert_cache_staging",
+    _opt("--moe-cache-cpu-misses", field="expert_cache_cpu_misses", value=Switch(), feature="expert_cache_cpu_misses",
+         requires="expert_cache_cpu_misses", owner="workers.expert_cache_misses", **_CACHE),
+    _opt("--moe-cache-prefetch", field="expert_cache_prefetch", value=OnOff(), feature="expert_cache_prefetch",
+         requires="expert_cache_prefetch", owner="workers.expert_cache_prefetch", **_CACHE),
+    _opt("--moe-cache-slots", field="expert_cache_slots", value=Choice(choices=SLOT_ASSIGNMENTS),
+         feature="expert_cache_slots", requires="expert_cache_slots", owner="workers.expert_cache_slots", **_CACHE),
+    _opt("--moe-cache-prefill-ahead", field="expert_cache_stage_buffers", value=Int("staging buffers"),
+         feature="expert_cache_staging", requires="expert_cache_staging", owner="workers.expert_cache_staging",
          **_CACHE),
-    _opt("--moe-cache-prefill-ahead-min-batch", field="moe_cache_prefill_ahead_min_batch", value=Int("tokens"),
-         feature="moe_cache_prefill_ahead_min_batch", requires="moe_cache_prefill_ahead_min_batch",
-         within="moe_cache_prefill_ahead", owner="workers.expert_cache_staging"),
-    _opt("--moe-cache-prefill", feature="moe_cache_prefill"),
+    _opt("--moe-cache-prefill-ahead-min-batch", field="expert_cache_stage_min_batch", value=Int("tokens"),
+         feature="expert_cache_stage_min_batch", requires="expert_cache_stage_min_batch",
+         within="expert_cache_stage_buffers", owner="workers.expert_cache_staging"),
+    _opt("--moe-cache-prefill", feature="expert_cache_slot_reads"),
     # llama.cpp's own automatic placement (mainline only)
     _opt("--fit", "-fit", field="fit", value=OnOff(bare=True), feature="fit", requires="fit",
          on_ik=False, owner=PLACEMENT),

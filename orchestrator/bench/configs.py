@@ -264,8 +264,8 @@ def _params(s: WorkerSettings, cpu_expert_layers: Sequence[int] | None) -> dict[
         cpu_expert_layers = cpu_expert_layers_of(s)
     if cpu_expert_layers is not None:
         params["n_cpu_moe"] = len(cpu_expert_layers)
-    if s.moe_cache_mib:
-        params["moe_cache_mib"] = s.moe_cache_mib
+    if s.expert_cache_mib:
+        params["expert_cache_mib"] = s.expert_cache_mib
     return params
 
 
@@ -448,7 +448,7 @@ def baseline(s: WorkerSettings) -> WorkerSettings:
                   if not (f and (canonical(f) in unset or f in _PLACEMENT_FLAGS))
                   for t in (f, v) if t is not None)
     defaults = WorkerSettings()
-    return replace(s, **{name: getattr(defaults, name) for name in unset | {"moe_cache_mib"}}, extra_args=extra)
+    return replace(s, **{name: getattr(defaults, name) for name in unset | {"expert_cache_mib"}}, extra_args=extra)
 
 
 def fit_config(plan: BenchConfig) -> BenchConfig:
@@ -491,7 +491,7 @@ def cache_grid(plan: BenchConfig, layer_expert_bytes: int, steps: Sequence[int] 
     devices = _layer_devices(s0, n_layers)
     out = []
     for d in steps:
-        if d == 0 and not s0.moe_cache_mib:
+        if d == 0 and not s0.expert_cache_mib:
             continue                                   # that point is the plan itself
         if devices is None:
             extra, nxt = [], max(layers) + 1
@@ -501,20 +501,20 @@ def cache_grid(plan: BenchConfig, layer_expert_bytes: int, steps: Sequence[int] 
             if len(extra) < d:
                 continue
             freed = d * layer_expert_bytes // (1 << 20)
-            mib = s0.moe_cache_mib + max(0, freed - CACHE_GRID_MARGIN_MIB) if d else 0
+            mib = s0.expert_cache_mib + max(0, freed - CACHE_GRID_MARGIN_MIB) if d else 0
             shares: dict[str, int] = {}
         else:
-            grown = _layer_split_grid(layers, devices, s0.moe_cache_mib, layer_expert_bytes, d)
+            grown = _layer_split_grid(layers, devices, s0.expert_cache_mib, layer_expert_bytes, d)
             if grown is None:
                 continue
             extra, mib, shares = grown
         cpu = tuple(sorted(set(layers) | set(extra)))
         s = replace(s0, tensor_overrides=cpu_expert_override(cpu), n_cpu_moe=None, cpu_moe=False,
-                    moe_cache_mib=mib)
+                    expert_cache_mib=mib)
         name = f"ncmoe{len(cpu)}" + (f"+cache{mib}" if mib else "")
-        params = {**dict(plan.params), "n_cpu_moe": len(cpu), "moe_cache_mib": mib}
+        params = {**dict(plan.params), "n_cpu_moe": len(cpu), "expert_cache_mib": mib}
         if shares:
-            params["moe_cache_mib_per_gpu"] = shares
+            params["expert_cache_mib_per_gpu"] = shares
         out.append(derive(plan, name, "cache-grid", s, params))
     return out
 
@@ -751,7 +751,7 @@ def build_configs(plan: BenchConfig, which: Sequence[str] = GROUPS, *, ncmoe_val
         elif w == "fit-pinned":
             out.append(fit_pinned_config(plan))
         elif w == "cache-grid":
-            has_cache = plan.renders_for.has("moe_cache")
+            has_cache = plan.renders_for.has("expert_cache")
             if layer_expert_bytes is None or not has_cache:
                 if which is not GROUPS:
                     why = ("the routed-expert bytes of a layer (plan from a topology or a model)"

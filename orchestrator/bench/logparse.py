@@ -45,7 +45,7 @@ _FA_RE = re.compile(r"Flash Attention (enabled|disabled)")
 _CELLS_RE = re.compile(r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers")
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _FIT = re.compile(r"(common_params_fit_impl|common_fit_params|llama_params_fit\w*): (.*)")
-_MOE_CACHE = re.compile(r"expert cache: (\d+) host-resident expert tensors x (\d+) slots \(of (\d+) experts\), "
+_CACHE_MADE = re.compile(r"expert cache: (\d+) host-resident expert tensors x (\d+) slots \(of (\d+) experts\), "
                         r"([\d.]+) MiB of device memory, batches up to (\d+) tokens(;.*)?$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -62,7 +62,7 @@ class LoadReport:
     kv_cells: list[tuple[int, int]] = field(default_factory=list)   # (cells, layers) per KV cache
     offloaded_layers: tuple[int, int] | None = None                 # (on the GPU, of)
     fit: list[str] = field(default_factory=list)                    # what --fit said, whitespace folded
-    moe_cache: dict | None = None                                   # the expert cache the server made
+    expert_cache: dict | None = None                                # the expert cache the server made
 
     def by_device(self, rpc_endpoints: tuple[str, ...] | list[str] = ()) -> dict[str, dict[str, int]]:
         """Bytes per device (``CUDA0``, ``RPC1``, ``CPU``); ``rpc_endpoints``: the ``--rpc`` list, which tells
@@ -135,9 +135,9 @@ def parse_load_log(text: str, max_fit_lines: int = 40) -> LoadReport:
         if m:
             r.offloaded_layers = (int(m.group(1)), int(m.group(2)))
             continue
-        m = _MOE_CACHE.search(line)
+        m = _CACHE_MADE.search(line)
         if m:
-            r.moe_cache = {"tensors": int(m.group(1)), "slots": int(m.group(2)), "n_expert": int(m.group(3)),
+            r.expert_cache = {"tensors": int(m.group(1)), "slots": int(m.group(2)), "n_expert": int(m.group(3)),
                            "bytes": _mib(m.group(4)), "max_batch": int(m.group(5)),
                            "cpu_misses": m.group(6) is not None}
             continue
@@ -149,7 +149,7 @@ def parse_load_log(text: str, max_fit_lines: int = 40) -> LoadReport:
 
 def parse_server_log(path: str | Path, max_fit_lines: int = 40) -> dict:
     """What the bench stores per run: ``{"buffers": {"model": {"CUDA0": bytes, "CPU_Mapped": bytes}, "kv": {...},
-    "compute": {...}}, "offloaded_layers": [n, of], "fit": [lines], "moe_cache": {"slots": n, "bytes": n, ...}}``
+    "compute": {...}}, "offloaded_layers": [n, of], "fit": [lines], "expert_cache": {"slots": n, "bytes": n, ...}}``
     with only what the log contains."""
     try:
         text = Path(path).read_text(errors="replace")
@@ -164,8 +164,8 @@ def parse_server_log(path: str | Path, max_fit_lines: int = 40) -> dict:
         out["buffers"] = buffers
     if r.fit:
         out["fit"] = r.fit
-    if r.moe_cache:
-        out["moe_cache"] = r.moe_cache
+    if r.expert_cache:
+        out["expert_cache"] = r.expert_cache
     return out
 
 

@@ -127,8 +127,8 @@ class Client:
                 "ignore_eos": True, "temperature": 1.0, "seed": self.rng.randrange(1, 1 << 31),
                 "return_tokens": False, **extra}
 
-    async def moe_cache_counters(self) -> dict[str, float] | None:
-        """The expert cache's counters from ``/metrics`` (see :func:`parse_moe_cache_counters`); None when the
+    async def expert_cache_counters(self) -> dict[str, float] | None:
+        """The expert cache's counters from ``/metrics`` (see :func:`parse_expert_cache_counters`); None when the
         server has no such counters (no --metrics, or no expert cache in the binary)."""
         import aiohttp
 
@@ -139,7 +139,7 @@ class Client:
                 text = await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
-        return parse_moe_cache_counters(text)
+        return parse_expert_cache_counters(text)
 
     async def completion(self, n_prompt: int, n_predict: int, slot: int | None = None) -> dict:
         """llama-server's timings of one request (with ``id_slot``: the slot it ran on); ``slot``: run it there."""
@@ -212,9 +212,13 @@ class Workload:
 
 
 _COUNTER = re.compile(r"^llamacpp:moe_cache_(\w+?)_total\s+(\S+)\s*$", re.M)
+# Where a run's samples keep the deltas of those counters: under the stem of llama-server's own names, the keys
+# recorded runs carry and the lab's fit scripts read
+COUNTERS = "moe_cache"            # generation's (and, under tg_streams, each stream count's)
+PROMPT_COUNTERS = "moe_cache_pp"  # per prompt length
 
 
-def parse_moe_cache_counters(text: str) -> dict[str, float] | None:
+def parse_expert_cache_counters(text: str) -> dict[str, float] | None:
     """Every ``llamacpp:moe_cache_<name>_total`` of a Prometheus text page as ``{name: value}`` (hits, lookups,
     misses, uploaded_bytes, cpu_misses: what the binary exports); None without hits and lookups."""
     found = {k: float(v) for k, v in _COUNTER.findall(text)}
@@ -280,7 +284,7 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
             out["skipped"].append(f"pp{length}: does not fit the slot context of {info.slot_ctx} tokens")
             continue
         on_step(f"pp{length}")
-        pp_before = await client.moe_cache_counters()
+        pp_before = await client.expert_cache_counters()
         for _ in range(pp_reps(w.pp_reps, length)):
             t = await guarded(f"pp{length}", lambda: client.completion(n, 1))
             if out["crashed"]:
@@ -288,13 +292,13 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
             if t and t.get("prompt_ms", 0) > 0:
                 out["pp"].append({"n": length, "prompt_n": t["prompt_n"], "prompt_ms": t["prompt_ms"],
                                   "tps": 1000.0 * t["prompt_n"] / t["prompt_ms"]})
-        pp_after = await client.moe_cache_counters() if pp_before is not None else None
+        pp_after = await client.expert_cache_counters() if pp_before is not None else None
         if pp_before is not None and pp_after is not None:
             # what the prompts did with the slots: experts read from them instead of copied over the host link
-            out.setdefault("moe_cache_pp", {})[str(length)] = {k: pp_after[k] - pp_before[k] for k in pp_after
+            out.setdefault(PROMPT_COUNTERS, {})[str(length)] = {k: pp_after[k] - pp_before[k] for k in pp_after
                                                                if k in pp_before}
 
-    cache_before = await client.moe_cache_counters()
+    cache_before = await client.expert_cache_counters()
     for depth in w.tg_depths:
         n = fit_length(max(depth, 1), w.tg_tokens, info.slot_ctx)
         if n is None:
@@ -310,10 +314,10 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
                                   "predicted_n": t["predicted_n"], "predicted_ms": t["predicted_ms"],
                                   "tps": 1000.0 * t["predicted_n"] / t["predicted_ms"]})
 
-    cache_after = await client.moe_cache_counters() if cache_before is not None else None
+    cache_after = await client.expert_cache_counters() if cache_before is not None else None
     if cache_before is not None and cache_after is not None:
         # what generation did: how misses were served (uploaded or on the CPU) is what a miss mode changes
-        out["moe_cache"] = {k: cache_after[k] - cache_before[k] for k in cache_after if k in cache_before}
+        out[COUNTERS] = {k: cache_after[k] - cache_before[k] for k in cache_after if k in cache_before}
 
     # several streams generating at once: one batch per decode step, the union of their experts per layer
     n = fit_length(1, w.tg_tokens, info.slot_ctx)
@@ -322,7 +326,7 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
             out["skipped"].append(f"tg{w.tg_tokens} x{streams}: does not fit the slot context of {info.slot_ctx} tokens")
             continue
         on_step(f"tg{w.tg_tokens} x{streams}")
-        before = await client.moe_cache_counters()
+        before = await client.expert_cache_counters()
         runs = []
         for _ in range(w.tg_reps):
             # stream i on slot i: with llama-server's KV cache split per slot, busy slots with a gap between them
@@ -342,10 +346,10 @@ async def measure(client: Client, w: Workload, *, on_step: Callable[[str], None]
                              "tps": 1000.0 * sum(t["predicted_n"] for t in done) / window,
                              "per_stream_tps": [1000.0 * t["predicted_n"] / t["predicted_ms"] for t in done],
                              "slots": [t.get("id_slot") for t in done]})
-        after = await client.moe_cache_counters() if before is not None else None
+        after = await client.expert_cache_counters() if before is not None else None
         entry: dict[str, Any] = {"runs": runs}
         if before is not None and after is not None:
-            entry["moe_cache"] = {k: after[k] - before[k] for k in after if k in before}
+            entry[COUNTERS] = {k: after[k] - before[k] for k in after if k in before}
         out.setdefault("tg_streams", {})[str(streams)] = entry
 
     n = fit_length(w.ttft_prompt, w.ttft_tokens, info.slot_ctx)

@@ -43,10 +43,12 @@ def _columns(summary: Mapping[str, Any], part: str) -> list[str]:
     if part == "speed":
         speed = sorted((k for k in keys if _PP.match(k) or _TG.match(k) or _TGS.match(k) or _LOAD.match(k)),
                        key=_metric_order)
-        streams = sorted((k for k in keys if k.startswith("moe_cache_hit_rate_x")), key=lambda k: int(k.rsplit("x", 1)[1]))
-        read = sorted((k for k in keys if k.startswith("moe_cache_read_pp")), key=lambda k: int(k[len("moe_cache_read_pp"):]))
-        return (["load_s"] * ("load_s" in keys) + speed + ["moe_cache_hit_rate"] * ("moe_cache_hit_rate" in keys)
-                + streams + read)
+        streams = sorted((k for k in keys if k.startswith("expert_cache_hit_rate_x")),
+                         key=lambda k: int(k.rsplit("x", 1)[1]))
+        read = sorted((k for k in keys if k.startswith("expert_cache_read_pp")),
+                      key=lambda k: int(k[len("expert_cache_read_pp"):]))
+        return (["load_s"] * ("load_s" in keys) + speed
+                + ["expert_cache_hit_rate"] * ("expert_cache_hit_rate" in keys) + streams + read)
     ttft = sorted((k for k in keys if k.startswith("ttft_")),
                   key=lambda k: (int(k.rsplit("_c", 1)[1]), k))
     mem = sorted(k for k in keys if k.startswith("vram_peak_gpu")) + (["rss_peak"] if "rss_peak" in keys else [])
@@ -58,17 +60,16 @@ def _header(k: str) -> str:
     if k.startswith("ttft_p"):
         q, c = k[len("ttft_p"):].split("_c")
         return f"ttft p{q} c{c} s"
-    if k.startswith("moe_cache_hit_rate_x"):
+    if k.startswith("expert_cache_hit_rate_x"):
         return f"cache hits x{k.rsplit('x', 1)[1]}"
-    if k.startswith("moe_cache_read_pp"):
-        return f"slots read pp{k[len('moe_cache_read_pp'):]}"
+    if k.startswith("expert_cache_read_pp"):
+        return f"slots read pp{k[len('expert_cache_read_pp'):]}"
     if _TGS.match(k):
         return f"{k} agg"
     if m := _LOAD.match(k):
         return f"x{m.group(2)} {'per req' if m.group(1) else 'agg'}"
-    return {"load_s": "load s", "rss_peak": "RSS peak", "moe_cache_hit_rate": "cache hits"}.get(k, k.replace("vram_peak_", "VRAM ")
-                                                             .replace("power_mean_w_", "W ")
-                                                             .replace("temp_max_c_", "°C "))
+    named = {"load_s": "load s", "rss_peak": "RSS peak", "expert_cache_hit_rate": "cache hits"}
+    return named.get(k, k.replace("vram_peak_", "VRAM ").replace("power_mean_w_", "W ").replace("temp_max_c_", "°C "))
 
 
 def _cell(k: str, m: Mapping[str, Any] | None) -> str:
@@ -77,7 +78,7 @@ def _cell(k: str, m: Mapping[str, Any] | None) -> str:
     v = m["median"]
     if k.startswith(("vram_peak", "rss_peak")):
         return fmt_bytes(v)
-    if k == "moe_cache_hit_rate" or k.startswith(("moe_cache_hit_rate_x", "moe_cache_read_pp")):
+    if k == "expert_cache_hit_rate" or k.startswith(("expert_cache_hit_rate_x", "expert_cache_read_pp")):
         return f"{v:.1%}"
     if k.startswith("ttft_"):
         s = f"{v:.3f}"
@@ -315,7 +316,7 @@ def write_charts(data: Mapping[str, Any], out_dir: Path) -> list[Path]:
     if tg and any(summary[n]["group"] == "cache-grid" for n in grid):
         m = tg[0]                                   # generation at the shallowest depth
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        pts = [(float(summary[n]["params"].get("moe_cache_mib") or 0), summary[n]["metrics"][m], n)
+        pts = [(float(summary[n]["params"].get("expert_cache_mib") or 0), summary[n]["metrics"][m], n)
                for n in grid if m in summary[n]["metrics"]]
         for x, v, n in sorted(pts):
             plan = n == "plan"

@@ -18,7 +18,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from orchestrator.bench.logparse import device_totals
-from orchestrator.bench.measure import quantile
+from orchestrator.bench.measure import COUNTERS, PROMPT_COUNTERS, quantile
 
 # plan ÷ --fit targets
 FIT_TARGETS = {"tg128@0": 1.05, "pp512": 3.0, "pp4096": 2.5, "pp32": 2.0, "pp64": 2.0, "pp128": 2.0}
@@ -81,20 +81,20 @@ def run_metrics(run: Mapping[str, Any]) -> dict[str, list[float]]:
         out.setdefault(f"pp{p['n']}", []).append(p["tps"])
     for t in s.get("tg", ()):
         out.setdefault(f"tg{t['n']}@{t['depth']}", []).append(t["tps"])
-    cache = s.get("moe_cache") or {}
+    cache = s.get(COUNTERS) or {}
     if cache.get("lookups"):
-        out["moe_cache_hit_rate"] = [cache["hits"] / cache["lookups"]]
-    for n, c in (s.get("moe_cache_pp") or {}).items():
+        out["expert_cache_hit_rate"] = [cache["hits"] / cache["lookups"]]
+    for n, c in (s.get(PROMPT_COUNTERS) or {}).items():
         moved = c.get("prefill_saved_bytes", 0.0) + c.get("prefill_copied_bytes", 0.0)
         if moved > 0:
             # the share of a prompt's expert bytes that came from the slots rather than over the host link
-            out[f"moe_cache_read_pp{n}"] = [c.get("prefill_saved_bytes", 0.0) / moved]
+            out[f"expert_cache_read_pp{n}"] = [c.get("prefill_saved_bytes", 0.0) / moved]
     for n, entry in (s.get("tg_streams") or {}).items():
         for r in entry.get("runs", ()):
             out.setdefault(f"tg{round(r['predicted_n'] / int(n))}x{n}", []).append(r["tps"])
-        c = entry.get("moe_cache") or {}
+        c = entry.get(COUNTERS) or {}
         if c.get("lookups"):
-            out[f"moe_cache_hit_rate_x{n}"] = [c["hits"] / c["lookups"]]
+            out[f"expert_cache_hit_rate_x{n}"] = [c["hits"] / c["lookups"]]
     for n, entry in (s.get("load") or {}).items():
         for r in entry.get("runs", ()):
             out.setdefault(f"load_x{n}", []).append(r["tps"])

@@ -6,7 +6,8 @@ Entry points (Ray is imported only when they run)::
     start_up(topology, detach=False)                       # `orchestrator up`, every phase (startup.py)
     up(Deployment(specs=plan_specs, ...), foreground=True)   # a Deployment built by hand, from the head on
 
-See ``docs/cluster.md`` for the picture, ``startup.py`` for `up`'s phases and what undoes each, ``runner.py`` for\n``status`` and ``down``.
+See ``docs/cluster.md`` for the picture, ``startup.py`` for `up`'s phases and what undoes each, ``lifecycle.py``
+for the deployment's life after that: readiness, serving until stopped, ``status`` and ``down``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ def up(deployment: Deployment, foreground: bool = True, **kw: Any):
 
 
 def down(namespace: str = "orchestrator", **kw: Any):
-    from orchestrator.cluster.runner import down as _down
+    from orchestrator.cluster.lifecycle import down as _down
 
     return _down(namespace, **kw)
 
 
 def status(namespace: str = "orchestrator") -> dict:
-    from orchestrator.cluster.runner import status as _status
+    from orchestrator.cluster.lifecycle import status as _status
 
     return _status(namespace)
 

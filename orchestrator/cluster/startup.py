@@ -12,7 +12,7 @@ records both)::
                    the plan and its LaunchSpecs, every local worker's port: what can be refused is refused
                    here, before anything starts or is printed
     early head     the embedded Ray head, in the background           stopping it, unless the head phase took it
-                   (runner.EarlyHead)
+                   (lifecycle.EarlyHead)
     pull           a remote model into the cache
     prefetch       the model read into the page cache, or warmed      stopping the read
                    up under each worker's NUMA policy
@@ -31,7 +31,7 @@ From ``ready`` on the deployment is handed over: a detached one stays running fo
 foreground one is stopped by the stop; the head's and the controller's undoing run only for a failure before.
 A Deployment built by hand (:func:`run_deployment`) runs the same phases from ``head`` on.
 
-Exit status: :attr:`runner.UpResult.exit_code` (see ``runner``); a :class:`StopRequested` that arrived while
+Exit status: :attr:`lifecycle.UpResult.exit_code` (see ``lifecycle``); a :class:`StopRequested` that arrived while
 starting propagates to the CLI, which exits 128 + its signal.
 """
 
@@ -48,7 +48,7 @@ from typing import Any
 from orchestrator.cluster import head as headmod
 from orchestrator.cluster import state as statemod
 from orchestrator.cluster.deployment import LOCAL, Deployment, RestartPolicy, StartLimits, gateway_processes
-from orchestrator.cluster.runner import say_default
+from orchestrator.cluster.lifecycle import say_default
 from orchestrator.errors import ClusterError
 from orchestrator.sigutil import StopSignals, stop_signals_blocked
 
@@ -103,7 +103,7 @@ def preflight(topo) -> None:
     """What can be refused from the topology alone, before the plan is made: a deployment of this namespace
     running already, the gateway's port taken, a file the topology names (the model, a recorded machine, the
     binary) missing."""
-    from orchestrator.cluster.runner import check_not_running
+    from orchestrator.cluster.lifecycle import check_not_running
 
     check_not_running(topo.ray.namespace)
     headmod.check_port(topo.gateway.host, topo.gateway.port, "gateway.port")
@@ -135,7 +135,7 @@ class Startup:
     detach: bool = False
     ready_timeout: float | None = None
     say: Any = say_default
-    early: Any = None                 # runner.EarlyHead
+    early: Any = None                 # lifecycle.EarlyHead
     prefetch: Any = None              # launch.prefetch.Prefetch
     servers: list = field(default_factory=list)    # keeper.EarlyServer
     server_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))   # every llama-server's own key
@@ -148,7 +148,7 @@ class Startup:
     t0: float = 0.0
     api: Any = None                   # ray_api.RayApi
     ctrl: Any = None                  # the controller actor
-    result: Any = None                # runner.UpResult, once ready
+    result: Any = None                # lifecycle.UpResult, once ready
     stopped_elsewhere: bool = False   # a `down` from another shell stopped the deployment while it served
     handed_over: bool = False         # ready: a failure from here on is the stop's, not the phases' undoing
 
@@ -229,7 +229,7 @@ class Startup:
 
     def _start_early_head(self):
         """The Ray head takes seconds to start: start it now, while the model is pulled, read ahead and loaded."""
-        from orchestrator.cluster.runner import start_early_head
+        from orchestrator.cluster.lifecycle import start_early_head
 
         t = self.topo
         if t.ray.address != LOCAL:
@@ -285,7 +285,7 @@ class Startup:
         """The embedded Ray head (the early one taken over, or started now), recorded for `down` as soon as its
         process exists; for a Ray cluster given by address, nothing starts here. Undone: the head stopped, the
         record removed."""
-        from orchestrator.cluster.runner import api_key, check_not_running, deployment_log_dir, embedded_node_name
+        from orchestrator.cluster.lifecycle import api_key, check_not_running, deployment_log_dir, embedded_node_name
 
         dep = self.deployment
         self._begin("head")
@@ -341,7 +341,7 @@ class Startup:
         gateway. Undone: the controller asked to stop them and killed, then Ray let go of."""
         from orchestrator.cluster.controller import ControllerActor
         from orchestrator.cluster.ray_api import RayApi
-        from orchestrator.cluster.runner import CONTROLLER, CONTROLLER_RESTARTS
+        from orchestrator.cluster.lifecycle import CONTROLLER, CONTROLLER_RESTARTS
 
         dep, ns = self.deployment, self.deployment.namespace
         self._begin("controller")
@@ -361,7 +361,7 @@ class Startup:
                                      max_concurrency=8, max_restarts=CONTROLLER_RESTARTS)
 
     def _stop_controller(self) -> None:
-        from orchestrator.cluster.runner import stop_controller
+        from orchestrator.cluster.lifecycle import stop_controller
 
         dep = self.deployment
         stop_controller(self.api, self.ctrl, dep.namespace, dep.restart.stop_timeout_s)
@@ -370,7 +370,7 @@ class Startup:
         """Until every worker is healthy and the gateway serves (or one fails: then the phases above are undone).
         Recorded as running; from here the deployment is handed over: a detached one stays for `down`, a
         foreground one is stopped by the stop phase. Nothing of its own to undo."""
-        from orchestrator.cluster.runner import UpResult, wait_ready
+        from orchestrator.cluster.lifecycle import UpResult, wait_ready
 
         dep, st = self.deployment, self.st
         self._begin("ready")
@@ -386,7 +386,7 @@ class Startup:
     def _serve(self, stack: contextlib.ExitStack) -> None:
         """Say where it serves and let go of Ray; in the foreground, serve until stopped. Undone in the
         foreground by the stop phase: the clean stop (as `down`), whatever ended the serving."""
-        from orchestrator.cluster.runner import breakdown, serve_until_stopped
+        from orchestrator.cluster.lifecycle import breakdown, serve_until_stopped
 
         st, res, sigs = self.st, self.result, self.sigs
         self._begin("serve")
@@ -412,7 +412,7 @@ class Startup:
             # a signal right after ready: the stop phase stops everything and says why by its exit status
 
     def _stop(self) -> None:
-        from orchestrator.cluster.runner import stop_from_foreground
+        from orchestrator.cluster.lifecycle import stop_from_foreground
 
         res = self.result
         res.stopped = True
@@ -436,8 +436,8 @@ def start_up(topo, *, detach: bool = False, ready_timeout: float | None = None) 
 def run_deployment(deployment: Deployment, foreground: bool = True, *, say=say_default,
                    ready_timeout: float | None = None, early=None, server_key: str | None = None):
     """The phases from the Ray head on for a Deployment built by hand (``python -m orchestrator.cluster up``, the
-    tests); returns the runner.UpResult. Raises ClusterError/LaunchError/ConfigError with one clear line after
-    undoing everything it started. ``early``: the head runner.start_early_head started for it; ``server_key``:
+    tests); returns the lifecycle.UpResult. Raises ClusterError/LaunchError/ConfigError with one clear line after
+    undoing everything it started. ``early``: the head lifecycle.start_early_head started for it; ``server_key``:
     every llama-server's own API key, which the gateway adds upstream (the early-started servers were given it
     already; a new one when None)."""
     s = Startup(deployment=deployment, detach=not foreground, ready_timeout=ready_timeout, say=say, early=early)
@@ -452,7 +452,7 @@ def start_early_servers(dep: Deployment, servers: list, server_key: str | None =
     Ray starts; the worker actors adopt them. A worker whose port is taken is left to its actor (which says so).
     Each is appended to ``servers`` as soon as it runs (so a signal in between leaves none unaccounted for)."""
     from orchestrator.cluster.keeper import EarlyServer
-    from orchestrator.cluster.runner import deployment_log_dir
+    from orchestrator.cluster.lifecycle import deployment_log_dir
     from orchestrator.cluster.supervisor import port_busy
 
     logs = deployment_log_dir(dep.log_dir, dep.namespace)

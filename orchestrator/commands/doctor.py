@@ -43,9 +43,9 @@ def _llama_checks(binary: str | None) -> list[Check]:
     out = [Check("llama-server", "ok",
                  f"{path} (from {origin}); {info.flavor} {info.version}; "
                  f"{'CUDA' if info.cuda else 'CPU-only'}; features: {feats}", required=True)]
-    if info.has("moe_cache"):
+    if info.has("expert_cache"):
         out.append(Check("expert cache", "ok", "--moe-cache-mib: GPU slots for the experts of host-resident expert "
-                         "layers" + ("; --moe-cache-cpu-misses" if info.has("moe_cache_cpu_misses") else "")
+                         "layers" + ("; --moe-cache-cpu-misses" if info.has("expert_cache_cpu_misses") else "")
                          + ("" if info.cuda else " (this build has no GPU backend: it would stay off)")))
     else:
         out.append(Check("expert cache", "warn", "this llama-server has no --moe-cache-mib: generation reads every "

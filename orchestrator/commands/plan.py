@@ -36,6 +36,13 @@ def _gib(n: int | None) -> str:
     return fmt_bytes(n)
 
 
+def _mib(n: int) -> str:
+    """A cache size as every cache size is shown: in MiB, as ``--moe-cache-mib`` takes it."""
+    from orchestrator.units import MiB
+
+    return f"{n / MiB:.1f} MiB"
+
+
 def render_text(res) -> str:
     plan = res.plan
     m = plan.model
@@ -60,7 +67,7 @@ def render_text(res) -> str:
         lines.append("memory (predicted):")
         for dm in w.memory:
             budget = f" of {_gib(dm.budget)}" if dm.budget else ""
-            cache = f", expert cache {_gib(dm.cache)}" if dm.cache else ""
+            cache = f", expert cache {_mib(dm.cache)}" if dm.cache else ""
             lines.append(f"  {dm.device:<6} {_gib(dm.total):>10}{budget}  (weights {_gib(dm.weights)}, KV {_gib(dm.kv)},"
                          f" compute {_gib(dm.compute)}, other {_gib(dm.overhead)}{cache})")
         lines.append(f"speed (predicted): {w.predicted.summary()}")

@@ -14,6 +14,12 @@ from orchestrator.launch.numa import NumaPolicy
 
 LOAD_MODES = ("mmap", "pinned", "mlock")   # memory-mapped; read into pinned host buffers; read and locked
 
+# Plan documents written before the fields took the project's name: the older field -> its field now
+FORMER_FIELDS = {"moe_cache_mib": "expert_cache_mib", "moe_cache_max_batch": "expert_cache_max_batch",
+                 "moe_cache_cpu_misses": "expert_cache_cpu_misses", "moe_cache_prefetch": "expert_cache_prefetch",
+                 "moe_cache_slots": "expert_cache_slots", "moe_cache_prefill_ahead": "expert_cache_stage_buffers",
+                 "moe_cache_prefill_ahead_min_batch": "expert_cache_stage_min_batch"}
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -38,17 +44,17 @@ class WorkerSettings:
     fit_ctx: int | None = None                 # --fit-ctx: the context --fit must keep
     op_offload_min_batch: int | None = None    # batch from which host-resident weights are copied to the GPU;
                                                # None = llama.cpp's default; llama_args.OFFLOAD_NEVER = never
-    moe_cache_mib: int = 0                     # VRAM for the expert cache (--moe-cache-mib); 0 = off
-    moe_cache_max_batch: int | None = None     # largest batch the cache serves (--moe-cache-max-batch); None =
+    expert_cache_mib: int = 0                  # VRAM for the expert cache (--moe-cache-mib); 0 = off
+    expert_cache_max_batch: int | None = None  # largest batch the cache serves (--moe-cache-max-batch); None =
                                                # llama-server's default (8)
-    moe_cache_cpu_misses: bool = False         # rarely used experts are computed on the CPU,
+    expert_cache_cpu_misses: bool = False      # rarely used experts are computed on the CPU,
                                                # not uploaded (--moe-cache-cpu-misses)
-    moe_cache_prefetch: bool = False           # uploads ahead of need (--moe-cache-prefetch on)
-    moe_cache_slots: str | None = None         # where slots are assigned, one of SLOT_ASSIGNMENTS
+    expert_cache_prefetch: bool = False        # uploads ahead of need (--moe-cache-prefetch on)
+    expert_cache_slots: str | None = None      # where slots are assigned, one of SLOT_ASSIGNMENTS
                                                # (--moe-cache-slots); None = llama-server's default (host)
-    moe_cache_prefill_ahead: int = 0           # staging buffers for a prompt's uncached experts, copied ahead
+    expert_cache_stage_buffers: int = 0        # staging: buffers for a prompt's uncached experts, copied ahead
                                                # of their layer (--moe-cache-prefill-ahead N); 0 = off
-    moe_cache_prefill_ahead_min_batch: int = 0  # of those, micro-batches staged only from this many tokens
+    expert_cache_stage_min_batch: int = 0      # of those, micro-batches staged only from this many tokens
                                                # (--moe-cache-prefill-ahead-min-batch N); 0 = the patch's own rule
     load_mode: str = "mmap"                    # one of LOAD_MODES
     # CPU side
@@ -70,18 +76,19 @@ class WorkerSettings:
         if self.load_mode not in LOAD_MODES:
             raise ValueError(f"WorkerSettings.load_mode must be one of {', '.join(LOAD_MODES)}; "
                              f"got {self.load_mode!r}")
-        if self.moe_cache_mib < 0:
-            raise ValueError(f"WorkerSettings.moe_cache_mib must be >= 0; got {self.moe_cache_mib}")
-        if self.moe_cache_slots is not None and self.moe_cache_slots not in SLOT_ASSIGNMENTS:
-            raise ValueError(f"WorkerSettings.moe_cache_slots must be one of {', '.join(SLOT_ASSIGNMENTS)}; "
-                             f"got {self.moe_cache_slots!r}")
-        if self.moe_cache_max_batch is not None and self.moe_cache_max_batch < 1:
-            raise ValueError(f"WorkerSettings.moe_cache_max_batch must be >= 1; got {self.moe_cache_max_batch}")
-        if self.moe_cache_prefill_ahead < 0:
-            raise ValueError(f"WorkerSettings.moe_cache_prefill_ahead must be >= 0; got {self.moe_cache_prefill_ahead}")
-        if self.moe_cache_prefill_ahead_min_batch < 0:
-            raise ValueError("WorkerSettings.moe_cache_prefill_ahead_min_batch must be >= 0; got "
-                             f"{self.moe_cache_prefill_ahead_min_batch}")
+        if self.expert_cache_mib < 0:
+            raise ValueError(f"WorkerSettings.expert_cache_mib must be >= 0; got {self.expert_cache_mib}")
+        if self.expert_cache_slots is not None and self.expert_cache_slots not in SLOT_ASSIGNMENTS:
+            raise ValueError(f"WorkerSettings.expert_cache_slots must be one of {', '.join(SLOT_ASSIGNMENTS)}; "
+                             f"got {self.expert_cache_slots!r}")
+        if self.expert_cache_max_batch is not None and self.expert_cache_max_batch < 1:
+            raise ValueError(f"WorkerSettings.expert_cache_max_batch must be >= 1; got {self.expert_cache_max_batch}")
+        if self.expert_cache_stage_buffers < 0:
+            raise ValueError("WorkerSettings.expert_cache_stage_buffers must be >= 0; got "
+                             f"{self.expert_cache_stage_buffers}")
+        if self.expert_cache_stage_min_batch < 0:
+            raise ValueError("WorkerSettings.expert_cache_stage_min_batch must be >= 0; got "
+                             f"{self.expert_cache_stage_min_batch}")
         if self.gpus is not None:
             object.__setattr__(self, "gpus", tuple(int(g) for g in self.gpus))
         object.__setattr__(self, "tensor_split", tuple(self.tensor_split))
@@ -100,9 +107,10 @@ class WorkerSettings:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "WorkerSettings":
         known = {f.name for f in fields(cls)}
+        d = {**{FORMER_FIELDS[k]: v for k, v in d.items() if k in FORMER_FIELDS}, **d}
         kw = {k: v for k, v in d.items() if k in known}
-        if "moe_cache_slots" not in d and d.get("moe_cache_device_slots"):
-            kw["moe_cache_slots"] = "device"   # plan documents that said it as a boolean
+        if "expert_cache_slots" not in d and d.get("moe_cache_device_slots"):
+            kw["expert_cache_slots"] = "device"   # older documents said it as a boolean
         if "numa" in kw:
             kw["numa"] = NumaPolicy.from_dict(dict(kw["numa"]))
         if kw.get("gpus") is not None:

@@ -497,11 +497,11 @@ def predict_memory(model: ModelInfo, settings: ServerSettings, placement: LayerO
 
 # ---- expert cache -------------------------------------------------------------------------------------------
 
-MOE_CACHE_MAX_BATCH = 8   # llama-server's --moe-cache-max-batch default
+EXPERT_CACHE_MAX_BATCH = 8   # llama-server's --moe-cache-max-batch default
 
 
 @dataclass(frozen=True)
-class MoeCacheSize:
+class ExpertCacheSize:
     """What ``--moe-cache-mib`` allocates for a set of host-resident expert layers (our patch's rules)."""
 
     slots: int           # slots per host-resident expert tensor (0: the cache is off)
@@ -514,20 +514,20 @@ class MoeCacheSize:
         return self.batch_cap >= 1
 
 
-def moe_cache_size(model: ModelInfo, host_expert_layers: Iterable[int], cache_mib: int,
-                   max_batch: int = MOE_CACHE_MAX_BATCH, stage_bytes: int = 0) -> MoeCacheSize:
+def expert_cache_size(model: ModelInfo, host_expert_layers: Iterable[int], cache_mib: int,
+                   max_batch: int = EXPERT_CACHE_MAX_BATCH, stage_bytes: int = 0) -> ExpertCacheSize:
     """Every routed-expert tensor of ``host_expert_layers`` gets a bank of the same slot count on its layer's GPU:
     slots = cache MiB / (one expert of every such tensor), at most the experts a tensor has; the cache serves
     batches up to min(max_batch, slots / experts used per token) and is off when that is below 1. Each bank is a
     CUDA tensor of ``slots`` experts (rows padded as weights are) plus an I32 id buffer for the batch cap.
-    ``stage_bytes``: prompts' staging buffers (:func:`moe_cache_stage_bytes`), taken out of the MiB first; the
+    ``stage_bytes``: prompts' staging buffers (:func:`expert_cache_stage_bytes`), taken out of the MiB first; the
     patch drops them (``stage_bytes`` 0) where what is left would not hold one token's experts per tensor."""
     layers = set(host_expert_layers)
     tensors = [t for t in model.tensors if t.cls is TensorClass.ROUTED_EXPERT and t.layer in layers
                and len(t.shape) >= 3 and t.shape[2] > 0]
     used = model.n_expert_used or 0
     if cache_mib <= 0 or not tensors or used <= 0:
-        return MoeCacheSize(0, 0, 0)
+        return ExpertCacheSize(0, 0, 0)
     per_slot = sum(t.bytes // t.shape[2] for t in tensors)
     budget = cache_mib * MiB
     if stage_bytes and stage_bytes + per_slot * used <= budget:
@@ -537,12 +537,12 @@ def moe_cache_size(model: ModelInfo, host_expert_layers: Iterable[int], cache_mi
     slots = min(budget // per_slot, min(t.shape[2] for t in tensors))
     cap = min(max_batch, slots // used)
     if cap < 1:
-        return MoeCacheSize(int(slots), 0, 0)
-    return MoeCacheSize(int(slots), int(cap), moe_cache_bank_bytes(model, layers, int(slots), int(cap)),
+        return ExpertCacheSize(int(slots), 0, 0)
+    return ExpertCacheSize(int(slots), int(cap), expert_cache_bank_bytes(model, layers, int(slots), int(cap)),
                         int(stage_bytes))
 
 
-def moe_cache_bank_bytes(model: ModelInfo, layers: Iterable[int], slots: int, batch_cap: int) -> int:
+def expert_cache_bank_bytes(model: ModelInfo, layers: Iterable[int], slots: int, batch_cap: int) -> int:
     """Device memory of the banks of the routed-expert tensors of ``layers`` at ``slots`` slots each: a CUDA
     tensor of ``slots`` experts (rows padded as weights are) plus an I32 id buffer for the batch cap. With
     several GPUs each holds the banks of its own layers."""
@@ -560,7 +560,7 @@ def moe_cache_bank_bytes(model: ModelInfo, layers: Iterable[int], slots: int, ba
     return total
 
 
-def moe_cache_stage_bytes(model: ModelInfo, layers: Iterable[int], buffers: int) -> int:
+def expert_cache_stage_bytes(model: ModelInfo, layers: Iterable[int], buffers: int) -> int:
     """Device memory of ``buffers`` staging buffers for prompts through op offload (``--moe-cache-prefill-ahead``),
     which our patch takes out of the cache's MiB: each as large as the largest CUDA copy of one routed-expert
     tensor of ``layers``."""

@@ -34,18 +34,18 @@ def kv_by_layer(model: ModelInfo, shape: BufferShape) -> list[int]:
     return [by.get(i, 0) for i in range(model.n_layers)]
 
 
-def staging_bytes(model: ModelInfo, cpu_expert_layers) -> int:
+def offload_copy_bytes(model: ModelInfo, cpu_expert_layers) -> int:
     """Room a GPU's compute buffer needs to copy in a host-resident expert tensor for an offloaded batch."""
     layers = set(cpu_expert_layers)
     return mm.offloaded_weight_bytes(t for t in model.tensors
                                      if t.cls is TensorClass.ROUTED_EXPERT and t.layer in layers)
 
 
-def gpu_compute_bytes(model: ModelInfo, shape: BufferShape, *, has_output: bool, staging: int) -> int:
+def gpu_compute_bytes(model: ModelInfo, shape: BufferShape, *, has_output: bool, offload_copy: int) -> int:
     return mm.compute_buffer_bytes(model, n_ubatch=shape.n_ubatch, n_ctx=shape.n_ctx, device=D.CUDA,
                                    flash_attn=shape.flash_attn, n_parallel=shape.n_parallel, n_batch=shape.n_batch,
                                    type_k=shape.type_k, type_v=shape.type_v, has_layers=True, has_output=has_output,
-                                   offloaded_weight_bytes=staging, flavor=shape.flavor)
+                                   offloaded_weight_bytes=offload_copy, flavor=shape.flavor)
 
 
 def cpu_compute_bytes(model: ModelInfo, shape: BufferShape, *, has_layers: bool, has_output: bool) -> int:

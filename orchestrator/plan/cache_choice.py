@@ -9,7 +9,7 @@ leave VRAM for it, where its slots are assigned, whether prompts stage their exp
    in host memory for layers that move out and, with several GPUs, the splits each GPU's room allows:
    :func:`layer_split_cache_splits`), and :func:`orchestrator.plan.expert_cache.plan_expert_cache` weighs them;
 3. :func:`host_layers_for`: the layers whose experts the chosen split leaves in host memory, and what our patch
-   allocates for them (:func:`orchestrator.model.memory.moe_cache_size`);
+   allocates for them (:func:`orchestrator.model.memory.expert_cache_size`);
 4. :func:`place_for_cache`: the worker placed again where layers moved to host memory, its prompts read from the
    slots;
 5. :func:`prompt_staging`: whether prompts copy their uncached experts ahead, out of the cache's MiB;
@@ -26,12 +26,12 @@ from typing import Mapping
 
 from orchestrator.backend import devices as D
 from orchestrator.hardware.topology import Gpu
-from orchestrator.model.memory import (MOE_CACHE_MAX_BATCH, MoeCacheSize, moe_cache_bank_bytes, moe_cache_size,
-                                       moe_cache_stage_bytes)
+from orchestrator.model.memory import (EXPERT_CACHE_MAX_BATCH, ExpertCacheSize, expert_cache_bank_bytes,
+                                       expert_cache_size, expert_cache_stage_bytes)
 from orchestrator.plan import expert_cache as X
 from orchestrator.plan import rates as R
 from orchestrator.plan.candidates import Candidate, evaluate, kv_layers, offload_threshold
-from orchestrator.plan.context import PlanContext
+from orchestrator.plan.planning_context import PlanningContext
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.cpu import CpuChoice, node_available
 from orchestrator.plan.placement import Placement, layer_split_placement
@@ -46,7 +46,7 @@ class CacheContext:
     """What the expert-cache decision of one GPU worker reads beside its candidate: the planning context, the
     worker's GPUs, how its host-resident weights are loaded, its NUMA and thread choice, and its split mode."""
 
-    plan: PlanContext
+    plan: PlanningContext
     gpus: tuple[Gpu, ...]
     load_mode: str
     cpu: CpuChoice
@@ -63,12 +63,12 @@ class CacheDecision:
     candidate: Candidate | None = None
     plan: X.CachePlan | None = None
     decision: Decision | None = None
-    banks: tuple[int, ...] = ()       # per GPU of the worker: VRAM of its banks (and the staging buffers on the first)
-    mib: int = 0                      # --moe-cache-mib (0: no cache)
+    bank_bytes: tuple[int, ...] = ()  # per GPU of the worker: VRAM of its banks (and the staging buffers on the first)
+    cache_mib: int = 0                # --moe-cache-mib (0: no cache)
     max_batch: int | None = None      # --moe-cache-max-batch (None: the server's default)
     cpu_misses: bool = False          # misses computed on the CPU where they lie (--moe-cache-cpu-misses)
     prefetch: bool = False            # uploads ahead of need (--moe-cache-prefetch)
-    slots: str = "host"               # where the slots are assigned: "device" or "host" (--moe-cache-slots)
+    slot_assignment: str = "host"     # where the slots are assigned: "device" or "host" (--moe-cache-slots)
     stage_buffers: int = 0            # prompts' staging buffers (--moe-cache-prefill-ahead; 0: not staged)
     stage_min_batch: int = 0          # micro-batches staged from this many tokens (0: the patch's rule)
 
@@ -82,13 +82,13 @@ def decide_expert_cache(cc: CacheContext, best: Candidate) -> CacheDecision:
     worker then runs with (see the module docstring for the steps)."""
     costs = cc.plan.costs
     host = tuple(i for i in best.placement.cpu_expert_layers if costs.layer_experts[i])
-    if not host or not costs.n_expert or not cc.plan.backend.has("moe_cache"):
+    if not host or not costs.n_expert or not cc.plan.backend.has("expert_cache"):
         return CacheDecision(candidate=best)
     off = why_no_cache(cc, best)
     if off is not None:
         return CacheDecision(candidate=best, decision=Decision("expert cache", "off", off))
     weighed = weigh_inputs(cc, best, host)
-    cplan = X.plan_expert_cache(weighed.inputs, cc.plan.req.objective, cache_bytes=cc.plan.req.expert_cache,
+    cplan = X.plan_expert_cache(weighed.inputs, cc.plan.req.objective, cache_bytes=cc.plan.req.expert_cache_bytes,
                                 splits=weighed.splits)
     notes = cache_notes(cc)
     if not cplan.use_cache:
@@ -96,7 +96,7 @@ def decide_expert_cache(cc: CacheContext, best: Candidate) -> CacheDecision:
     c = cplan.chosen
     new_host = host_layers_for(cc, weighed, c)
     # every busy slot adds a token to a generation batch: the cache must serve batches of that many
-    size = moe_cache_size(cc.plan.model, new_host, c.cache_mib, max_batch=cache_max_batch(cc.plan.req))
+    size = expert_cache_size(cc.plan.model, new_host, c.cache_mib, max_batch=cache_max_batch(cc.plan.req))
     if not size.active:
         return _decided(cc, best, cplan, Decision("expert cache", "off", f"{c.cache_mib} MiB holds less than one "
                                                   f"token's experts per layer" + notes))
@@ -118,10 +118,10 @@ def _decided(cc: CacheContext, cand: Candidate, cplan: X.CachePlan, decision: De
     c, req = cplan.chosen, cc.plan.req
     mib = c.cache_mib if cplan.use_cache else 0
     return CacheDecision(
-        candidate=cand, plan=cplan, decision=decision, banks=banks, mib=mib,
-        max_batch=cache_max_batch(req) if mib and req.parallel > MOE_CACHE_MAX_BATCH else None,
+        candidate=cand, plan=cplan, decision=decision, bank_bytes=banks, cache_mib=mib,
+        max_batch=cache_max_batch(req) if mib and req.parallel > EXPERT_CACHE_MAX_BATCH else None,
         cpu_misses=bool(mib and c.miss_mode == "cpu"), prefetch=bool(mib and c.prefetch),
-        slots="device" if mib and c.device_slots else "host",
+        slot_assignment="device" if mib and c.device_slots else "host",
         stage_buffers=c.stage_buffers if mib else 0, stage_min_batch=c.stage_min_batch if mib else 0)
 
 
@@ -129,16 +129,16 @@ def why_no_cache(cc: CacheContext, best: Candidate) -> str | None:
     """Why the worker has no cache whatever the split would say (the topology, the placement, the split mode), or
     None where the split decides."""
     req, gpus, mode = cc.plan.req, cc.gpus, cc.split_mode
-    if req.expert_cache == 0:
+    if req.expert_cache_bytes == 0:
         return "set by the topology"
     if best.placement.n_gpu_layers <= cc.plan.costs.n_layers:
         return "some layers' attention is in host memory: the cache serves layers computed on a GPU"
     if len(gpus) > 1 and mode != "layer":
         return f"-sm {mode} spreads every layer over all GPUs: the cache is planned for one GPU or -sm layer"
-    if len(gpus) > 1 and req.expert_cache is not None:
+    if len(gpus) > 1 and req.expert_cache_bytes is not None:
         return ("a cache of a set size is planned for one-GPU workers; leave workers.expert_cache auto to split "
                 "several GPUs")
-    if req.expert_layers_on_cpu is not None and req.expert_cache is None:
+    if req.expert_layers_on_cpu is not None and req.expert_cache_bytes is None:
         return "the expert placement is forced: set workers.expert_cache to a size to add a cache beside it"
     return None
 
@@ -150,7 +150,7 @@ def cache_notes(cc: CacheContext) -> str:
     why_host = slots_on_device(cc.plan, cc.gpus, cc.load_mode)
     if req.expert_cache_slots == "device" and why_host:
         notes += f"; slots assigned on the host: {why_host}"
-    if req.expert_cache_misses == "cpu" and not backend.has("moe_cache_cpu_misses"):
+    if req.expert_cache_misses == "cpu" and not backend.has("expert_cache_cpu_misses"):
         notes += "; misses uploaded: this llama-server has no --moe-cache-cpu-misses"
     return notes
 
@@ -182,7 +182,7 @@ def weigh_inputs(cc: CacheContext, best: Candidate, host: tuple[int, ...]) -> Ca
         splits, split_hosts = layer_split_cache_splits(costs, best, list(moe), list(host), layer_bytes,
                                                        min_gpu_layers)
     elif ctx.req.expert_layers_on_cpu is not None:
-        vram = on_gpu + ctx.req.expert_cache
+        vram = on_gpu + ctx.req.expert_cache_bytes
     else:
         vram = on_gpu + max(0, best.budgets[0].budget - best.placement.gpu_weights[0] - best.placement.gpu_kv[0])
     inputs = _cache_inputs(cc, best, host, layer_bytes, vram_free=vram, min_gpu_layers=min_gpu_layers)
@@ -217,13 +217,13 @@ def _cache_inputs(cc: CacheContext, best: Candidate, host: tuple[int, ...], laye
         curve=ctx.curve, layer_expert_bytes=layer_bytes, n_expert=costs.n_expert, n_expert_used=costs.n_expert_used,
         n_moe_layers=len(costs.moe_layers), vram_free=vram_free, pcie_bw=pcie, host_bw=host_bw, gpu_bw=gpu_bw,
         base_seconds=_base_seconds(costs, best, host, gpu_bw, host_bw),
-        cpu_misses=req.expert_cache_misses != "upload" and backend.has("moe_cache_cpu_misses"),
+        cpu_misses=req.expert_cache_misses != "upload" and backend.has("expert_cache_cpu_misses"),
         upload_misses=req.expert_cache_misses != "cpu",
         host_layer_overhead_s=R.CROSS_DEVICE_LAYER_OVERHEAD_S,
-        cache_layer_overhead_s=(R.CACHE_LAYER_OVERHEAD_HOST_S if backend.has("moe_cache_slots")
+        cache_layer_overhead_s=(R.CACHE_LAYER_OVERHEAD_HOST_S if backend.has("expert_cache_slots")
                                 else R.CACHE_LAYER_OVERHEAD_S), cache_fixed_s=R.CACHE_FIXED_S,
         cpu_miss_hop_s=R.CACHE_CPU_MISS_HOP_S, cpu_miss_fixed_s=R.CACHE_CPU_MISS_FIXED_S,
-        min_gpu_layers=min_gpu_layers, prefill_reads_cache=backend.has("moe_cache_prefill"),
+        min_gpu_layers=min_gpu_layers, prefill_reads_cache=backend.has("expert_cache_slot_reads"),
         prefill_read_saving=R.PREFILL_READ_SAVING, prefill_read_overhead_s=R.PREFILL_READ_OVERHEAD_S,
         streams=req.parallel, stream_share_exponent=R.STREAM_SHARE_EXPONENT,
         prefetch=prefetch_mode(ctx), prefetch_miss_cut=tuple(R.PREFETCH_MISS_CUT.items()),
@@ -255,7 +255,7 @@ def host_layers_for(cc: CacheContext, weighed: CacheWeighing, chosen: X.CacheCan
 
 
 def place_for_cache(cc: CacheContext, best: Candidate, host: tuple[int, ...], new_host: tuple[int, ...],
-                    size: MoeCacheSize) -> Candidate:
+                    size: ExpertCacheSize) -> Candidate:
     """``best`` placed again where the split moves layers to host memory, with its prompt speed where big batches
     read the experts the slots hold from them (only the rest crosses PCIe)."""
     ctx = cc.plan
@@ -267,18 +267,18 @@ def place_for_cache(cc: CacheContext, best: Candidate, host: tuple[int, ...], ne
         else:
             cand = evaluate(replace(ctx, req=ctx.req.copy(expert_layers_on_cpu=new_host)), list(cc.gpus), kv_ub,
                             mode=cc.split_mode, ub=best.ubatch, load_mode=cc.load_mode, cpu=cc.cpu)
-    if ctx.backend.has("moe_cache_prefill"):
+    if ctx.backend.has("expert_cache_slot_reads"):
         cand = replace(cand, pp=predict_pp(ctx.costs, cand.placement, cand.speed, cand.ubatch, cand.threshold,
                                            cache=PromptCache(size.slots / ctx.costs.n_expert)))
     return cand
 
 
-def cache_banks(cc: CacheContext, placement: Placement, host: tuple[int, ...], size: MoeCacheSize
+def cache_banks(cc: CacheContext, placement: Placement, host: tuple[int, ...], size: ExpertCacheSize
                 ) -> tuple[int, ...]:
     """What our patch allocates on each GPU: every bank the same slot count (cache MiB, less the prompts' staging
     buffers, / one expert of every host-resident expert tensor), each on the GPU that runs its layer; the staging
     buffers on the first."""
-    return tuple(moe_cache_bank_bytes(cc.plan.model, [i for i in host if placement.layer_gpu[i] == g],
+    return tuple(expert_cache_bank_bytes(cc.plan.model, [i for i in host if placement.layer_gpu[i] == g],
                                       size.slots, size.batch_cap) + (size.stage_bytes if g == 0 else 0)
                  for g in range(len(cc.gpus)))
 
@@ -305,30 +305,31 @@ class Staging:
     allocates for it, the prompt prediction, and the note the decision's line carries."""
 
     chosen: X.CacheCandidate
-    size: MoeCacheSize
+    size: ExpertCacheSize
     pp: Mapping[int, float]
     note: str
 
 
 def prompt_staging(cc: CacheContext, cand: Candidate, c: X.CacheCandidate, inp: X.CacheInputs,
-                   host: tuple[int, ...], size: MoeCacheSize) -> Staging | None:
+                   host: tuple[int, ...], size: ExpertCacheSize) -> Staging | None:
     """Whether prompts through op offload copy their uncached experts ahead into staging buffers
     (``--moe-cache-prefill-ahead``): the buffers come out of the cache's MiB, so generation has fewer slots, and
     prompts hide part of their copies behind the layers before. None where the plan keeps it off without a word;
     else the staging, with why it is off in its note where the topology asked for it or the gain is too small."""
     req, backend = cc.plan.req, cc.plan.backend
-    if req.expert_cache_staging == "off" or not backend.has("moe_cache_prefill_ahead") or \
-            not backend.has("moe_cache_prefill"):
+    if req.expert_cache_staging == "off" or not backend.has("expert_cache_staging") or \
+            not backend.has("expert_cache_slot_reads"):
         return None
     # where the model's routing was measured, micro-batches too small to use nearly every expert under it are left
     # unstaged (--moe-cache-prefill-ahead-min-batch); a server without the option stages by the uniform rule
     min_batch = (staging_min_batch(cc.plan.costs.n_expert, cc.plan.costs.n_expert_used, cc.plan.curve.distinct)
-                 if backend.has("moe_cache_prefill_ahead_min_batch") else 0)
+                 if backend.has("expert_cache_stage_min_batch") else 0)
     why = why_not_staged(cc, cand, min_batch)
     buffers = R.PREFILL_STAGE_BUFFERS
     if why is None:
-        stage = moe_cache_stage_bytes(cc.plan.model, host, buffers)
-        size_s = moe_cache_size(cc.plan.model, host, c.cache_mib, max_batch=cache_max_batch(req), stage_bytes=stage)
+        stage = expert_cache_stage_bytes(cc.plan.model, host, buffers)
+        size_s = expert_cache_size(cc.plan.model, host, c.cache_mib, max_batch=cache_max_batch(req),
+                                   stage_bytes=stage)
         if not size_s.stage_bytes or not size_s.active:
             why = f"{c.cache_mib} MiB would keep too few slots beside {buffers} staging buffers"
     if why is not None:
@@ -358,7 +359,7 @@ def why_not_staged(cc: CacheContext, cand: Candidate, min_batch: int) -> str | N
     return None
 
 
-def _staged_candidate(inp: X.CacheInputs, c: X.CacheCandidate, size_s: MoeCacheSize, buffers: int,
+def _staged_candidate(inp: X.CacheInputs, c: X.CacheCandidate, size_s: ExpertCacheSize, buffers: int,
                       min_batch: int) -> X.CacheCandidate:
     """``c`` with prompts staged: generation as measured with the buffers, as if they took PREFILL_STAGE_SLOT_COST
     of their bytes from the slots; the banks, the VRAM and the prompts' share read from the slots are those of the
@@ -404,22 +405,22 @@ def cache_shares(costs: ModelCosts, placement: Placement, host: tuple[int, ...],
     return tuple(out)
 
 
-def prefetch_mode(ctx: PlanContext) -> str:
+def prefetch_mode(ctx: PlanningContext) -> str:
     """Uploads ahead of need as the plan weighs them: "off" where the backend or the model's architecture has
     none (or the topology says off), else the topology's auto or on."""
-    if ctx.req.expert_cache_prefetch == "off" or not ctx.backend.has("moe_cache_prefetch") or \
+    if ctx.req.expert_cache_prefetch == "off" or not ctx.backend.has("expert_cache_prefetch") or \
             ctx.costs.arch not in R.PREFETCH_ARCHS:
         return "off"
     return ctx.req.expert_cache_prefetch
 
 
-def slots_on_device(ctx: PlanContext, gpus: list[Gpu], load_mode: str) -> str | None:
+def slots_on_device(ctx: PlanningContext, gpus: list[Gpu], load_mode: str) -> str | None:
     """None where the worker's slots can be assigned on the GPU (``--moe-cache-slots device``), else why not. The
     device kernels read the misses from the weights' host memory, so it must be pinned (not memory-mapped); the
     CUDA backend exports them; one GPU per worker is what was measured (several keep the host's assignment)."""
     if ctx.req.expert_cache_slots == "host":
         return "set by the topology"
-    if not ctx.backend.has("moe_cache_slots"):
+    if not ctx.backend.has("expert_cache_slots"):
         return "this llama-server has no --moe-cache-slots"
     if not ctx.backend.cuda:
         return "the device assignment is CUDA's"
@@ -431,7 +432,7 @@ def slots_on_device(ctx: PlanContext, gpus: list[Gpu], load_mode: str) -> str | 
 
 
 def cache_max_batch(req: PlanRequest) -> int:
-    return max(MOE_CACHE_MAX_BATCH, req.parallel)
+    return max(EXPERT_CACHE_MAX_BATCH, req.parallel)
 
 
 def layer_split_cache_splits(costs: ModelCosts, best: Candidate, moe: list[int], host: list[int],

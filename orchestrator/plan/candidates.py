@@ -12,7 +12,7 @@ from orchestrator.hardware.topology import Gpu, Machine
 from orchestrator.model.info import ModelInfo
 from orchestrator.plan import buffers as M
 from orchestrator.plan import rates as R
-from orchestrator.plan.context import PlanContext, buffer_shape
+from orchestrator.plan.planning_context import PlanningContext, buffer_shape
 from orchestrator.plan.costs import ModelCosts
 from orchestrator.plan.cpu import CpuChoice
 from orchestrator.plan.placement import (
@@ -113,17 +113,17 @@ def place(costs: ModelCosts, kv_layer: list[int], budgets: list[GpuBudget], mode
 
 
 def gpu_computes(model: ModelInfo, req: PlanRequest, *, ub: int, fa: str, flavor: Flavor, mode: str, n_gpus: int,
-                 staging: int) -> tuple[int, ...]:
-    """Compute buffer of each GPU of a worker (CUDA0, CUDA1, ...). ``staging``: room to copy in a host-resident
-    expert tensor for an offloaded batch. An offloaded op runs on the first GPU backend that takes it (ggml's
-    scheduler tries CUDA0 first), so with ``-sm layer`` only CUDA0 stages (measured on two H200s: CUDA1's buffer
-    lacked exactly that copy); the tensor/graph splits keep it on every GPU (not measured)."""
+                 offload_copy: int) -> tuple[int, ...]:
+    """Compute buffer of each GPU of a worker (CUDA0, CUDA1, ...). ``offload_copy``: room to copy in a
+    host-resident expert tensor for an offloaded batch. An offloaded op runs on the first GPU backend that takes it
+    (ggml's scheduler tries CUDA0 first), so with ``-sm layer`` only CUDA0 holds the copy (measured on two H200s:
+    CUDA1's buffer lacked exactly that copy); the tensor/graph splits keep it on every GPU (not measured)."""
     shape = buffer_shape(req, ub, fa, flavor)
 
     def one(st: int) -> int:
-        return M.gpu_compute_bytes(model, shape, has_output=True, staging=st)
-    full = one(staging)
-    base = one(0) if staging and mode == "layer" else full
+        return M.gpu_compute_bytes(model, shape, has_output=True, offload_copy=st)
+    full = one(offload_copy)
+    base = one(0) if offload_copy and mode == "layer" else full
     return tuple(full if k == 0 else base for k in range(n_gpus))
 
 
@@ -137,15 +137,15 @@ def offload_threshold(req: PlanRequest, costs: ModelCosts, placement: Placement,
                                 min_batch=max(req.parallel + 1, R.OP_OFFLOAD_MIN_BATCH_FLOOR))
 
 
-def evaluate(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], *, mode: str, ub: int, load_mode: str,
+def evaluate(ctx: PlanningContext, gpus: list[Gpu], kv_layer: list[int], *, mode: str, ub: int, load_mode: str,
              cpu: CpuChoice) -> Candidate:
     """Place the model for micro-batch ``ub`` and predict its speed."""
     model, costs, req, node_req = ctx.model, ctx.costs, ctx.req, ctx.node_req
     overhead = M.cuda_overhead(model, ub)
 
-    def budgets_for(staging: int) -> tuple[list[GpuBudget], tuple[int, ...]]:
+    def budgets_for(offload_copy: int) -> tuple[list[GpuBudget], tuple[int, ...]]:
         computes = gpu_computes(model, req, ub=ub, fa=ctx.fa, flavor=ctx.flavor, mode=mode, n_gpus=len(gpus),
-                                staging=staging)
+                                offload_copy=offload_copy)
         out = []
         for k, g in enumerate(gpus):
             free, _why = gpu_free(g, node_req)
@@ -156,10 +156,10 @@ def evaluate(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], *, mode: st
     placement = place(costs, kv_layer, budgets, mode, req)
     # CPU-resident experts are copied into the GPU's compute buffer for big batches: make room, place again
     for _ in range(3):
-        staging = M.staging_bytes(model, placement.cpu_expert_layers)
-        if not staging:
+        offload_copy = M.offload_copy_bytes(model, placement.cpu_expert_layers)
+        if not offload_copy:
             break
-        budgets, compute2 = budgets_for(staging)
+        budgets, compute2 = budgets_for(offload_copy)
         again = place(costs, kv_layer, budgets, mode, req)
         compute = compute2
         if again.cpu_expert_layers == placement.cpu_expert_layers:

@@ -7,7 +7,9 @@ one error line naming the field. Its JSON schema (:func:`json_schema`) is writte
 ``docs/plan-document.schema.json``; a test checks the file is current and that real plans validate against it.
 
 Version 1 is the first versioned shape; a document without ``version`` (written before it existed) has the same
-fields and reads as version 1.
+fields and reads as version 1. A worker's ``settings`` name the expert cache's fields ``expert_cache_*``; a document
+that names them as the flags do (``moe_cache_mib``, ``moe_cache_prefill_ahead`` ..., the boolean
+``moe_cache_device_slots``) reads the same (:meth:`~orchestrator.launch.settings.WorkerSettings.from_dict`).
 """
 
 from __future__ import annotations
@@ -227,7 +229,10 @@ def json_schema() -> dict:
             "argv": {**strings, "description": "the whole command: wrappers, the llama-server binary, args"},
             "command": {"type": "string", "description": "env and argv as a shell line, for display only"},
             "env": {"type": "object", "additionalProperties": {"type": "string"}},
-            "settings": {"type": "object", "description": "WorkerSettings: what args and env are rendered from"},
+            "settings": {"type": "object", "description": (
+                "WorkerSettings: what args and env are rendered from; the expert cache's fields are expert_cache_*, "
+                "and documents with their older names (moe_cache_mib, moe_cache_prefill_ahead ..., "
+                "moe_cache_device_slots) are still read")},
             "decisions": {"type": "array", "items": decision},
             "predicted": {"type": "object", "properties": {
                 "tg": {"type": ["number", "null"]},

@@ -176,7 +176,7 @@ class GpuCacheShare:
 
     def to_json(self) -> dict:
         return {"device": self.device, "whole_layers": self.whole_layers, "host_layers": self.host_layers,
-                "slots_per_layer": self.slots_per_layer, "slots": self.slots, "cache_bytes": self.cache_bytes,
+                "slots_per_layer": self.slots_per_layer, "slots": self.slots,
                 "cache_mib": round(self.cache_bytes / MIB, 1), "hit_rate": round(self.hit_rate, 5),
                 "bytes_per_token": {"cache_hits": round(self.hit_bytes), "pcie": round(self.pcie_bytes)}}
 
@@ -230,7 +230,7 @@ class CachePlan:
     def to_json(self) -> dict:
         def cand(c: CacheCandidate) -> dict:
             return {"gpu_layers": c.gpu_layers, "host_layers": c.host_layers, "cache_mib": c.cache_mib,
-                    "cache_bytes": c.cache_bytes, "slot_bytes": c.slot_bytes, "slots": c.slots, "slots_per_layer": c.slots_per_layer,
+                    "slot_mib": round(c.slot_bytes / MIB, 1), "slots": c.slots, "slots_per_layer": c.slots_per_layer,
                     "fraction": round(c.fraction, 5),
                     "hit_rate": round(c.hit_rate, 5), "miss_mode": c.miss_mode,
                     "bytes_per_token": {"gpu_resident": round(c.gpu_resident_bytes), "cache_hits":
@@ -241,8 +241,8 @@ class CachePlan:
                     "stream_hit_rate": round(c.stream_hit_rate, 5),
                     "prompt_seconds_per_ubatch": c.prompt_seconds,
                     "prefetch": c.prefetch, "prefetch_gain": round(c.prefetch_gain, 4),
-                    "device_slots": c.device_slots, "prefill_stage_buffers": c.stage_buffers,
-                    "prefill_stage_bytes": c.stage_bytes, "prefill_stage_min_batch": c.stage_min_batch}
+                    "device_slots": c.device_slots, "stage_buffers": c.stage_buffers,
+                    "stage_mib": round(c.stage_bytes / MIB, 1), "stage_min_batch": c.stage_min_batch}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
                 "candidates": [cand(c) for c in self.candidates],

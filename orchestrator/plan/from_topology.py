@@ -57,7 +57,7 @@ def request_from_topology(topo: Topology) -> PlanRequest:
         disable_numa_balancing=True if dnb in (AUTO, None) else bool(dnb),
         op_offload_min_batch=op_val, batch=_auto(w.batch), ubatch=_auto(w.ubatch), split_mode=w.split_mode,
         load_mode=w.load_mode, extra_args=tuple(w.extra_args), host=w.host or "127.0.0.1", port_base=w.port_base,
-        objective=w.objective, expert_cache=cache, expert_cache_misses=w.expert_cache_misses,
+        objective=w.objective, expert_cache_bytes=cache, expert_cache_misses=w.expert_cache_misses,
         expert_cache_prefetch=w.expert_cache_prefetch, expert_cache_slots=w.expert_cache_slots,
         expert_cache_staging=w.expert_cache_staging,
     )

@@ -17,7 +17,7 @@ from orchestrator.plan import rates as R
 from orchestrator.plan.cache_choice import NO_CACHE, CacheContext, CacheDecision, decide_expert_cache
 from orchestrator.plan.candidates import (REPLY_TOKENS, WORKLOAD_PROMPTS, Candidate, choose, evaluate, gpu_free,
                                          kv_layers, request_seconds, speed_inputs)
-from orchestrator.plan.context import PlanContext
+from orchestrator.plan.planning_context import PlanningContext
 from orchestrator.plan.costs import ModelCosts, model_costs
 from orchestrator.plan.cpu import CpuChoice, CpuWants, choose_cpu, node_available
 from orchestrator.plan.layout import worker_layout
@@ -90,7 +90,7 @@ def _ranges(placement: Placement, n_layers: int, gpu_names: list[str]) -> tuple[
     return tuple(out)
 
 
-def _choose_cpu(ctx: PlanContext, host_bytes: int, anchor: int | None) -> CpuChoice:
+def _choose_cpu(ctx: PlanningContext, host_bytes: int, anchor: int | None) -> CpuChoice:
     """The worker's NUMA policy and threads for ``host_bytes`` in host memory, near ``anchor`` (the main GPU's
     node; None: no GPU)."""
     req = ctx.req
@@ -120,7 +120,7 @@ class _GpuWorker:
     """What every step of a GPU worker's plan reads: the planning context, the worker's GPUs, the KV cache by
     layer, the main GPU and the NUMA node nearest it, and the host memory available to load weights into."""
 
-    ctx: PlanContext
+    ctx: PlanningContext
     gpus: list[Gpu]
     kv_layer: list[int]
     main: Gpu
@@ -142,7 +142,7 @@ class _Chosen:
     cache: CacheDecision = NO_CACHE
 
 
-def _gpu_side(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int], mode: str, mode_why: str,
+def _gpu_side(ctx: PlanningContext, gpus: list[Gpu], kv_layer: list[int], mode: str, mode_why: str,
               decisions: list[Decision]) -> _Side:
     """Placement over the worker's GPUs: micro-batch candidates, load mode, expert cache, NUMA binding, op-offload
     threshold."""
@@ -169,7 +169,7 @@ def _n_host_expert_layers(costs: ModelCosts, placement: Placement) -> int:
     return len([i for i in placement.cpu_expert_layers if costs.layer_experts[i]])
 
 
-def _gpu_worker(ctx: PlanContext, gpus: list[Gpu], kv_layer: list[int]) -> _GpuWorker:
+def _gpu_worker(ctx: PlanningContext, gpus: list[Gpu], kv_layer: list[int]) -> _GpuWorker:
     """The main GPU (best measured host bandwidth; ties: lowest index), the node nearest it, the host memory."""
     machine = ctx.machine
     bw = machine.bandwidth
@@ -269,7 +269,7 @@ def _with_expert_cache(w: _GpuWorker, chosen: _Chosen) -> _Chosen:
     """The split between whole layers and the expert cache for every micro-batch: a cache can make up for the
     layers a bigger compute buffer displaces, so the micro-batch is chosen again with it."""
     ctx = w.ctx
-    if not ctx.backend.has("moe_cache"):
+    if not ctx.backend.has("expert_cache"):
         return chosen
     cc = CacheContext(plan=ctx, gpus=tuple(w.gpus), load_mode=chosen.load_mode, cpu=chosen.cpu,
                       split_mode=chosen.mode)
@@ -278,7 +278,7 @@ def _with_expert_cache(w: _GpuWorker, chosen: _Chosen) -> _Chosen:
     best = choose(shown, ctx.req.objective)
     cache = next(d for d in decided if d.candidate is best)
     lm_why = chosen.load_why
-    if cache.banks and ctx.req.load_mode == "auto":
+    if cache.bank_bytes and ctx.req.load_mode == "auto":
         # layers moved to the cache stay in host memory (their room there was checked): say so with the
         # bytes that are really there
         again, why = _load_mode(w, best.placement.cpu_weights)
@@ -326,7 +326,7 @@ def _batch_and_offload_decisions(w: _GpuWorker, chosen: _Chosen, decisions: list
 def _gpu_memory(w: _GpuWorker, chosen: _Chosen) -> tuple[DeviceMemory, ...]:
     """Predicted memory on each GPU (the expert cache's banks included) and in host memory."""
     model, req, node_req, best = w.ctx.model, w.ctx.req, w.ctx.node_req, chosen.best
-    placement, banks = best.placement, chosen.cache.banks
+    placement, banks = best.placement, chosen.cache.bank_bytes
     memory = []
     for k, g in enumerate(w.gpus):
         free, _why = gpu_free(g, node_req)
@@ -341,7 +341,7 @@ def _gpu_memory(w: _GpuWorker, chosen: _Chosen) -> tuple[DeviceMemory, ...]:
     return tuple(memory)
 
 
-def _cpu_side(ctx: PlanContext, kv_layer: list[int], decisions: list[Decision]) -> _Side:
+def _cpu_side(ctx: PlanningContext, kv_layer: list[int], decisions: list[Decision]) -> _Side:
     """Everything in host memory: NUMA binding decides the load mode."""
     model, costs, req, machine = ctx.model, ctx.costs, ctx.req, ctx.machine
     placement = place_cpu_only(costs, kv_layer)
@@ -370,7 +370,7 @@ def _cpu_side(ctx: PlanContext, kv_layer: list[int], decisions: list[Decision]) 
                  load_mode=load_mode, cpu=cpu)
 
 
-def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], port: int) -> WorkerPlan:
+def plan_worker(ctx: PlanningContext, *, name: str, gpu_indexes: tuple[int, ...], port: int) -> WorkerPlan:
     """One worker on ``ctx.machine`` over the GPUs ``gpu_indexes`` (none: CPU only), serving on ``port``."""
     decisions: list[Decision] = []
     machine, model, costs, req, backend = ctx.machine, ctx.model, ctx.costs, ctx.req, ctx.backend
@@ -422,11 +422,11 @@ def plan_worker(ctx: PlanContext, *, name: str, gpu_indexes: tuple[int, ...], po
         tensor_split=tuple(placement.tensor_split) if len(gpus) > 1 else (),
         main_gpu=gpus.index(side.main) if len(gpus) > 1 else None,
         tensor_overrides=overrides, fit=False, op_offload_min_batch=side.threshold, load_mode=load_mode,
-        moe_cache_mib=side.cache.mib, moe_cache_max_batch=side.cache.max_batch,
-        moe_cache_cpu_misses=side.cache.cpu_misses, moe_cache_prefetch=side.cache.prefetch,
-        moe_cache_slots="device" if side.cache.slots == "device" else None,
-        moe_cache_prefill_ahead=side.cache.stage_buffers,
-        moe_cache_prefill_ahead_min_batch=side.cache.stage_min_batch,
+        expert_cache_mib=side.cache.cache_mib, expert_cache_max_batch=side.cache.max_batch,
+        expert_cache_cpu_misses=side.cache.cpu_misses, expert_cache_prefetch=side.cache.prefetch,
+        expert_cache_slots="device" if side.cache.slot_assignment == "device" else None,
+        expert_cache_stage_buffers=side.cache.stage_buffers,
+        expert_cache_stage_min_batch=side.cache.stage_min_batch,
         numa=cpu.numa, numa_flag=cpu.numa_flag,
         disable_numa_balancing=req.disable_numa_balancing and len(machine.numa_nodes) > 1,
         threads=cpu.threads, threads_batch=cpu.threads_batch, n_batch=ctx.n_batch(side.ubatch),
@@ -499,7 +499,7 @@ def _make_plan(*, machines: Mapping[str, Machine], model: ModelInfo, request: Pl
         decisions.append(Decision(f"layout {node_req.name}", why.value, why.why))
         for k, (gidx, pkg, share) in enumerate(groups):
             name = f"{node_req.name}-{k}" if len(groups) > 1 or len(request.nodes) > 1 else node_req.name
-            ctx = PlanContext(machine=machine, model=model, costs=costs, req=request, node_req=node_req,
+            ctx = PlanningContext(machine=machine, model=model, costs=costs, req=request, node_req=node_req,
                               backend=backend, curve=curve, package=pkg, share=share)
             workers.append(plan_worker(ctx, name=name, gpu_indexes=gidx, port=port))
             port += 1

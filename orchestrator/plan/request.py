@@ -86,7 +86,7 @@ class PlanRequest:
     port_base: int = 8081
     expert_layers_on_cpu: tuple[int, ...] | None = None   # force this placement (benchmarks / experts)
     objective: str = "generation"            # "generation" | "balanced" | "prompt": what the VRAM split favours
-    expert_cache: int | None = None          # None = the plan decides; 0 = off; bytes = a cache of this size
+    expert_cache_bytes: int | None = None    # None = the plan decides; 0 = off; else a cache of this many bytes
     expert_cache_misses: str = "upload"      # "upload" | "cpu" | "auto": what the cache does with a miss
     expert_cache_prefetch: str = "auto"      # "auto" | "on" | "off": uploads ahead of need (--moe-cache-prefetch)
     expert_cache_slots: str = "auto"         # "auto" | "device" | "host": where slots are assigned (--moe-cache-slots)

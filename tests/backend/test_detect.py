@@ -86,11 +86,11 @@ def test_parse_ik_split_modes_block():
 
 
 def test_expert_cache_feature_is_read_from_help():
-    """Our patched build (and newer upstream) offers --moe-cache-mib: the feature `moe_cache` says so."""
+    """Our patched build (and newer upstream) offers --moe-cache-mib: the feature `expert_cache` says so."""
     base = (FIX / "mainline-llama-server-help.txt").read_text()
-    assert "moe_cache" not in parse_help(base)[1]
+    assert "expert_cache" not in parse_help(base)[1]
     patched = base + "--moe-cache-mib N                      VRAM for an LRU cache of host-resident experts (MiB)\n"
-    assert "moe_cache" in parse_help(patched)[1]
+    assert "expert_cache" in parse_help(patched)[1]
 
 
 def test_flavor_is_one_string_valued_enum():

@@ -123,15 +123,15 @@ def _cli_env() -> dict:
 @pytest.mark.integration
 def test_the_built_server_offers_the_cache(llama_server_path):
     info = detect_backend(llama_server_path)
-    assert info.has("moe_cache"), "the suite's llama-server was built without orchestrator's patch series"
+    assert info.has("expert_cache"), "the suite's llama-server was built without orchestrator's patch series"
     help_text = subprocess.run([llama_server_path, "--help"], capture_output=True, text=True, timeout=30).stdout
     assert re.search(r"--moe-cache-mib N", help_text) and re.search(r"--moe-cache-max-batch N", help_text)
     # every option of the series that the plan asks for, as the plan detects it
-    for feature in ("moe_cache_prefill", "moe_cache_cpu_misses", "moe_cache_slots", "moe_cache_prefill_ahead",
-                    "moe_cache_prefill_ahead_min_batch"):
+    for feature in ("expert_cache_slot_reads", "expert_cache_cpu_misses", "expert_cache_slots", "expert_cache_staging",
+                    "expert_cache_stage_min_batch"):
         assert info.has(feature), feature
     # uploads ahead of need are the lab's (lab/llama.cpp-patches): the plan never chooses them
-    assert not info.has("moe_cache_prefetch")
+    assert not info.has("expert_cache_prefetch")
 
 
 @pytest.mark.integration

@@ -239,7 +239,7 @@ def test_uploads_ahead_of_need_give_the_tokens_and_logits_of_the_uncached_gpu_pa
     server = server_path()
     from orchestrator.backend.detect import detect_backend
 
-    if not detect_backend(server).has("moe_cache_prefetch"):
+    if not detect_backend(server).has("expert_cache_prefetch"):
         pytest.skip("uploads ahead of need are in the lab's patch set (lab/llama.cpp-patches), not this build's series")
     expert_bytes, n_tensors = _expert_tensors(model)
     n_layers = n_tensors // 3

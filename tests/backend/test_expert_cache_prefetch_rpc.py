@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 def _lab_build(llama_server_path):
     from orchestrator.backend.detect import detect_backend
 
-    if not detect_backend(llama_server_path).has("moe_cache_prefetch"):
+    if not detect_backend(llama_server_path).has("expert_cache_prefetch"):
         pytest.skip("uploads ahead of need are in the lab's patch set (lab/llama.cpp-patches), not the product "
                     "series this llama-server was built with")
 

@@ -323,14 +323,14 @@ def test_cache_grid_moves_layers_into_the_cache():
 
     p = parse_config_option(r"plan=-m m.gguf -c 8192 -ngl 999 -ot blk\.(0|1|2)\.ffn_(up|down|gate)_exps=CPU "
                             "-ub 2048 --load-mode none --moe-cache-mib 1000")
-    assert p.renders_for.has("moe_cache")
+    assert p.renders_for.has("expert_cache")
     layer = 324 << 20
     grid = cache_grid(p, layer)
     assert [c.name for c in grid] == ["ncmoe3", "ncmoe7+cache2232", "ncmoe11+cache3528", "ncmoe15+cache4824"]
     for c, d in zip(grid, (0, 4, 8, 12)):
         assert cpu_expert_layers_of(c.settings) == tuple(range(3 + d))
         assert c.settings.n_ubatch == 2048 and c.settings.load_mode == "pinned"     # the rest is the plan's
-        assert c.params["moe_cache_mib"] == c.settings.moe_cache_mib
+        assert c.params["expert_cache_mib"] == c.settings.expert_cache_mib
     assert not has_flag(grid[0].args, "--moe-cache-mib")
     # without a cache in the plan, its own point is the plan itself
     bare = parse_config_option(r"plan=-m m.gguf -ngl 999 -ot blk\.(0|1|2)\.ffn_(up|down|gate)_exps=CPU "
@@ -363,11 +363,11 @@ def test_cache_grid_of_a_two_gpu_plan_fits_every_gpu(tmp_path, like, layers, gib
     model = shape_model(tmp_path, like, "q4_0", layers=layers)
     x2 = with_gpu_free(load_machine(FIXTURES / "machines" / "h200x2.tar.gz"), gib * GiB)
     b = backend()
-    b = b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
+    b = b.__class__(**{**b.__dict__, "features": b.features | {"expert_cache"}})
     req = PlanRequest(nodes=(NodeRequest(name="x2", vram_limit=gib * GiB, vram_reserve=256 * MiB),),
                       ubatch=2048)   # the grid needs layers left to move at this budget
     w = make_plan(machines={"x2": x2}, model=model, request=req, backend=b).workers[0]
-    assert w.settings.split_mode == "layer" and w.settings.moe_cache_mib
+    assert w.settings.split_mode == "layer" and w.settings.expert_cache_mib
     costs = model_costs(model)
     layer = max(costs.layer_experts)
     expert = layer / costs.n_expert
@@ -379,7 +379,7 @@ def test_cache_grid_of_a_two_gpu_plan_fits_every_gpu(tmp_path, like, layers, gib
         return [slots * expert * sum(1 for i in host if dev[i] == g) for g in (0, 1)]
 
     plan_host = set(w.cpu_expert_layers)
-    plan_banks = banks(w.settings.moe_cache_mib, plan_host)
+    plan_banks = banks(w.settings.expert_cache_mib, plan_host)
     grid = cache_grid(config_from_worker(w), layer, n_layers=model.n_layers)
     left = model.n_layers - len(plan_host)                  # whole expert layers the plan keeps in VRAM
     assert [c.params["n_cpu_moe"] - len(plan_host) for c in grid] == [d for d in (0, 4, 8, 12) if d <= left]
@@ -392,11 +392,11 @@ def test_cache_grid_of_a_two_gpu_plan_fits_every_gpu(tmp_path, like, layers, gib
             own = [i for i in mine if i in host]
             assert own == mine[:len(own)]                    # each GPU's first layers, as the planner moves them
             moved = sum(1 for i in own if i not in plan_host)
-            assert banks(c.settings.moe_cache_mib, host)[g] <= plan_banks[g] + moved * layer, (c.name, g)
-        assert sum(c.params["moe_cache_mib_per_gpu"].values()) <= c.settings.moe_cache_mib
+            assert banks(c.settings.expert_cache_mib, host)[g] <= plan_banks[g] + moved * layer, (c.name, g)
+        assert sum(c.params["expert_cache_mib_per_gpu"].values()) <= c.settings.expert_cache_mib
     # more layers moved, a bigger cache
-    mibs = [c.settings.moe_cache_mib for c in grid[1:]]
-    assert mibs == sorted(mibs) and mibs[0] > w.settings.moe_cache_mib
+    mibs = [c.settings.expert_cache_mib for c in grid[1:]]
+    assert mibs == sorted(mibs) and mibs[0] > w.settings.expert_cache_mib
 
 
 def test_cache_grid_refuses_what_it_cannot_split():
@@ -415,7 +415,7 @@ def test_cache_grid_refuses_what_it_cannot_split():
     # holds 5/6 = 1018 MiB <= its 1072; one GPU's rule (100 + 4 x 324 - 64 = 1332) would put 1110 MiB there
     grid = cache_grid(shares, 324 << 20, steps=(4,), n_layers=10)
     assert [c.name for c in grid] == ["ncmoe6+cache1222"]
-    assert grid[0].params["moe_cache_mib_per_gpu"] == {"CUDA0": 1018, "CUDA1": 203}
+    assert grid[0].params["expert_cache_mib_per_gpu"] == {"CUDA0": 1018, "CUDA1": 203}
     # the default groups leave out a grid they cannot split; asked for by name, it says why
     assert not [c for c in build_configs(tensor, ncmoe_values=[1], offload_values=[32], layer_expert_bytes=324 << 20)
                 if c.group == "cache-grid"]
@@ -505,14 +505,14 @@ def test_the_baseline_leaves_every_placement_option_of_the_table_to_llama_cpp():
     from orchestrator.launch.llama_args import parse_server_args
     from orchestrator.launch.settings import WorkerSettings
 
-    s = replace(parse_server_args(PLAN_ARGS, PLAN_ENV), moe_cache_mib=512, moe_cache_slots="device",
+    s = replace(parse_server_args(PLAN_ARGS, PLAN_ENV), expert_cache_mib=512, expert_cache_slots="device",
                 extra_args=("-dev", "CUDA0", "--seed", "-1", "-fitt", "1024", "-ub", "64", "-cuda", "fusion=1"))
     b = baseline(s)
     fresh = WorkerSettings()
     for o in OPTIONS:
         if o.owner == PLACEMENT and o.field:
             assert getattr(b, o.field) == getattr(fresh, o.field), o.field
-    assert (b.n_batch, b.n_ubatch, b.load_mode, b.op_offload_min_batch, b.moe_cache_mib) == (
+    assert (b.n_batch, b.n_ubatch, b.load_mode, b.op_offload_min_batch, b.expert_cache_mib) == (
         None, None, "mmap", None, 0)
     assert b.extra_args == ("--seed", "-1")
     assert (b.context, b.parallel, b.threads, b.threads_batch, b.type_k, b.numa_flag, b.metrics) == (

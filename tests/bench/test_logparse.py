@@ -63,9 +63,9 @@ def test_the_expert_cache_the_server_made(tmp_path):
     line = ("0.07.470.696 I ggml_backend_sched_moe_cache_init: expert cache: 78 host-resident expert tensors x 34 "
             "slots (of 128 experts), 2237.6 MiB of device memory, batches up to 4 tokens")
     log.write_text("load_tensors: loading model tensors, this can take a while... (load_mode = none)\n" + line + "\n")
-    assert parse_server_log(log)["moe_cache"] == {"tensors": 78, "slots": 34, "n_expert": 128,
+    assert parse_server_log(log)["expert_cache"] == {"tensors": 78, "slots": 34, "n_expert": 128,
                                                   "bytes": round(2237.6 * MiB), "max_batch": 4, "cpu_misses": False}
     log.write_text(line + "; misses computed on the CPU until reused\n")
-    assert parse_server_log(log)["moe_cache"]["cpu_misses"] is True
+    assert parse_server_log(log)["expert_cache"]["cpu_misses"] is True
     log.write_text(line + "\nload_tensors: loading model tensors, this can take a while... (load_mode = none)\n")
-    assert "moe_cache" not in parse_server_log(log)
+    assert "expert_cache" not in parse_server_log(log)

@@ -119,7 +119,7 @@ class FlakyClient:
         await self._maybe_fail("ttft")
         return 0.01, 0.02, None
 
-    async def moe_cache_counters(self):
+    async def expert_cache_counters(self):
         return None
 
 
@@ -159,15 +159,15 @@ def test_requests_sample_with_a_seed_each():
 
 
 def test_expert_cache_counters_are_read_from_the_metrics_page():
-    from orchestrator.bench.measure import parse_moe_cache_counters
+    from orchestrator.bench.measure import parse_expert_cache_counters
 
     page = ("# HELP llamacpp:moe_cache_hits_total hits\n# TYPE llamacpp:moe_cache_hits_total counter\n"
             "llamacpp:moe_cache_hits_total 750\nllamacpp:moe_cache_lookups_total 1000\n"
             "llamacpp:moe_cache_misses_total 250\nllamacpp:moe_cache_cpu_misses_total 40\n"
             "llamacpp:moe_cache_uploaded_bytes_total 1.5e+09\nllamacpp:prompt_tokens_total 5\n")
-    assert parse_moe_cache_counters(page) == {"hits": 750.0, "lookups": 1000.0, "misses": 250.0, "cpu_misses": 40.0,
+    assert parse_expert_cache_counters(page) == {"hits": 750.0, "lookups": 1000.0, "misses": 250.0, "cpu_misses": 40.0,
                                               "uploaded_bytes": 1.5e9}
-    assert parse_moe_cache_counters("llamacpp:prompt_tokens_total 5\n") is None
+    assert parse_expert_cache_counters("llamacpp:prompt_tokens_total 5\n") is None
 
 
 class CountingClient(FlakyClient):
@@ -187,7 +187,7 @@ class CountingClient(FlakyClient):
             self.counters["lookups"] += 2 * n_predict
         return await super().completion(n, n_predict, slot)
 
-    async def moe_cache_counters(self):
+    async def expert_cache_counters(self):
         return dict(self.counters)
 
 
@@ -203,7 +203,7 @@ def test_what_prompts_read_from_the_slots_is_recorded_per_prompt_length():
     assert out["moe_cache_pp"]["32"]["prefill_copied_bytes"] == 64.0
     assert out["moe_cache"]["prefill_saved_bytes"] == 0.0                   # generation read nothing
     m = run_metrics({"loaded": True, "samples": out})
-    assert m["moe_cache_read_pp8"] == [0.75] and m["moe_cache_read_pp32"] == [0.75]
+    assert m["expert_cache_read_pp8"] == [0.75] and m["expert_cache_read_pp32"] == [0.75]
     summary = summarize([{"name": "plan", "group": "plan", "params": {}}], [{"config": "plan", "loaded": True,
                                                                          "samples": out}])
     text = render_text({"summary": summary, "ratios": []})

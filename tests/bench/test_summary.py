@@ -200,9 +200,9 @@ def test_the_expert_cache_hit_rate_of_a_run():
     from orchestrator.bench.summary import run_metrics
 
     run = {"loaded": True, "samples": {"pp": [], "tg": [], "moe_cache": {"hits": 80.0, "lookups": 100.0}}}
-    assert run_metrics(run)["moe_cache_hit_rate"] == [0.8]
+    assert run_metrics(run)["expert_cache_hit_rate"] == [0.8]
     idle = {"loaded": True, "samples": {"pp": [], "tg": [], "moe_cache": {"hits": 0.0, "lookups": 0.0}}}
-    assert "moe_cache_hit_rate" not in run_metrics(idle)
+    assert "expert_cache_hit_rate" not in run_metrics(idle)
 
 
 def test_the_cache_grid_chart(tmp_path):
@@ -213,8 +213,8 @@ def test_the_cache_grid_chart(tmp_path):
     def entry(group, mib, tg, hit=None):
         metrics = {"tg128@0": {"median": tg, "min": tg - 1, "max": tg + 1, "n": 3}}
         if hit is not None:
-            metrics["moe_cache_hit_rate"] = {"median": hit, "min": hit, "max": hit, "n": 3}
-        return {"group": group, "params": {"moe_cache_mib": mib} if mib else {}, "metrics": metrics, "runs": 3,
+            metrics["expert_cache_hit_rate"] = {"median": hit, "min": hit, "max": hit, "n": 3}
+        return {"group": group, "params": {"expert_cache_mib": mib} if mib else {}, "metrics": metrics, "runs": 3,
                 "loaded": 3}
 
     summary = {"plan": entry("plan", 1953, 128.0, 0.87), "ncmoe19": entry("cache-grid", 0, 76.0),
@@ -255,7 +255,7 @@ def test_several_streams_give_an_aggregate_metric_a_hit_rate_and_a_prediction_ch
                      "moe_cache": {"hits": 82.0, "lookups": 100.0}}}
     run = {"loaded": True, "samples": {"pp": [], "tg": [], "tg_streams": streams}}
     m = run_metrics(run)
-    assert m["tg128x4"] == [204.8, 196.9] and m["moe_cache_hit_rate_x4"] == [0.82]
+    assert m["tg128x4"] == [204.8, 196.9] and m["expert_cache_hit_rate_x4"] == [0.82]
     plan = {**_cfg("plan", "plan"), "predicted": {"tg_streams": {4: 220.0}}}
     runs = [{**_run("plan", 1), "samples": run["samples"]}, _run("fit-pinned", 1, tg={0: [70.0]})]
     summary = summarize([plan, _cfg("fit-pinned", "fit-pinned")], runs)

@@ -89,24 +89,24 @@ def test_a_down_in_progress_is_told_apart_from_a_lost_head(tmp_path, monkeypatch
     import subprocess
     import sys
 
-    from orchestrator.cluster import runner, state
+    from orchestrator.cluster import lifecycle, state
 
     monkeypatch.setenv("ORCHESTRATOR_STATE", str(tmp_path / "state"))
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         st = state.ClusterState(namespace="ns", ray_address="127.0.0.1:1", embedded=True, up_pid=os.getpid(),
                                 started_at=time.time(), phase="stopping", stopping_pid=other.pid)
-        assert runner._down_running(st)
-        assert not runner._down_running(state.ClusterState(**{**st.__dict__, "stopping_pid": os.getpid()}))
-        assert not runner._down_running(state.ClusterState(**{**st.__dict__, "phase": "running"}))
+        assert lifecycle._down_running(st)
+        assert not lifecycle._down_running(state.ClusterState(**{**st.__dict__, "stopping_pid": os.getpid()}))
+        assert not lifecycle._down_running(state.ClusterState(**{**st.__dict__, "phase": "running"}))
         said = []
         state.write(st)
         other.kill()
         other.wait()
-        assert not runner._down_running(st)                   # that `down` died before it finished
-        assert runner._stopped_elsewhere("ns", st, said.append) is False and said == []
+        assert not lifecycle._down_running(st)                   # that `down` died before it finished
+        assert lifecycle._stopped_elsewhere("ns", st, said.append) is False and said == []
         state.remove("ns")
-        assert runner._stopped_elsewhere("ns", st, said.append) is True
+        assert lifecycle._stopped_elsewhere("ns", st, said.append) is True
         assert said == ["stopped by `orchestrator down`"]
     finally:
         if other.poll() is None:

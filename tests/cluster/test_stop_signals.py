@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster.runner import output_closed
+from orchestrator.cluster.lifecycle import output_closed
 from orchestrator.sigutil import StopRequested, StopSignals
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ with StopSignals() as sigs:
 
 
 def test_output_closed_sees_a_pipe_whose_reader_went_away():
-    code = ("import sys, time; from orchestrator.cluster.runner import output_closed\n"
+    code = ("import sys, time; from orchestrator.cluster.lifecycle import output_closed\n"
             "print(output_closed(), file=sys.stderr, flush=True)\n"
             "sys.stdin.readline()\n"
             "print(output_closed(), file=sys.stderr, flush=True)\n")

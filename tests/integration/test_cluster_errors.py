@@ -248,7 +248,7 @@ def test_cli_up_refuses_a_conflict_before_the_plan_is_printed_or_ray_starts(iso,
 @pytest.mark.slow
 def test_up_takes_over_the_head_started_during_planning(iso):
     from orchestrator.cluster import down, state, up
-    from orchestrator.cluster.runner import start_early_head
+    from orchestrator.cluster.lifecycle import start_early_head
 
     dep = _dep(iso, namespace="early-ok")
     early = start_early_head("early-ok", nodes=[("local", None)], gateway_host=dep.gateway_host,
@@ -270,7 +270,7 @@ def test_up_takes_over_the_head_started_during_planning(iso):
 
 
 def test_no_early_head_when_up_would_not_use_it(iso):
-    from orchestrator.cluster.runner import start_early_head
+    from orchestrator.cluster.lifecycle import start_early_head
 
     kw = dict(gateway_host="127.0.0.1", dashboard_host="127.0.0.1", dashboard_port=S.free_port(), metrics_port=None,
               log_dir=None)
@@ -289,7 +289,7 @@ def test_sigterm_while_waiting_for_the_early_head_stops_it(iso, monkeypatch):
     import threading
 
     from orchestrator.cluster import state, up
-    from orchestrator.cluster.runner import start_early_head
+    from orchestrator.cluster.lifecycle import start_early_head
 
     from orchestrator.cluster import head as headmod
 

@@ -46,81 +46,81 @@ def test_never_is_a_switch_where_the_binary_has_one_else_the_variable():
 
 def test_expert_cache_only_when_asked_for_and_offered():
     with_cache = MAINLINE                                # the nominal mainline is our patched build
-    assert "moe_cache" in with_cache.features
+    assert "expert_cache" in with_cache.features
     assert "--moe-cache-mib" not in server_args(S, with_cache)                     # 0 = off
-    cached = replace(S, moe_cache_mib=4096)
+    cached = replace(S, expert_cache_mib=4096)
     assert _value(server_args(cached, with_cache), "--moe-cache-mib") == "4096"
-    without = replace(MAINLINE, features=MAINLINE.features - {"moe_cache"})
+    without = replace(MAINLINE, features=MAINLINE.features - {"expert_cache"})
     assert "--moe-cache-mib" not in server_args(cached, without)                   # the binary lacks it
     assert "--moe-cache-max-batch" not in server_args(cached, with_cache)          # llama-server's default
-    wide = replace(cached, moe_cache_max_batch=16)
+    wide = replace(cached, expert_cache_max_batch=16)
     assert _value(server_args(wide, with_cache), "--moe-cache-max-batch") == "16"
-    assert parse_server_args(server_args(wide, with_cache)).moe_cache_max_batch == 16
-    assert "--moe-cache-max-batch" not in server_args(replace(S, moe_cache_max_batch=16), with_cache)  # no cache
+    assert parse_server_args(server_args(wide, with_cache)).expert_cache_max_batch == 16
+    assert "--moe-cache-max-batch" not in server_args(replace(S, expert_cache_max_batch=16), with_cache)  # no cache
     with pytest.raises(ValueError):
-        replace(S, moe_cache_mib=-1)
+        replace(S, expert_cache_mib=-1)
 
 
 def test_cpu_misses_only_with_a_cache_and_a_binary_that_has_them():
-    cpu = replace(S, moe_cache_mib=4096, moe_cache_cpu_misses=True)
-    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache_cpu_misses"})
+    cpu = replace(S, expert_cache_mib=4096, expert_cache_cpu_misses=True)
+    has = replace(MAINLINE, features=MAINLINE.features | {"expert_cache_cpu_misses"})
     args = server_args(cpu, has)
-    assert "--moe-cache-cpu-misses" in args and parse_server_args(args).moe_cache_cpu_misses
-    older = replace(MAINLINE, features=MAINLINE.features - {"moe_cache_cpu_misses"})
+    assert "--moe-cache-cpu-misses" in args and parse_server_args(args).expert_cache_cpu_misses
+    older = replace(MAINLINE, features=MAINLINE.features - {"expert_cache_cpu_misses"})
     assert "--moe-cache-cpu-misses" not in server_args(cpu, older)                   # the binary lacks it
-    assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, moe_cache_mib=0), has)      # no cache
-    assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, moe_cache_cpu_misses=False), has)
+    assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, expert_cache_mib=0), has)      # no cache
+    assert "--moe-cache-cpu-misses" not in server_args(replace(cpu, expert_cache_cpu_misses=False), has)
 
 
 def test_uploads_ahead_only_with_a_cache_and_a_binary_that_has_them():
-    ahead = replace(S, moe_cache_mib=4096, moe_cache_prefetch=True)
-    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefetch"})
+    ahead = replace(S, expert_cache_mib=4096, expert_cache_prefetch=True)
+    has = replace(MAINLINE, features=MAINLINE.features | {"expert_cache", "expert_cache_prefetch"})
     args = server_args(ahead, has)
-    assert _value(args, "--moe-cache-prefetch") == "on" and parse_server_args(args).moe_cache_prefetch
-    assert "--moe-cache-prefetch" not in server_args(ahead, replace(has, features=has.features - {"moe_cache_prefetch"}))
-    assert "--moe-cache-prefetch" not in server_args(replace(ahead, moe_cache_mib=0), has)        # no cache
-    assert "--moe-cache-prefetch" not in server_args(replace(ahead, moe_cache_prefetch=False), has)
-    assert not parse_server_args(["--moe-cache-prefetch", "off"]).moe_cache_prefetch
+    assert _value(args, "--moe-cache-prefetch") == "on" and parse_server_args(args).expert_cache_prefetch
+    assert "--moe-cache-prefetch" not in server_args(ahead, replace(has, features=has.features - {"expert_cache_prefetch"}))
+    assert "--moe-cache-prefetch" not in server_args(replace(ahead, expert_cache_mib=0), has)        # no cache
+    assert "--moe-cache-prefetch" not in server_args(replace(ahead, expert_cache_prefetch=False), has)
+    assert not parse_server_args(["--moe-cache-prefetch", "off"]).expert_cache_prefetch
 
 
 def test_prompt_staging_only_with_a_cache_and_a_binary_that_has_it():
-    staged = replace(S, moe_cache_mib=4096, moe_cache_prefill_ahead=2)
-    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefill_ahead"})
+    staged = replace(S, expert_cache_mib=4096, expert_cache_stage_buffers=2)
+    has = replace(MAINLINE, features=MAINLINE.features | {"expert_cache", "expert_cache_staging"})
     args = server_args(staged, has)
-    assert _value(args, "--moe-cache-prefill-ahead") == "2" and parse_server_args(args).moe_cache_prefill_ahead == 2
-    assert backend_seen_in(args).has("moe_cache_prefill_ahead")
+    assert _value(args, "--moe-cache-prefill-ahead") == "2" and parse_server_args(args).expert_cache_stage_buffers == 2
+    assert backend_seen_in(args).has("expert_cache_staging")
     assert "--moe-cache-prefill-ahead" not in server_args(
-        staged, replace(has, features=has.features - {"moe_cache_prefill_ahead"}))      # the binary lacks it
-    assert "--moe-cache-prefill-ahead" not in server_args(replace(staged, moe_cache_mib=0), has)         # no cache
-    assert "--moe-cache-prefill-ahead" not in server_args(replace(staged, moe_cache_prefill_ahead=0), has)
+        staged, replace(has, features=has.features - {"expert_cache_staging"}))      # the binary lacks it
+    assert "--moe-cache-prefill-ahead" not in server_args(replace(staged, expert_cache_mib=0), has)         # no cache
+    assert "--moe-cache-prefill-ahead" not in server_args(replace(staged, expert_cache_stage_buffers=0), has)
     with pytest.raises(ValueError):
-        replace(S, moe_cache_prefill_ahead=-1)
+        replace(S, expert_cache_stage_buffers=-1)
 
 
 def test_the_smallest_staged_micro_batch_goes_with_staging_and_a_binary_that_has_it():
-    staged = replace(S, moe_cache_mib=4096, moe_cache_prefill_ahead=2, moe_cache_prefill_ahead_min_batch=401)
-    has = replace(MAINLINE, features=MAINLINE.features | {"moe_cache", "moe_cache_prefill_ahead",
-                                                          "moe_cache_prefill_ahead_min_batch"})
+    staged = replace(S, expert_cache_mib=4096, expert_cache_stage_buffers=2, expert_cache_stage_min_batch=401)
+    has = replace(MAINLINE, features=MAINLINE.features | {"expert_cache", "expert_cache_staging",
+                                                          "expert_cache_stage_min_batch"})
     args = server_args(staged, has)
     assert _value(args, "--moe-cache-prefill-ahead-min-batch") == "401"
     back = parse_server_args(args)
-    assert (back.moe_cache_prefill_ahead, back.moe_cache_prefill_ahead_min_batch) == (2, 401)
-    assert backend_seen_in(args).has("moe_cache_prefill_ahead_min_batch")
-    lacks = replace(has, features=has.features - {"moe_cache_prefill_ahead_min_batch"})
+    assert (back.expert_cache_stage_buffers, back.expert_cache_stage_min_batch) == (2, 401)
+    assert backend_seen_in(args).has("expert_cache_stage_min_batch")
+    lacks = replace(has, features=has.features - {"expert_cache_stage_min_batch"})
     assert "--moe-cache-prefill-ahead-min-batch" not in server_args(staged, lacks)
     assert "--moe-cache-prefill-ahead" in server_args(staged, lacks)          # staging itself stays
-    assert "--moe-cache-prefill-ahead-min-batch" not in server_args(replace(staged, moe_cache_prefill_ahead=0), has)
+    assert "--moe-cache-prefill-ahead-min-batch" not in server_args(replace(staged, expert_cache_stage_buffers=0), has)
     assert "--moe-cache-prefill-ahead-min-batch" not in server_args(
-        replace(staged, moe_cache_prefill_ahead_min_batch=0), has)
+        replace(staged, expert_cache_stage_min_batch=0), has)
     with pytest.raises(ValueError):
-        replace(S, moe_cache_prefill_ahead_min_batch=-1)
+        replace(S, expert_cache_stage_min_batch=-1)
 
 
 @pytest.mark.parametrize("backend", [MAINLINE, IK], ids=["mainline", "ik"])
 def test_rendered_flags_read_back_to_the_same_settings(backend):
     """What launch renders, parse_server_args reads back (the NUMA binding is numactl's, not llama-server's)."""
-    cached = replace(S, moe_cache_mib=512, moe_cache_cpu_misses=not backend.ik, extra_args=("--seed", "-1"))
-    b = replace(backend, features=backend.features | {"moe_cache"} | ({"moe_cache_cpu_misses"} if not backend.ik
+    cached = replace(S, expert_cache_mib=512, expert_cache_cpu_misses=not backend.ik, extra_args=("--seed", "-1"))
+    b = replace(backend, features=backend.features | {"expert_cache"} | ({"expert_cache_cpu_misses"} if not backend.ik
                                                                         else set()))
     back = parse_server_args(server_args(cached, b), server_env(cached, b))
     expected = cached if not b.ik else replace(cached, fit=None)                   # ik is never told --fit

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backend.info import BackendInfo, Flavor, parse_help
+from orchestrator.backend.info import FORMER_FEATURES, BackendInfo, Flavor, parse_help
 from orchestrator.backend.server_options import (
     ALL_LAYERS, BY_FEATURE, IK_MARKERS, OFFLOAD_NEVER, OPTIONS, OWNED_FLAGS, PLACEMENT, RENDERS, Choice, Int,
     LoadMode, Numbers, OffloadBatch, OnOff, Overrides, Switch, Value, field_flags, long_flag,
 )
 from orchestrator.launch.llama_args import parse_server_args, server_args, server_env
-from orchestrator.launch.settings import WorkerSettings
+from orchestrator.launch.settings import FORMER_FIELDS, WorkerSettings
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "backend"
 # WorkerSettings fields that never become a llama-server flag: the GPUs it sees (CUDA_VISIBLE_DEVICES), the NUMA
@@ -132,15 +132,43 @@ def test_every_feature_detected_in_a_real_help_maps_to_an_option(help_file):
 
 def test_slot_assignment_is_one_value_written_as_the_flag_takes_it():
     for where in ("device", "host"):
-        s = WorkerSettings(moe_cache_mib=512, moe_cache_slots=where)
+        s = WorkerSettings(expert_cache_mib=512, expert_cache_slots=where)
         argv = server_args(s, MAINLINE)
         assert argv[argv.index("--moe-cache-slots") + 1] == where
-        assert parse_server_args(argv).moe_cache_slots == where
-    assert "--moe-cache-slots" not in server_args(WorkerSettings(moe_cache_mib=512), MAINLINE)   # the server's own
-    assert "--moe-cache-slots" not in server_args(WorkerSettings(moe_cache_slots="device"), MAINLINE)  # no cache
-    with pytest.raises(ValueError, match="moe_cache_slots"):
-        WorkerSettings(moe_cache_slots="gpu")
+        assert parse_server_args(argv).expert_cache_slots == where
+    assert "--moe-cache-slots" not in server_args(WorkerSettings(expert_cache_mib=512), MAINLINE)   # the server's own
+    assert "--moe-cache-slots" not in server_args(WorkerSettings(expert_cache_slots="device"), MAINLINE)  # no cache
+    with pytest.raises(ValueError, match="expert_cache_slots"):
+        WorkerSettings(expert_cache_slots="gpu")
     assert parse_server_args(["--moe-cache-slots", "gpu"]).extra_args == ("--moe-cache-slots", "gpu")
     # a plan document that carried the assignment as a boolean reads as the value
-    assert WorkerSettings.from_dict({"moe_cache_device_slots": True}).moe_cache_slots == "device"
-    assert WorkerSettings.from_dict({"moe_cache_device_slots": False}).moe_cache_slots is None
+    assert WorkerSettings.from_dict({"moe_cache_device_slots": True}).expert_cache_slots == "device"
+    assert WorkerSettings.from_dict({"moe_cache_device_slots": False}).expert_cache_slots is None
+
+
+def test_plan_documents_with_the_former_field_names_read_the_same():
+    """Settings written under the flags' spelling (``moe_cache_*``) read as the fields of the project's name; a
+    document carrying both keeps the newer one."""
+    new = WorkerSettings(expert_cache_mib=3072, expert_cache_max_batch=16, expert_cache_cpu_misses=True,
+                         expert_cache_prefetch=True, expert_cache_slots="device", expert_cache_stage_buffers=2,
+                         expert_cache_stage_min_batch=401)
+    old = {former: getattr(new, now) for former, now in FORMER_FIELDS.items()}
+    assert set(old) == {f"moe_cache_{n}" for n in ("mib", "max_batch", "cpu_misses", "prefetch", "slots",
+                                                     "prefill_ahead", "prefill_ahead_min_batch")}
+    assert WorkerSettings.from_dict(old) == new == WorkerSettings.from_dict(new.to_dict())
+    assert not set(FORMER_FIELDS) & set(new.to_dict())           # written only under the new names
+    assert WorkerSettings.from_dict({"moe_cache_mib": 1, "expert_cache_mib": 2}).expert_cache_mib == 2
+    assert server_args(WorkerSettings.from_dict(old), MAINLINE) == server_args(new, MAINLINE)
+
+
+def test_backends_recorded_with_the_former_feature_names_read_the_same():
+    """A plan document's backend written when the expert cache's features said ``moe_cache`` offers the same
+    options now: the argv rendered from it is the same."""
+    now = replace(MAINLINE, features=MAINLINE.features | set(FORMER_FEATURES.values()))
+    recorded = {**now.to_dict(), "features": sorted((now.features - set(FORMER_FEATURES.values()))
+                                                    | set(FORMER_FEATURES))}
+    assert BackendInfo.from_dict(recorded) == now
+    s = WorkerSettings(expert_cache_mib=512, expert_cache_slots="device", expert_cache_stage_buffers=2,
+                       expert_cache_prefetch=True)
+    assert server_args(s, BackendInfo.from_dict(recorded)) == server_args(s, now)
+    assert {"--moe-cache-slots", "--moe-cache-prefill-ahead", "--moe-cache-prefetch"} <= set(server_args(s, now))

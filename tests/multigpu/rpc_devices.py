@@ -139,7 +139,7 @@ class Run:
 
     def cache_bytes(self) -> int:
         r = parse_load_log(self.log)
-        return r.moe_cache["bytes"] if r.moe_cache else 0
+        return r.expert_cache["bytes"] if r.expert_cache else 0
 
 
 _KV_DEV = re.compile(r"llama_kv_cache: layer\s+(\d+): dev = (\S+)")

@@ -47,6 +47,6 @@ def test_bench_runs_the_plan_and_its_alternatives_on_two_rpc_devices(model, llam
         assert all(t["tps"] > 0 for t in r["samples"]["tg"]) and r["samples"]["tg"], (name, r["samples"])
         bufs = r["llama"]["buffers"]["model"]
         assert len([b for b in bufs if b.startswith("RPC")]) == 2, (name, bufs)   # both devices hold weights
-    assert runs["plan"]["llama"]["moe_cache"]["slots"] > 0
+    assert runs["plan"]["llama"]["expert_cache"]["slots"] > 0
     assert runs["plan"]["llama"]["offloaded_layers"][0] == model.n_layers + 1
     assert json.loads((tmp_path / "bench" / "bench.json").read_text())["runs"]

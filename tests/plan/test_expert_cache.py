@@ -176,15 +176,15 @@ def test_several_gpus_each_hold_the_banks_of_their_own_layers(models):
     model = models("qwen3-235b-a22b")
     w = make_plan(machines={"server": m}, model=model, request=req,
                   backend=nominal_backend("mainline", cuda=True)).workers[0]
-    off = make_plan(machines={"server": m}, model=model, request=req.copy(expert_cache=0),
+    off = make_plan(machines={"server": m}, model=model, request=req.copy(expert_cache_bytes=0),
                     backend=nominal_backend("mainline", cuda=True)).workers[0]
     assert w.expert_cache.use_cache and w.settings.split_mode == "layer"
     assert set(off.cpu_expert_layers) < set(w.cpu_expert_layers)
     gpu_mem = [mm for mm in w.memory if mm.device.startswith("CUDA")]
     assert all(mm.total <= mm.budget for mm in gpu_mem) and sum(1 for mm in gpu_mem if mm.cache) >= 2
-    from orchestrator.model.memory import moe_cache_size
+    from orchestrator.model.memory import expert_cache_size
 
-    size = moe_cache_size(model, w.cpu_expert_layers, w.settings.moe_cache_mib)
+    size = expert_cache_size(model, w.cpu_expert_layers, w.settings.expert_cache_mib)
     assert size.slots == w.expert_cache.chosen.slots_per_layer
     assert sum(mm.cache for mm in gpu_mem) == size.bytes
     assert w.predicted.tg > off.predicted.tg
@@ -193,19 +193,19 @@ def test_several_gpus_each_hold_the_banks_of_their_own_layers(models):
 def test_the_cache_size_follows_the_patch_rules(models):
     """slots = MiB / (one expert of every host-resident expert tensor), capped at n_expert; the batch served is
     min(max batch, slots / experts per token); below one token the cache is off and takes nothing."""
-    from orchestrator.model.memory import moe_cache_bank_bytes, moe_cache_size
+    from orchestrator.model.memory import expert_cache_bank_bytes, expert_cache_size
 
     model = models("qwen3-30b-a3b")
     expert = 3 * 2048 * 768 * 18 // 32                    # q4_0: one expert of up, gate and down
-    s = moe_cache_size(model, range(23), 1232)
+    s = expert_cache_size(model, range(23), 1232)
     assert s.slots == 1232 * (1 << 20) // (23 * expert) == 21 and s.batch_cap == 2 and s.active
     assert s.bytes >= 21 * 23 * expert and s.bytes - 21 * 23 * expert < 23 * 3 * 1024
-    assert moe_cache_size(model, range(23), 1232, max_batch=1).batch_cap == 1
-    assert moe_cache_size(model, range(4), 1 << 20).slots == 128                    # never more than the experts
-    off = moe_cache_size(model, range(48), 200)                                    # 1 slot per tensor < 8 picks
+    assert expert_cache_size(model, range(23), 1232, max_batch=1).batch_cap == 1
+    assert expert_cache_size(model, range(4), 1 << 20).slots == 128                    # never more than the experts
+    off = expert_cache_size(model, range(48), 200)                                    # 1 slot per tensor < 8 picks
     assert not off.active and off.bytes == 0
-    assert moe_cache_size(model, (), 1000).slots == 0
-    assert moe_cache_bank_bytes(model, range(10), 21, 2) + moe_cache_bank_bytes(model, range(10, 23), 21, 2) \
+    assert expert_cache_size(model, (), 1000).slots == 0
+    assert expert_cache_bank_bytes(model, range(10), 21, 2) + expert_cache_bank_bytes(model, range(10, 23), 21, 2) \
         == s.bytes
 
 

@@ -122,7 +122,7 @@ def check_cache_plan(w, model, n_gpus: int):
         assert f"{s.device}: {s.whole_layers} whole expert layers, {s.host_layers} host-resident x " \
                f"{s.slots_per_layer} slots = {s.slots} experts = {s.cache_bytes / MiB:.1f} MiB" in text
     doc = json.loads(json.dumps(w.to_dict()))
-    assert [g["cache_bytes"] for g in doc["expert_cache"]["per_gpu"]] == [m.cache for m in gpu_mem]
+    assert [g["cache_mib"] for g in doc["expert_cache"]["per_gpu"]] == [round(m.cache / MiB, 1) for m in gpu_mem]
     assert [g["slots"] for g in doc["expert_cache"]["per_gpu"]] == [s.slots for s in shares]
 
 
@@ -139,7 +139,7 @@ def test_two_h200s_split_the_cache_by_the_layers_they_run(models, x2, case, curv
     w = plan.workers[0]
     assert w.expert_cache.use_cache
     check_cache_plan(w, model, 2)
-    off = make_plan(machines={"x2": with_gpu_free(x2, budget)}, model=model, request=req.copy(expert_cache=0),
+    off = make_plan(machines={"x2": with_gpu_free(x2, budget)}, model=model, request=req.copy(expert_cache_bytes=0),
                     backend=_cached_backend(), routing=routing).workers[0]
     assert w.predicted.tg > off.predicted.tg
     # bytes per token by device: each GPU reads its own banks, and the layers moved to the cache no longer as
@@ -198,7 +198,7 @@ def test_pipeline_parallelism_is_what_llama_cpp_turns_on_without_overrides():
 
 def _cached_backend():
     b = backend("mainline")
-    return b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
+    return b.__class__(**{**b.__dict__, "features": b.features | {"expert_cache"}})
 
 
 def test_plan_prints_each_gpus_share_with_a_cached_profile(models, tmp_path, monkeypatch):

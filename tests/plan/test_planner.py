@@ -316,7 +316,7 @@ def test_a_deepseek_plan_takes_the_bigger_micro_batch_its_long_prompts_need(mode
 
     h200 = load_machine(Path(__file__).resolve().parents[1] / "fixtures" / "machines" / "h200.inspect.json")
     b = backend("mainline")
-    b = dataclasses.replace(b, features=b.features | {"moe_cache", "moe_cache_prefill", "moe_cache_device_slots"})
+    b = dataclasses.replace(b, features=b.features | {"expert_cache", "expert_cache_slot_reads"})
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=12 * GiB, vram_reserve=256 << 20),), context=8192)
     w = make_plan(machines={"h200": with_gpu_free(h200, 12 * GiB)}, model=models("deepseek-v3", layers=6),
                   request=req, backend=b).workers[0]

@@ -32,6 +32,7 @@ from planfixtures import backend, with_gpu_free
 from orchestrator.bench.logparse import parse_load_log
 from orchestrator.hardware.dump import load_machine
 from orchestrator.hardware.topology import Bandwidth
+from orchestrator.launch.settings import WorkerSettings
 from orchestrator.model.routing_profile import RoutingProfile, hit_rate
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 from orchestrator.plan import expert_cache as X
@@ -54,7 +55,7 @@ SHAPES = {"w1": ("qwen3-30b-a3b", None), "w2": ("qwen3-235b-a22b", 24)}
 
 def _cached_backend():
     b = backend("mainline")
-    return b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache"}})
+    return b.__class__(**{**b.__dict__, "features": b.features | {"expert_cache"}})
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +98,7 @@ def _cache_lines():
         for line in lzma.decompress((BENCH / d / "cache-init.txt.xz").read_bytes()).decode().splitlines():
             run, rest = line.split(" ", 1)
             config, text = rest.split(": ", 1)
-            out[(f"{d}/{run}", config)] = parse_load_log(text).moe_cache
+            out[(f"{d}/{run}", config)] = parse_load_log(text).expert_cache
     return out
 
 
@@ -145,11 +146,11 @@ def _worker(models, h200, rec, **kw):
     layers, mib = _layers_and_cache(rec["args"])
     a = rec["args"]
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=rec["budget"], vram_reserve=256 * MiB),),
-                      expert_layers_on_cpu=layers, expert_cache=mib * MiB if mib else 0,
+                      expert_layers_on_cpu=layers, expert_cache_bytes=mib * MiB if mib else 0,
                       ubatch=int(a[a.index("-ub") + 1]), **kw)
     b = _cached_backend()
     if rec["cpu_misses"]:
-        b = b.__class__(**{**b.__dict__, "features": b.features | {"moe_cache_cpu_misses"}})
+        b = b.__class__(**{**b.__dict__, "features": b.features | {"expert_cache_cpu_misses"}})
         req = dataclasses.replace(req, expert_cache_misses="cpu")
     return make_plan(machines={"h200": _machine(h200, rec)}, model=_shape(models, rec["model"]), request=req,
                      backend=b, routing=_curve(rec["locality"], rec["model"])).workers[0]
@@ -185,7 +186,7 @@ def test_predicted_generation_within_15_percent_of_measured(models, h200):
         high = 1.15 if "--moe-cache-mib" in rec["args"] else 1.20
         assert 0.85 <= ratio <= high, (rec["run"], rec["config"], round(w.predicted.tg, 1), round(rec["tg"], 1))
         if "--moe-cache-mib" in rec["args"]:
-            assert w.settings.moe_cache_mib == _layers_and_cache(rec["args"])[1]
+            assert w.settings.expert_cache_mib == _layers_and_cache(rec["args"])[1]
             assert w.expert_cache is not None and w.expert_cache.use_cache
             assert w.expert_cache.chosen.miss_mode == ("cpu" if rec["cpu_misses"] else "upload")
         checked += 1
@@ -248,7 +249,8 @@ def test_the_planner_still_makes_the_plans_that_ran(models, h200):
             assert abs(len(w.cpu_expert_layers) - len(ran["cpu_expert_layers"])) <= 2, run
             continue
         assert list(w.cpu_expert_layers) == ran["cpu_expert_layers"], run
-        assert w.settings.moe_cache_mib == pytest.approx(ran["settings"]["moe_cache_mib"] or 0, rel=0.05), run
+        ran_mib = WorkerSettings.from_dict(ran["settings"]).expert_cache_mib    # recorded under the older names
+        assert w.settings.expert_cache_mib == pytest.approx(ran_mib, rel=0.05), run
 
 
 def _plan(models, h200, budget_gib, curve, **kw):
@@ -261,12 +263,12 @@ def _plan(models, h200, budget_gib, curve, **kw):
 def test_the_plan_chooses_a_cache_with_locality_and_none_without(models, h200, budget):
     local = _plan(models, h200, budget, _curve("default"))
     flat = _plan(models, h200, budget, _curve("loc0"))
-    assert local.expert_cache.use_cache and local.settings.moe_cache_mib > 0
+    assert local.expert_cache.use_cache and local.settings.expert_cache_mib > 0
     assert "--moe-cache-mib" in local.args
     # the no-cache candidate predicts exactly what the plan without a cache predicts
-    assert not flat.expert_cache.use_cache and flat.settings.moe_cache_mib == 0
+    assert not flat.expert_cache.use_cache and flat.settings.expert_cache_mib == 0
     assert "--moe-cache-mib" not in flat.args
-    same_ub = _plan(models, h200, budget, _curve("default"), expert_cache=0, ubatch=local.n_ubatch)
+    same_ub = _plan(models, h200, budget, _curve("default"), expert_cache_bytes=0, ubatch=local.n_ubatch)
     assert local.expert_cache.no_cache.tokens_per_s == pytest.approx(same_ub.predicted.tg, rel=1e-9)
     # measured at 12 GiB: 1.92x (143.5 t/s with the cache against 74.7 for the locality-0 plan without one)
     assert local.predicted.tg > 1.3 * flat.predicted.tg
@@ -280,15 +282,15 @@ def test_the_plan_chooses_a_cache_with_locality_and_none_without(models, h200, b
 def test_objective_prompt_and_off_keep_whole_layers(models, h200):
     gen = _plan(models, h200, 12, _curve("default"))
     prompt = _plan(models, h200, 12, _curve("default"), objective="prompt")
-    off = _plan(models, h200, 12, _curve("default"), expert_cache=0)
+    off = _plan(models, h200, 12, _curve("default"), expert_cache_bytes=0)
     assert not prompt.expert_cache.use_cache and off.expert_cache is None
-    off_same_ub = _plan(models, h200, 12, _curve("default"), expert_cache=0, ubatch=prompt.n_ubatch)
+    off_same_ub = _plan(models, h200, 12, _curve("default"), expert_cache_bytes=0, ubatch=prompt.n_ubatch)
     assert prompt.cpu_expert_layers == off_same_ub.cpu_expert_layers
     assert len(off.cpu_expert_layers) < len(gen.cpu_expert_layers)
     assert prompt.predicted.pp[4096] >= gen.predicted.pp[4096]
     assert prompt.n_ubatch >= gen.n_ubatch
-    sized = _plan(models, h200, 12, _curve("default"), expert_cache=2048 * MiB)
-    assert sized.settings.moe_cache_mib == 2048
+    sized = _plan(models, h200, 12, _curve("default"), expert_cache_bytes=2048 * MiB)
+    assert sized.settings.expert_cache_mib == 2048
 
 
 def test_many_slots_widen_the_batch_the_cache_serves(models, h200):
@@ -298,9 +300,9 @@ def test_many_slots_widen_the_batch_the_cache_serves(models, h200):
     one = _plan(models, h200, 12, _curve("default"))
     auto = _plan(models, h200, 12, _curve("default"), parallel=16)
     assert not auto.expert_cache.use_cache and "16 streams" in auto.expert_cache.reason
-    many = _plan(models, h200, 12, _curve("default"), parallel=16, expert_cache=2048 * MiB)
-    assert one.settings.moe_cache_max_batch is None and "--moe-cache-max-batch" not in one.args
-    assert many.settings.moe_cache_max_batch == 16
+    many = _plan(models, h200, 12, _curve("default"), parallel=16, expert_cache_bytes=2048 * MiB)
+    assert one.settings.expert_cache_max_batch is None and "--moe-cache-max-batch" not in one.args
+    assert many.settings.expert_cache_max_batch == 16
     assert many.args[many.args.index("--moe-cache-max-batch") + 1] == "16"
 
 
@@ -332,7 +334,9 @@ def test_plan_reads_the_cached_routing_profile_and_prints_the_arithmetic(models,
     assert "hit-rate curve: default" in text and "predicted hit rate" in text and "expert cache" in text
     doc = plan_document(res)["workers"][0]
     assert doc["expert_cache"]["use_cache"] and "--moe-cache-mib" in doc["argv"]
-    assert doc["memory"][0]["cache"] > 0 and doc["settings"]["moe_cache_mib"] == doc["expert_cache"]["chosen"][
+    # the memory line shows the cache in MiB, as the flag, the decision and the document do
+    assert f", expert cache {doc['memory'][0]['cache'] / MiB:.1f} MiB)" in text
+    assert doc["memory"][0]["cache"] > 0 and doc["settings"]["expert_cache_mib"] == doc["expert_cache"]["chosen"][
         "cache_mib"]
 
     def cache_profile(locality):
@@ -352,7 +356,7 @@ def test_plan_reads_the_cached_routing_profile_and_prints_the_arithmetic(models,
     off = plan_document(_resolve(model, **{"workers.expert_cache": "off"}))["workers"][0]
     assert "--moe-cache-mib" not in off["argv"] and "expert_cache" not in off
     sized = plan_document(_resolve(model, **{"workers.expert_cache": "1GiB"}))["workers"][0]
-    assert sized["settings"]["moe_cache_mib"] == 1024
+    assert sized["settings"]["expert_cache_mib"] == 1024
 
 
 def _plan_with(models, h200, budget_gib, curve, backend, **kw):
@@ -363,14 +367,14 @@ def _plan_with(models, h200, budget_gib, curve, backend, **kw):
 
 def test_misses_on_the_cpu_when_asked_for_and_when_predicted_faster(models, h200):
     cached = _cached_backend()
-    both = cached.__class__(**{**cached.__dict__, "features": cached.features | {"moe_cache_cpu_misses"}})
+    both = cached.__class__(**{**cached.__dict__, "features": cached.features | {"expert_cache_cpu_misses"}})
     curve = _curve("default")
     upload = _plan_with(models, h200, 8, curve, both)                        # the default: upload
     assert upload.expert_cache.chosen.miss_mode == "upload" and "--moe-cache-cpu-misses" not in upload.args
     # at 8 GiB a cache with CPU misses still beats none (measured 74.0 against 35.5 t/s), so asked for, it is taken
     cpu = _plan_with(models, h200, 8, curve, both, expert_cache_misses="cpu")
     assert cpu.expert_cache.use_cache and cpu.expert_cache.chosen.miss_mode == "cpu"
-    assert cpu.settings.moe_cache_cpu_misses and "--moe-cache-cpu-misses" in cpu.args
+    assert cpu.settings.expert_cache_cpu_misses and "--moe-cache-cpu-misses" in cpu.args
     chosen = cpu.expert_cache.chosen                         # the shares replayed on the recorded trace
     hit, up = curve.cpu_misses.at(chosen.fraction)
     assert chosen.hit_rate == pytest.approx(hit) and chosen.host_read_bytes > 0

@@ -46,7 +46,7 @@ def _tps(bench: dict, configs: tuple[str, ...], streams: str) -> float:
     return statistics.median(x["tps"] for r in runs for x in r["samples"]["tg_streams"][streams]["runs"])
 
 
-def _replan(models, h200, bench, curve, slots: str, features=frozenset({"moe_cache_slots"})):
+def _replan(models, h200, bench, curve, slots: str, features=frozenset({"expert_cache_slots"})):
     run = next(r for r in bench["runs"] if r["config"] == "plan")
     return W._replan(models, h200, bench, run, "w1", curve=curve, features=features, expert_cache_slots=slots)
 
@@ -59,7 +59,7 @@ MODES = {"host": ("plan", "plan-control"), "device": ("device",)}
 def test_each_assignment_predicts_its_measured_generation(models, h200, curve, budget, slots):
     bench = _bench(budget)
     w = _replan(models, h200, bench, curve, slots)
-    assert w.settings.moe_cache_slots == ("device" if slots == "device" else None)
+    assert w.settings.expert_cache_slots == ("device" if slots == "device" else None)
     assert w.expert_cache.chosen.device_slots == (slots == "device")
     one, four = _tps(bench, MODES[slots], "1"), _tps(bench, MODES[slots], "4")
     assert w.predicted.tg / one == pytest.approx(1.0, abs=0.10), (w.predicted.tg, one)
@@ -81,7 +81,7 @@ def test_the_predicted_gain_of_the_device_is_the_measured_one(models, h200, curv
 
 def test_auto_assigns_on_the_device_and_says_so(models, h200, curve):
     w = _replan(models, h200, _bench("12"), curve, "auto")
-    assert w.settings.moe_cache_slots == "device"
+    assert w.settings.expert_cache_slots == "device"
     i = w.args.index("--moe-cache-slots")
     assert w.args[i + 1] == "device"
     assert "slots assigned on the device" in "\n".join(w.expert_cache.arithmetic())
@@ -90,7 +90,7 @@ def test_auto_assigns_on_the_device_and_says_so(models, h200, curve):
 def test_a_build_without_the_option_keeps_the_host_and_the_old_cost(models, h200, curve):
     bench = _bench("12")
     w = _replan(models, h200, bench, curve, "auto", features=frozenset())
-    assert w.settings.moe_cache_slots is None and "--moe-cache-slots" not in w.args
+    assert w.settings.expert_cache_slots is None and "--moe-cache-slots" not in w.args
     # the run's own plan (made by that build's planner) printed its prediction
     text = lzma.decompress((RUN / "plan-w1-12g.txt.xz").read_bytes()).decode()
     printed = float(re.search(r"speed \(predicted\): tg ([\d.]+) t/s", text).group(1))
@@ -104,9 +104,9 @@ def test_a_build_without_the_option_keeps_the_host_and_the_old_cost(models, h200
 def test_the_host_assigns_where_the_device_cannot(models, h200, curve, topology, why):
     bench = _bench("12")
     run = next(r for r in bench["runs"] if r["config"] == "plan")
-    w = W._replan(models, h200, bench, run, "w1", curve=curve, features=frozenset({"moe_cache_slots"}),
+    w = W._replan(models, h200, bench, run, "w1", curve=curve, features=frozenset({"expert_cache_slots"}),
                   **{"expert_cache_slots": "auto", **topology})
-    assert w.settings.moe_cache_slots is None
+    assert w.settings.expert_cache_slots is None
     assert not w.expert_cache.chosen.device_slots
     from orchestrator.plan.cache_choice import slots_on_device
     from types import SimpleNamespace

@@ -35,14 +35,14 @@ def _replan(models, bench, prefetch: str):
     h200 = load_machine(FIX / "machines" / "h200.inspect.json")
     run = next(r for r in bench["runs"] if r["config"] == "plan")
     curve = RoutingProfile.from_json(_xz_json(RUN / "routing-w1-default.profile.json.xz")["profile"]).curve("lru-layer")
-    return W._replan(models, h200, bench, run, "w1", curve=curve, features=frozenset({"moe_cache_prefetch"}),
+    return W._replan(models, h200, bench, run, "w1", curve=curve, features=frozenset({"expert_cache_prefetch"}),
                     expert_cache_prefetch=prefetch)
 
 
 @pytest.mark.parametrize("streams", ["1", "4"])
 def test_the_predicted_effect_of_uploads_ahead_is_the_measured_one(models, bench, streams):
     on, off = _replan(models, bench, "on"), _replan(models, bench, "off")
-    assert on.settings.moe_cache_prefetch and not off.settings.moe_cache_prefetch
+    assert on.settings.expert_cache_prefetch and not off.settings.expert_cache_prefetch
     pick = (lambda w: w.predicted.tg) if streams == "1" else (lambda w: w.predicted.tg_streams)
     predicted = pick(on) / pick(off)
     # the plan without them: its own start and its A/A control, both in the same run
@@ -54,7 +54,7 @@ def test_the_predicted_effect_of_uploads_ahead_is_the_measured_one(models, bench
 
 def test_auto_keeps_uploads_ahead_off_where_they_measured_slower(models, bench):
     w = _replan(models, bench, "auto")
-    assert not w.settings.moe_cache_prefetch
+    assert not w.settings.expert_cache_prefetch
     assert "--moe-cache-prefetch" not in w.args
     c = w.expert_cache.chosen
     assert not c.prefetch and c.prefetch_gain < 1.0
@@ -67,11 +67,11 @@ def test_auto_keeps_uploads_ahead_off_where_they_measured_slower(models, bench):
 
 
 @pytest.mark.parametrize("arch, features, asked, weighed", [
-    ("qwen3moe", {"moe_cache_prefetch"}, "auto", "auto"),
-    ("qwen3moe", {"moe_cache_prefetch"}, "on", "on"),
-    ("qwen3moe", {"moe_cache_prefetch"}, "off", "off"),
+    ("qwen3moe", {"expert_cache_prefetch"}, "auto", "auto"),
+    ("qwen3moe", {"expert_cache_prefetch"}, "on", "on"),
+    ("qwen3moe", {"expert_cache_prefetch"}, "off", "off"),
     ("qwen3moe", set(), "on", "off"),                     # the binary has no --moe-cache-prefetch
-    ("deepseek2", {"moe_cache_prefetch"}, "on", "off"),    # its graph predicts nothing: the flag would do nothing
+    ("deepseek2", {"expert_cache_prefetch"}, "on", "off"),    # its graph predicts nothing: the flag would do nothing
 ])
 def test_uploads_ahead_are_weighed_only_where_the_binary_and_the_architecture_have_them(arch, features, asked,
                                                                                          weighed):

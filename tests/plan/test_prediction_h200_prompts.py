@@ -20,7 +20,7 @@ from test_prediction_h200_workload import _curve as _workload_curve
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-03-workload"
 EARLIER = ROOT / "docs" / "benchmarks" / "h200-2026-12-02-workload"
-DEVICE_SLOTS = frozenset({"moe_cache_slots"})
+DEVICE_SLOTS = frozenset({"expert_cache_slots"})
 
 
 def _curve(model: str):
@@ -69,7 +69,7 @@ def test_no_cache_prompts_of_the_earlier_runs(models, h200, name, model):
     batch uses copied, so the prompt model's copy, layer and compute terms are checked out of sample."""
     bench, run = _run(EARLIER, name, "plan-prefill-off")
     w = _replan(models, h200, bench, run, model, curve=_curve(model), features=DEVICE_SLOTS,
-                without=frozenset({"moe_cache_prefill"}))
+                without=frozenset({"expert_cache_slot_reads"}))
     pp = {s["n"]: s["tps"] for s in run["samples"]["pp"]}
     for n in (512, 4096):
         assert w.predicted.pp[n] / pp[n] == pytest.approx(1.0, abs=0.15), (n, w.predicted.pp[n], pp[n])

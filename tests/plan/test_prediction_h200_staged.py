@@ -26,7 +26,7 @@ from orchestrator.launch.llama_args import parse_server_args, server_args
 ROOT = Path(__file__).resolve().parents[2]
 EARLIER = ROOT / "docs" / "benchmarks" / "h200-2026-12-03-staged"
 RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-04-staged"
-STAGING = frozenset({"moe_cache_slots", "moe_cache_prefill_ahead"})
+STAGING = frozenset({"expert_cache_slots", "expert_cache_staging"})
 # (directory, run, model, the configurations without staging, those with it)
 PAIRS = [(EARLIER, "w1-12g", "w1", ("plan", "plan-control"), ("plan-ahead2",)),
          (RUN, "w1-12g", "w1", ("plan-unstaged",), ("plan", "plan-control")),
@@ -38,7 +38,7 @@ IDS = [f"{d.name[5:15]}-{n}" for d, n, *_ in PAIRS]
 
 def _argv(w) -> tuple[str, ...]:
     b = backend("mainline")
-    b = dataclasses.replace(b, features=b.features | {"moe_cache", "moe_cache_prefill"} | STAGING)
+    b = dataclasses.replace(b, features=b.features | {"expert_cache", "expert_cache_slot_reads"} | STAGING)
     return server_args(w.settings, b)
 
 
@@ -61,12 +61,12 @@ def _pair(models, h200, directory, name, model, off_configs):
 def test_the_plan_stages_and_predicts_both_sides(models, h200, directory, name, model, off_configs, on_configs):
     auto, off = _pair(models, h200, directory, name, model, off_configs)
     # the planner's own choice for these placements (generation objective): staged
-    assert auto.settings.moe_cache_prefill_ahead == 2
+    assert auto.settings.expert_cache_stage_buffers == 2
     argv = _argv(auto)
     assert argv[argv.index("--moe-cache-prefill-ahead") + 1] == "2"
-    assert parse_server_args(argv).moe_cache_prefill_ahead == 2
+    assert parse_server_args(argv).expert_cache_stage_buffers == 2
     assert "prompts staged: 2 buffers" in next(d for d in auto.decisions if d.what == "expert cache").why
-    assert off.settings.moe_cache_prefill_ahead == 0 and "--moe-cache-prefill-ahead" not in _argv(off)
+    assert off.settings.expert_cache_stage_buffers == 0 and "--moe-cache-prefill-ahead" not in _argv(off)
     on_pp, on_tg = _speeds(directory, name, on_configs)
     off_pp, off_tg = _speeds(directory, name, off_configs)
     for w, pp, tg in ((auto, on_pp, on_tg), (off, off_pp, off_tg)):
@@ -84,7 +84,7 @@ def test_the_plan_stages_and_predicts_both_sides(models, h200, directory, name, 
 def test_four_streams_staged_against_the_same_plan_unstaged(models, h200):
     bench, run = _run(RUN, "w1-12g-4streams", "plan")
     w = _replan(models, h200, bench, run, "w1", curve=_curve("w1", RUN), features=STAGING)
-    assert w.settings.moe_cache_prefill_ahead == 2 and w.predicted.streams == 4
+    assert w.settings.expert_cache_stage_buffers == 2 and w.predicted.streams == 4
     pp = {s["n"]: s["tps"] for s in run["samples"]["pp"]}
     agg = statistics.median(r["tps"] for r in run["samples"]["tg_streams"]["4"]["runs"])
     assert w.predicted.pp[512] / pp[512] == pytest.approx(1.0, abs=0.15)

@@ -60,17 +60,18 @@ def _replan(models, h200, bench, run, model: str, curve=None, features: frozense
     layers, mib = _layers_and_cache(args)
     parallel = int(args[args.index("-np") + 1])
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=bench["vram_budget"], vram_reserve=256 * MiB),),
-                      expert_layers_on_cpu=layers, expert_cache=mib * MiB, ubatch=int(args[args.index("-ub") + 1]),
+                      expert_layers_on_cpu=layers, expert_cache_bytes=mib * MiB,
+                      ubatch=int(args[args.index("-ub") + 1]),
                       parallel=parallel, **request)
     b = backend("mainline")
-    b = dataclasses.replace(b, features=(b.features | {"moe_cache", "moe_cache_prefill"} | set(features)) - without)
+    b = dataclasses.replace(b, features=(b.features | {"expert_cache", "expert_cache_slot_reads"} | set(features)) - without)
     machine = dataclasses.replace(with_gpu_free(h200, bench["vram_budget"]),
                                   bandwidth=Bandwidth.from_json(bench["plan_context"]["bandwidth"]))
     like, n_layers = SHAPES[model]
     shape = models(like, layers=n_layers) if n_layers else models(like)
     w = make_plan(machines={"h200": machine}, model=shape, request=req, backend=b,
                   routing=curve or _curve(model)).workers[0]
-    assert w.settings.moe_cache_mib == mib
+    assert w.settings.expert_cache_mib == mib
     return w
 
 

@@ -4,8 +4,8 @@ Real recorded data: the machine as `orchestrator inspect --save` recorded it (te
 `orchestrator bench` runs of the plan: the 24-layer Qwen3-235B-A22B shape under 12 GiB per GPU and Qwen3-30B-A3B
 under 6 GiB per GPU, both `-sm layer` with experts overflowing to host memory. The planner, given the recorded
 CPU-resident expert layers, must reproduce the recorded `-ts` and predict each GPU's peak within the memory model's
-tolerance (3% or 256 MiB). Before the second GPU's compute buffer was modelled without the host-expert staging
-copy (which only CUDA0 makes), CUDA1 was over-predicted by ~420 MiB on the 235B shape.
+tolerance (3% or 256 MiB). Before the second GPU's compute buffer was modelled without the op offload's copy of a
+host-resident expert tensor (which only CUDA0 makes), CUDA1 was over-predicted by ~420 MiB on the 235B shape.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_per_gpu_memory_of_the_layer_split_within_tolerance(models, stem):
     req = PlanRequest(nodes=(NodeRequest(name="x2"),), context=int(_arg(args, "-c")), parallel=int(_arg(args, "-np")),
                       batch=int(_arg(args, "-b")))
     computes = gpu_computes(model, req, ub=ub, fa="on", flavor="mainline", mode="layer", n_gpus=2,
-                            staging=M.staging_bytes(model, cpu))
+                            offload_copy=M.offload_copy_bytes(model, cpu))
     overhead = M.cuda_overhead(model, ub)
     bufs = runs[0]["llama"]["buffers"]
     for k in (0, 1):

@@ -11,7 +11,7 @@ import pytest
 from planfixtures import backend, with_gpu_free
 
 from orchestrator.hardware.dump import load_machine
-from orchestrator.model.memory import moe_cache_size, moe_cache_stage_bytes
+from orchestrator.model.memory import expert_cache_size, expert_cache_stage_bytes
 from orchestrator.plan import NodeRequest, PlanRequest, make_plan
 from orchestrator.plan import rates as R
 from orchestrator.plan.costs import model_costs
@@ -23,7 +23,7 @@ from orchestrator.plan.predict import (
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 GiB, MiB = 1 << 30, 1 << 20
-STAGING = {"moe_cache", "moe_cache_prefill", "moe_cache_slots", "moe_cache_prefill_ahead"}
+STAGING = {"expert_cache", "expert_cache_slot_reads", "expert_cache_slots", "expert_cache_staging"}
 # W1 (Qwen3-30B-A3B q4_0): each routed-expert tensor is 128 experts of 2048 x 768 q4_0 weights (18 bytes per 32)
 EXPERT_TENSOR = 2048 * 768 * 128 // 32 * 18
 EXPERT = EXPERT_TENSOR // 128
@@ -40,7 +40,7 @@ def _backend(features=STAGING, cuda: bool = True):
 
 
 def _worker(models, h200, back=None, budget: int = 12 * GiB, routing=None, **kw):
-    fixed = dict(expert_layers_on_cpu=tuple(range(30)), expert_cache=3362 * MiB, ubatch=2048)
+    fixed = dict(expert_layers_on_cpu=tuple(range(30)), expert_cache_bytes=3362 * MiB, ubatch=2048)
     fixed.update(kw)
     req = PlanRequest(nodes=(NodeRequest(name="h200", vram_limit=budget, vram_reserve=256 * MiB),), **fixed)
     return make_plan(machines={"h200": with_gpu_free(h200, budget)}, model=models("qwen3-30b-a3b"), request=req,
@@ -55,25 +55,25 @@ def test_the_buffers_are_the_largest_expert_tensor_as_cuda_allocates_it(models):
     model = models("qwen3-30b-a3b")
     # the down tensor's rows (768) are padded to 512 elements on CUDA: 256 more q4_0 elements, once; then aligned
     down = -(-(EXPERT_TENSOR + 256 // 32 * 18) // 128) * 128
-    assert moe_cache_stage_bytes(model, range(30), 2) == 2 * down
-    assert moe_cache_stage_bytes(model, range(30), 3) == 3 * down
-    assert moe_cache_stage_bytes(model, (), 2) == 0
-    assert moe_cache_stage_bytes(model, range(30), 0) == 0
+    assert expert_cache_stage_bytes(model, range(30), 2) == 2 * down
+    assert expert_cache_stage_bytes(model, range(30), 3) == 3 * down
+    assert expert_cache_stage_bytes(model, (), 2) == 0
+    assert expert_cache_stage_bytes(model, range(30), 0) == 0
 
 
 def test_the_buffers_come_out_of_the_cache_and_leave_fewer_slots(models):
     model = models("qwen3-30b-a3b")
-    stage = moe_cache_stage_bytes(model, range(30), 2)
+    stage = expert_cache_stage_bytes(model, range(30), 2)
     per_slot = 30 * 3 * EXPERT
-    plain = moe_cache_size(model, range(30), 3362)
-    staged = moe_cache_size(model, range(30), 3362, stage_bytes=stage)
+    plain = expert_cache_size(model, range(30), 3362)
+    staged = expert_cache_size(model, range(30), 3362, stage_bytes=stage)
     assert plain.slots == 3362 * MiB // per_slot == 44 and plain.stage_bytes == 0
     assert staged.slots == (3362 * MiB - stage) // per_slot == 41 and staged.stage_bytes == stage
     # the patch drops the buffers where the rest would not hold one token's experts (8 slots) per tensor
     small = (stage + 8 * per_slot) // MiB
-    dropped = moe_cache_size(model, range(30), small, stage_bytes=stage)
+    dropped = expert_cache_size(model, range(30), small, stage_bytes=stage)
     assert dropped.stage_bytes == 0 and dropped.slots == small * MiB // per_slot
-    kept = moe_cache_size(model, range(30), small + 1, stage_bytes=stage)
+    kept = expert_cache_size(model, range(30), small + 1, stage_bytes=stage)
     assert kept.stage_bytes == stage and kept.slots == 8
 
 
@@ -107,14 +107,14 @@ def test_staged_prompts_hide_part_of_their_copies_and_no_more(models, h200):
 def test_staged_plans_keep_the_cache_s_vram_and_give_slots_to_prompts(models, h200):
     staged = _worker(models, h200, objective="prompt")
     off = _worker(models, h200, objective="prompt", expert_cache_staging="off")
-    assert staged.settings.moe_cache_prefill_ahead == R.PREFILL_STAGE_BUFFERS == 2
-    assert off.settings.moe_cache_prefill_ahead == 0
-    assert staged.settings.moe_cache_mib == off.settings.moe_cache_mib == 3362
+    assert staged.settings.expert_cache_stage_buffers == R.PREFILL_STAGE_BUFFERS == 2
+    assert off.settings.expert_cache_stage_buffers == 0
+    assert staged.settings.expert_cache_mib == off.settings.expert_cache_mib == 3362
     assert staged.predicted.pp[512] > 1.15 * off.predicted.pp[512]
     assert 0.94 <= staged.predicted.tg / off.predicted.tg < 1.0              # fewer slots
     assert staged.expert_cache.chosen.stage_buffers == 2 and staged.expert_cache.chosen.slots_per_layer < \
         off.expert_cache.chosen.slots_per_layer
-    assert staged.expert_cache.to_json()["chosen"]["prefill_stage_buffers"] == 2
+    assert staged.expert_cache.to_json()["chosen"]["stage_buffers"] == 2
     # the same VRAM: the buffers are inside the cache's MiB, and the memory model counts them there
     cuda = lambda w: next(m for m in w.memory if m.device.startswith("CUDA"))   # noqa: E731
     assert abs(cuda(staged).cache - cuda(off).cache) < 64 * MiB
@@ -129,17 +129,17 @@ def test_staged_plans_keep_the_cache_s_vram_and_give_slots_to_prompts(models, h2
 ])
 def test_asked_for_where_it_cannot_work_the_plan_says_why(models, h200, change, why):
     asked = _worker(models, h200, expert_cache_staging="on", **change)
-    assert asked.settings.moe_cache_prefill_ahead == 0
+    assert asked.settings.expert_cache_stage_buffers == 0
     assert f"prompts not staged: " in _cache_decision(asked) and why in _cache_decision(asked)
     auto = _worker(models, h200, **change)
-    assert auto.settings.moe_cache_prefill_ahead == 0 and "staged" not in _cache_decision(auto)
+    assert auto.settings.expert_cache_stage_buffers == 0 and "staged" not in _cache_decision(auto)
 
 
 def test_no_staging_without_the_option_or_without_cuda(models, h200):
-    assert _worker(models, h200, back=_backend(STAGING - {"moe_cache_prefill_ahead"})).settings \
-        .moe_cache_prefill_ahead == 0
+    assert _worker(models, h200, back=_backend(STAGING - {"expert_cache_staging"})).settings \
+        .expert_cache_stage_buffers == 0
     assert _worker(models, h200, back=_backend(cuda=False), expert_cache_staging="on").settings \
-        .moe_cache_prefill_ahead == 0
+        .expert_cache_stage_buffers == 0
 
 
 @pytest.mark.parametrize("objective", ["generation", "balanced", "prompt"])
@@ -147,18 +147,18 @@ def test_no_staging_without_the_option_or_without_cuda(models, h200):
 def test_objectives_weigh_the_slots_against_the_prompts(models, h200, objective, budget, mib):
     """generation: staged where its generation stays within 3% of the same cache unstaged and prompts gain;
     balanced: where the geometric mean of both ratios gains; prompt: where prompts gain."""
-    kw = dict(budget=budget, expert_cache=mib * MiB, objective=objective)
+    kw = dict(budget=budget, expert_cache_bytes=mib * MiB, objective=objective)
     on = _worker(models, h200, expert_cache_staging="on", **kw)
     off = _worker(models, h200, expert_cache_staging="off", **kw)
     auto = _worker(models, h200, **kw)
-    assert on.settings.moe_cache_prefill_ahead == 2 and off.settings.moe_cache_prefill_ahead == 0
+    assert on.settings.expert_cache_stage_buffers == 2 and off.settings.expert_cache_stage_buffers == 0
     tg, pp = on.predicted.tg / off.predicted.tg, on.predicted.pp[512] / off.predicted.pp[512]
     want = {"generation": tg >= 0.97 and pp > 1.01, "balanced": (tg * pp) ** 0.5 > 1.01, "prompt": pp > 1.01}
-    assert (auto.settings.moe_cache_prefill_ahead == 2) == want[objective], (tg, pp)
+    assert (auto.settings.expert_cache_stage_buffers == 2) == want[objective], (tg, pp)
     assert auto.predicted.pp[512] == pytest.approx((on if want[objective] else off).predicted.pp[512])
     if mib == 6000:
         # a larger cache loses a smaller share of its slots to the buffers: every objective stages
-        assert auto.settings.moe_cache_prefill_ahead == 2
+        assert auto.settings.expert_cache_stage_buffers == 2
 
 
 
@@ -225,28 +225,28 @@ def test_a_prompt_below_the_minimum_is_predicted_as_unstaged(models):
 def test_the_plan_passes_the_minimum_where_the_server_has_the_option(models, h200):
     w2 = _profile("routing-w2-default").curve()
     need = staging_min_batch(128, 8, w2.distinct)
-    with_option = _backend(STAGING | {"moe_cache_prefill_ahead_min_batch"})
+    with_option = _backend(STAGING | {"expert_cache_stage_min_batch"})
     w = _worker(models, h200, back=with_option, routing=w2, objective="prompt")
-    assert w.settings.moe_cache_prefill_ahead == 2 and w.settings.moe_cache_prefill_ahead_min_batch == need
+    assert w.settings.expert_cache_stage_buffers == 2 and w.settings.expert_cache_stage_min_batch == need
     argv = list(w.args)
     assert argv[argv.index("--moe-cache-prefill-ahead-min-batch") + 1] == str(need)
     assert f"micro-batches from {need} tokens" in _cache_decision(w)
-    assert w.expert_cache.to_json()["chosen"]["prefill_stage_min_batch"] == need
+    assert w.expert_cache.to_json()["chosen"]["stage_min_batch"] == need
     # the prediction follows: a 128-token prompt as unstaged, 512 staged
     off = _worker(models, h200, back=with_option, routing=w2, objective="prompt", expert_cache_staging="off")
     assert w.predicted.pp[512] > 1.05 * off.predicted.pp[512]
     # a server without the option stages every micro-batch by the uniform rule: no flag, no minimum
     old = _worker(models, h200, routing=w2, objective="prompt")
-    assert old.settings.moe_cache_prefill_ahead == 2 and old.settings.moe_cache_prefill_ahead_min_batch == 0
+    assert old.settings.expert_cache_stage_buffers == 2 and old.settings.expert_cache_stage_min_batch == 0
     assert "--moe-cache-prefill-ahead-min-batch" not in old.args
     # nothing measured (the default curve): no minimum either
     assert _worker(models, h200, back=with_option, objective="prompt").settings \
-        .moe_cache_prefill_ahead_min_batch == 0
+        .expert_cache_stage_min_batch == 0
 
 
 def test_a_micro_batch_below_the_measured_minimum_is_not_staged_and_the_plan_says_so(models, h200):
     w2 = _profile("routing-w2-default").curve()
-    with_option = _backend(STAGING | {"moe_cache_prefill_ahead_min_batch"})
+    with_option = _backend(STAGING | {"expert_cache_stage_min_batch"})
     w = _worker(models, h200, back=with_option, routing=w2, ubatch=256, expert_cache_staging="on")
-    assert w.settings.moe_cache_prefill_ahead == 0
+    assert w.settings.expert_cache_stage_buffers == 0
     assert "the measured routing needs" in _cache_decision(w)

@@ -24,7 +24,7 @@ def h200():
 
 def _backend(*extra: str):
     b = backend("mainline")
-    return dataclasses.replace(b, features=(b.features - {"moe_cache_prefill"}) | {"moe_cache", *extra})
+    return dataclasses.replace(b, features=(b.features - {"expert_cache_slot_reads"}) | {"expert_cache", *extra})
 
 
 def _worker(models, h200, budget: int, back, **kw):
@@ -43,7 +43,7 @@ def _worker(models, h200, budget: int, back, **kw):
 def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placement(models, h200, shape, host, mib,
                                                                                   low, high):
     like, layers = shape
-    fixed = dict(expert_layers_on_cpu=host, expert_cache=mib * MiB, ubatch=1024)
+    fixed = dict(expert_layers_on_cpu=host, expert_cache_bytes=mib * MiB, ubatch=1024)
     budget = 12 * GiB if layers is None else 24 * GiB
     model = models(like, layers=layers) if layers else models(like)
 
@@ -52,8 +52,8 @@ def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placemen
         return make_plan(machines={"h200": with_gpu_free(h200, budget)}, model=model, request=req,
                          backend=back).workers[0]
 
-    without, reads = worker(_backend()), worker(_backend("moe_cache_prefill"))
-    assert without.settings.moe_cache_mib == reads.settings.moe_cache_mib == mib
+    without, reads = worker(_backend()), worker(_backend("expert_cache_slot_reads"))
+    assert without.settings.expert_cache_mib == reads.settings.expert_cache_mib == mib
     assert reads.predicted.tg == pytest.approx(without.predicted.tg)
     gain = reads.predicted.pp[512] / without.predicted.pp[512]
     assert low < gain < high, gain
@@ -62,8 +62,8 @@ def test_prompts_that_read_the_slots_are_predicted_faster_with_the_same_placemen
 
 
 def test_the_plan_states_aggregate_generation_and_time_to_first_token(models, h200):
-    one = _worker(models, h200, 12 * GiB, _backend("moe_cache_prefill"))
-    four = _worker(models, h200, 12 * GiB, _backend("moe_cache_prefill"), parallel=4)
+    one = _worker(models, h200, 12 * GiB, _backend("expert_cache_slot_reads"))
+    four = _worker(models, h200, 12 * GiB, _backend("expert_cache_slot_reads"), parallel=4)
     assert one.predicted.streams == 1 and one.predicted.tg_streams == pytest.approx(one.predicted.tg)
     p = four.predicted
     assert p.streams == 4 and p.tg_streams > p.tg

@@ -1,5 +1,6 @@
-"""Where a deployment meets Ray, the disk and the terminal: the pieces ``up``'s phases (``startup.py``) are made
-of, and ``status`` and ``down``.
+"""A deployment's life after the plan, where it meets Ray, the disk and the terminal: the steps ``up``'s phases
+(``startup.py``, which only puts them in order and undoes them) are made of, then serving until stopped,
+``status`` and ``down``.
 
 - :class:`EarlyHead`: the embedded Ray head started in the background while the model is pulled and read;
 - :func:`wait_ready`: until every worker is healthy and the gateway serves, or one fails (then with

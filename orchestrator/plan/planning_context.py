@@ -15,7 +15,7 @@ from orchestrator.plan.request import NodeRequest, PlanRequest
 
 
 @dataclass(frozen=True)
-class PlanContext:
+class PlanningContext:
     """One worker's planning inputs: the machine it runs on, the model and what its tensors cost, the request and
     this node's part of it, the llama-server that will run it, the routing curve the expert cache is sized from,
     and what the layout gave the worker (its socket, its share of the cores). ``fa`` is the worker's flash
