@@ -151,7 +151,7 @@ def _gpu_side(ctx: PlanningContext, gpus: list[Gpu], kv_layer: list[int], mode: 
     best = chosen.best
     placement = best.placement
     # with the final placement, re-check the NUMA choice with the real CPU-resident bytes
-    cpu = _choose_cpu(ctx, placement.cpu_weights + placement.cpu_kv, w.anchor)
+    cpu = _choose_cpu(ctx, placement.cpu_weights + _host_buffers(w, best), w.anchor)
     _placement_decisions(w, chosen, decisions)
     _batch_and_offload_decisions(w, chosen, decisions)
     n_cpu_exp = _n_host_expert_layers(ctx.costs, placement)
@@ -185,19 +185,39 @@ def _gpu_worker(ctx: PlanningContext, gpus: list[Gpu], kv_layer: list[int]) -> _
                       avail=avail)
 
 
-def _load_mode(w: _GpuWorker, host_bytes: int) -> tuple[str, str]:
-    """Pinned host buffers where ``host_bytes`` of CPU-resident weights and the reserve fit the available memory,
-    else memory-mapped (unless the topology says)."""
+def _load_mode(w: _GpuWorker, host_bytes: int, buffers: int = 0) -> tuple[str, str]:
+    """Pinned host buffers where ``host_bytes`` of CPU-resident weights, the ``buffers`` beside them (KV cache,
+    compute and output buffers in host memory) and the reserve fit the available memory, else memory-mapped
+    (unless the topology says)."""
     req, avail = w.ctx.req, w.avail
     if req.load_mode != "auto":
         return req.load_mode, "set by the topology"
-    if host_bytes + w.ctx.node_req.ram_reserve <= avail:
-        return "pinned", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve fit the available "
+    what = f"CPU-resident weights ({fmt_bytes(host_bytes)})" + (f" + buffers ({fmt_bytes(buffers)})" if buffers else "")
+    if host_bytes + buffers + w.ctx.node_req.ram_reserve <= avail:
+        return "pinned", (f"{what} + reserve fit the available "
                           f"{fmt_bytes(avail)}: load them into pinned host buffers, so batches are copied to "
                           f"the GPU at full PCIe speed (mmap'd pages copy ~{1 / R.PAGEABLE_FRACTION:.0f}x "
                           "slower)")
-    return "mmap", (f"CPU-resident weights ({fmt_bytes(host_bytes)}) + reserve exceed the available "
+    return "mmap", (f"{what} + reserve exceed the available "
                     f"{fmt_bytes(avail)}: keep them memory-mapped")
+
+
+def _host_buffers(w: _GpuWorker, cand: Candidate) -> int:
+    """What ``cand`` puts in host memory beside the weights: the KV cache of host layers, the CPU compute buffer
+    and the output buffer."""
+    model, placement = w.ctx.model, cand.placement
+    on_host = placement.n_gpu_layers <= model.n_layers
+    compute = M.cpu_compute_bytes(model, w.ctx.buffers(cand.ubatch), has_layers=on_host, has_output=on_host)
+    return placement.cpu_kv + compute + M.output_bytes(model, w.ctx.req.parallel)
+
+
+def _load_mode_of(w: _GpuWorker, cand: Candidate) -> tuple[str, str]:
+    return _load_mode(w, cand.placement.cpu_weights, _host_buffers(w, cand))
+
+
+def _pinned_fits(w: _GpuWorker, cands: list[Candidate]) -> list[Candidate]:
+    """The candidates whose host bytes fit pinned buffers (all of them where the topology sets the load mode)."""
+    return [c for c in cands if _load_mode_of(w, c)[0] != "mmap"]
 
 
 def _evaluate_ubatches(w: _GpuWorker, mode: str, load_mode: str, cpu: CpuChoice) -> tuple[list, list]:
@@ -251,15 +271,21 @@ def _does_not_fit(w: _GpuWorker, e: _DoesNotFit) -> PlanError:
 
 def _load_mode_again(w: _GpuWorker, first: _Chosen) -> _Chosen:
     """The load mode again with the bytes the placement really leaves in host memory (whole layers of experts
-    can leave more there than the first guess); a change means evaluating again under the other mode."""
-    final_mode, lm_why = _load_mode(w, first.best.placement.cpu_weights)
+    can leave more there than the first guess): pinned stays with the best candidate that fits it (a bigger
+    micro-batch can leave more layers and buffers there); where none does, evaluating again memory-mapped."""
+    final_mode, lm_why = _load_mode_of(w, first.best)
     chosen = replace(first, load_why=lm_why)
+    if final_mode != first.load_mode and first.load_mode == "pinned":
+        fitting = _pinned_fits(w, first.shown)
+        if fitting:
+            best = choose(fitting)
+            return replace(chosen, shown=fitting, best=best, load_why=_load_mode_of(w, best)[1])
     if final_mode != first.load_mode:
         chosen = replace(chosen, load_mode=final_mode)
         again, _errors = _evaluate_ubatches(w, first.mode, final_mode, first.cpu)
         if again:
             chosen = replace(chosen, shown=again, best=choose(again))
-            mode, why = _load_mode(w, chosen.best.placement.cpu_weights)
+            mode, why = _load_mode_of(w, chosen.best)
             if mode == final_mode:      # the reason with the bytes this placement leaves in host memory
                 chosen = replace(chosen, load_why=why)
     return chosen
@@ -274,6 +300,9 @@ def _with_expert_cache(w: _GpuWorker, chosen: _Chosen) -> _Chosen:
     cc = CacheContext(plan=ctx, gpus=tuple(w.gpus), load_mode=chosen.load_mode, cpu=chosen.cpu,
                       split_mode=chosen.mode)
     decided = [decide_expert_cache(cc, c) for c in chosen.shown]
+    if chosen.load_mode == "pinned":
+        # layers the cache moves to host memory must still fit its pinned buffers
+        decided = [d for d in decided if _pinned_fits(w, [d.candidate])] or decided
     shown = [d.candidate for d in decided]
     best = choose(shown, ctx.req.objective)
     cache = next(d for d in decided if d.candidate is best)
@@ -281,7 +310,7 @@ def _with_expert_cache(w: _GpuWorker, chosen: _Chosen) -> _Chosen:
     if cache.bank_bytes and ctx.req.load_mode == "auto":
         # layers moved to the cache stay in host memory (their room there was checked): say so with the
         # bytes that are really there
-        again, why = _load_mode(w, best.placement.cpu_weights)
+        again, why = _load_mode_of(w, best)
         if again == chosen.load_mode:
             lm_why = why
     return replace(chosen, shown=shown, best=best, load_why=lm_why, cache=cache)

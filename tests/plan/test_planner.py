@@ -165,15 +165,22 @@ def test_load_mode_follows_the_bytes_the_placement_leaves_in_host_memory(models)
     with the final placement, not the planner's first guess (whole expert layers can leave more on the host)."""
     m = machine("1socket-1gpu-24g")
     w = plan1(m, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
-    cpu = next(d for d in w.memory if d.device == "CPU").weights
+    host = next(d for d in w.memory if d.device == "CPU")
+    # the weights and what sits beside them in host memory (KV cache, compute and output buffers)
+    cpu = host.weights + host.kv + host.compute + host.overhead
     assert w.load_mode == "pinned"
     reserve = NodeRequest(name="x").for_machine(m.memory_total_bytes).ram_reserve
-    for avail, mode in ((cpu + reserve + (64 << 20), "pinned"), (cpu + reserve - (64 << 20), "mmap")):
+    # just below it another micro-batch that leaves less in host memory keeps pinned buffers; far below, none does
+    for avail, mode in ((cpu + reserve + (64 << 20), "pinned"), (cpu + reserve - (64 << 20), "pinned"),
+                        (cpu + reserve - 4 * GiB, "mmap")):
         tight = dataclasses.replace(m, memory_available_bytes=avail)
         w2 = plan1(tight, models("qwen3-30b-a3b"), limit=12 * GiB).workers[0]
         assert w2.load_mode == mode, (avail, w2.load_mode)
+        host2 = next(d for d in w2.memory if d.device == "CPU")
+        if mode == "pinned":      # what is pinned fits, buffers and reserve included
+            assert host2.weights + host2.kv + host2.compute + host2.overhead + reserve <= avail
         lm = next(d for d in w2.decisions if d.what == "load mode")
-        assert f"({fmt_bytes(next(d for d in w2.memory if d.device == 'CPU').weights)})" in lm.why
+        assert f"({fmt_bytes(host2.weights)})" in lm.why
 
 
 def test_numa_bind_when_it_fits_the_nearest_node_else_interleave_over_the_socket(models):
