@@ -787,6 +787,17 @@ class _Pool:
             self.idle.popleft().close()
 
 
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body (llama-server's too), else the body's start."""
+    try:
+        msg = json.loads(body)["error"]["message"]
+        if isinstance(msg, str):
+            return msg[:200]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return body[:200].decode("utf-8", "replace") or "no body"
+
+
 class _Exchange:
     """One request on an upstream connection and its answer: a streamed answer (SSE) is written to the client as
     each piece arrives, from the protocol callback (no task switch per token); any other answer is collected."""
@@ -1341,6 +1352,11 @@ class Gateway:
                     failures.append(f"{rep.name} unreachable (closed the connection without an answer)")
                     continue
                 complete = await self._progress(ex, ex.done, self.upstream_idle_s)
+                if complete and not ex.streaming and ex.status == 503:
+                    # the replica is up but serves nothing yet (llama-server answers 503 while it loads its
+                    # model, as after a restart): nothing reached the client, so another replica may take it
+                    failures.append(f"{rep.name} unavailable ({_error_message(b''.join(ex.body))})")
+                    continue
                 if complete:
                     self._observe(model, rep.name, req, ex)
                 if not ex.streaming:

@@ -29,10 +29,12 @@ class Scripted:
     streams n SSE events; ``{"hang": true}`` never answers; ``{"malformed": true}`` answers a broken head; ``{"delay": s}`` answers JSON after s seconds;
     ``{"partial": true, "stream": true}`` sends one event and half of the next, then drops the connection."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "w0") -> None:
         self.port = free_port()
         self.server = None
         self.requests = 0
+        self.name = name
+        self.loading = False      # answer every request as llama-server does while it loads its model
 
     async def _conn(self, reader, writer):
         try:
@@ -42,6 +44,13 @@ class Scripted:
                                if ln.lower().startswith(b"content-length:")), 0)
                 body = json.loads(await reader.readexactly(length) or b"{}")
                 self.requests += 1
+                if self.loading:
+                    out = json.dumps({"error": {"message": "Loading model", "type": "unavailable_error",
+                                                "code": 503}}).encode()
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: " + str(len(out)).encode() + b"\r\n\r\n" + out)
+                    await writer.drain()
+                    continue
                 if body.get("hang"):
                     await asyncio.sleep(3600)
                 if body.get("malformed"):
@@ -86,7 +95,7 @@ class Scripted:
 
     @property
     def row(self):
-        return {"name": "w0", "url": f"http://127.0.0.1:{self.port}", "model": "m", "healthy": True}
+        return {"name": self.name, "url": f"http://127.0.0.1:{self.port}", "model": "m", "healthy": True}
 
 
 async def gateway(rows, **kw) -> tuple[Gateway, str]:
@@ -329,3 +338,31 @@ def test_the_docs_state_the_limits_the_code_has():
     assert not missing, missing
     # and no number the code no longer has
     assert "512 from one client address" not in text and "skipped for 2 s" not in text
+
+
+def test_a_replica_still_loading_its_model_hands_the_request_to_another():
+    """A restarted llama-server listens before its model is loaded and answers 503 "Loading model"; while the
+    health checks still count it in, requests sent to it went back to the client as that 503. Now the gateway
+    tries another replica (nothing reached the client yet), and says why when none could take it."""
+    async def go():
+        loading, ready = await Scripted("w0").start(), await Scripted("w1").start()
+        loading.loading = True
+        gw, url = await gateway([loading.row, ready.row])
+        try:
+            async with aiohttp.ClientSession() as s:
+                for _ in range(8):
+                    async with s.post(url + "/v1/completions", json={}) as r:
+                        assert r.status == 200 and (await r.json()) == {"ok": True}
+                async with s.post(url + "/v1/completions", json={"stream": True, "events": 2}) as r:
+                    assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+            assert loading.requests >= 1 and ready.requests >= 9
+            gw.set_replicas([loading.row])
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={}) as r:
+                    msg = (await r.json())["error"]["message"]
+                    assert r.status == 503 and "w0 unavailable (Loading model)" in msg, msg
+        finally:
+            await gw.stop()
+            loading.stop_listening()
+            ready.stop_listening()
+    run(go())

@@ -290,7 +290,8 @@ def test_kill_9_recovers_within_10s_and_the_other_replica_serves_meanwhile(env):
     def load():
         while not stop.is_set():
             try:
-                results.append(S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 4}, timeout=10)[0])
+                code, body = S.post_json(gw(env, "/v1/completions"), {"prompt": "x", "max_tokens": 4}, timeout=10)
+                results.append(code if code == 200 else (code, body))
             except Exception as e:  # noqa: BLE001 - recorded and asserted below
                 results.append(repr(e))
             time.sleep(0.02)
