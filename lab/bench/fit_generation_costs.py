@@ -42,7 +42,7 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 import replan as P  # noqa: E402
 
 NAMES = ("GPU_TG_EFFICIENCY", "GPU_LAYER_OVERHEAD_S", "CPU_TG_EFFICIENCY", "CROSS_DEVICE_LAYER_OVERHEAD_S")
-NO_CACHE = frozenset({"moe_cache", "moe_cache_prefill"})
+NO_CACHE = frozenset({"expert_cache", "expert_cache_slot_reads"})
 HUGE = 1e30                                   # an efficiency that makes its bytes cost nothing
 
 

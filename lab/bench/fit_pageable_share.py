@@ -25,7 +25,7 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 import replan as P  # noqa: E402
 
-NO_CACHE = frozenset({"moe_cache", "moe_cache_prefill"})
+NO_CACHE = frozenset({"expert_cache", "expert_cache_slot_reads"})
 
 
 def solve(bench_path: Path, pinned_config: str = "plan", mmap_config: str = "plan-mmap",

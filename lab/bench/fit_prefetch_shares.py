@@ -68,7 +68,7 @@ def overlaps(bench: dict, bench_path: Path, profile: Path, base: str, with_: str
     if control not in runs:
         raise SystemExit(f"no configuration {control!r} that ran in this bench (it has: {', '.join(runs)})")
     w, curve, run = P.workload(bench_path), P.curve(profile), runs[base]
-    features = frozenset({"moe_cache_prefetch"})
+    features = frozenset({"expert_cache_prefetch"})
     cut = {s: v[0] for s, v in got.items()}
     uploads = {s: v[1] for s, v in got.items()}
     out = {}

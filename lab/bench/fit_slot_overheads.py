@@ -29,7 +29,7 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 import replan as P  # noqa: E402
 
 CONSTANT = {"host": "CACHE_LAYER_OVERHEAD_HOST_S", "device": "CACHE_LAYER_OVERHEAD_DEVICE_S"}
-FEATURES = frozenset({"moe_cache_slots"})
+FEATURES = frozenset({"expert_cache_slots"})
 
 
 def _measured_step(bench: dict, configs: list[str], streams: str) -> float | None:

@@ -74,7 +74,7 @@ def prompt_parts(costs, n: int, ub: int, host: float, f: float, pinned: float, s
     return total, hidden
 
 
-STAGING = frozenset({"moe_cache_slots", "moe_cache_prefill_ahead"})
+STAGING = frozenset({"expert_cache_slots", "expert_cache_staging"})
 
 
 def slot_cost_pairs(paths: list[Path], profiles: dict[str, Path]) -> list[dict]:

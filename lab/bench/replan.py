@@ -82,8 +82,8 @@ def replan(bench: dict, run: dict, w: str, routing, features: frozenset = frozen
     worker = plan_worker(w, routing, layers, mib, int(args[args.index("-ub") + 1]),
                          int(args[args.index("-np") + 1]), bench["vram_budget"],
                          bench["plan_context"]["bandwidth"], features, without, **request)
-    if worker.settings.moe_cache_mib != mib:
-        raise SystemExit(f"the replan gives a cache of {worker.settings.moe_cache_mib} MiB where the run had {mib}")
+    if worker.settings.expert_cache_mib != mib:
+        raise SystemExit(f"the replan gives a cache of {worker.settings.expert_cache_mib} MiB where the run had {mib}")
     return worker
 
 
@@ -100,10 +100,10 @@ def plan_worker(w: str, routing, layers: tuple[int, ...], mib: int, ubatch: int,
 
     node = NodeRequest(name="h200", vram_limit=vram_budget, vram_reserve=256 * MiB) if vram_budget else \
         NodeRequest(name="h200")
-    req = PlanRequest(nodes=(node,), expert_layers_on_cpu=layers, expert_cache=mib * MiB, ubatch=ubatch,
+    req = PlanRequest(nodes=(node,), expert_layers_on_cpu=layers, expert_cache_bytes=mib * MiB, ubatch=ubatch,
                       parallel=parallel, **request)
     fl, feats, modes, gpu = parse_help((FIX / "backend" / "mainline-llama-server-help.txt").read_text())
-    feats = (feats | {"moe_cache", "moe_cache_prefill"} | set(features)) - set(without)
+    feats = (feats | {"expert_cache", "expert_cache_slot_reads"} | set(features)) - set(without)
     b = BackendInfo(server="/opt/llama/bin/llama-server", flavor=fl, version="recorded", cuda=True,
                     gpu_offload=gpu, features=feats, split_modes=modes)
     h200 = load_machine(FIX / "machines" / "h200.inspect.json")
