@@ -12,7 +12,6 @@ another value of the constant it fits.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -20,6 +19,8 @@ import lzma
 import re
 import tempfile
 from pathlib import Path
+
+from lab.cpu_speed import constants
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures"
@@ -115,19 +116,8 @@ def plan_worker(w: str, routing, layers: tuple[int, ...], mib: int, ubatch: int,
     return make_plan(machines={"h200": h200}, model=model(w), request=req, backend=b, routing=routing).workers[0]
 
 
-@contextlib.contextmanager
-def rates(**values):
-    """orchestrator/plan/rates.py's constants set to ``values`` for a moment (the plan reads them when it plans)."""
-    from orchestrator.plan import rates as R
-
-    old = {k: getattr(R, k) for k in values}
-    try:
-        for k, v in values.items():
-            setattr(R, k, v)
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(R, k, v)
+# rates.py's constants set for a moment: the plan reads them when it plans (one helper for every fit)
+rates = constants
 
 
 def solve(f, lo: float, hi: float, iters: int = 60) -> float:
