@@ -13,7 +13,9 @@
 #     2. for W1 at 12 GiB and W2 at 24 GiB (the plans `orchestrator plan topologies/h200.yaml` makes with that
 #        vram_limit, the same flags for both builds): one `orchestrator bench` each with configurations plan and
 #        control (the plan again: the A/A spread) on the old llama-server and new (the same flags on the new
-#        one), interleaved over ROUNDS (W1, default 2) and W2_ROUNDS (default 1): pp 512 and 4096, tg128;
+#        one), interleaved over ROUNDS (W1, default 2) and W2_ROUNDS (default 1): pp 512 and 4096, tg128; W1
+#        takes two thirds of the time left when W2 follows, the last workload the rest less GPU_TESTS_SECONDS
+#        (default 180) when the GPU tests follow;
 #        builds made by an earlier `run` of the same archives while the machine is warm are reused, so a second
 #        command measures for its whole time (RUN_SECONDS): the two builds take most of a first command's 10 min;
 #     3. tests/backend/test_expert_cache_gpu.py on the new build.
@@ -124,11 +126,14 @@ for w in "w1 $W1 12" "w2 $W2 24"; do
   LLAMA_SERVER=$NEW python3 -m orchestrator plan "$H200" --set "model.path=$2" --set "nodes.0.vram_limit=$3GiB" \
     --json > "$OUT/plan-$1.json" 2>&1 || { log "no plan for $1: $(tail -2 "$OUT/plan-$1.json")"; continue; }
   c=$(python3 lab/device/plan-config.py new "$OUT/plan-$1.json")
-  [ "$1" = w1 ] && share=2 || share=1      # of what is left, W1 takes half, W2 the rest
-  timeout $(( $(left) * share / 3 )) python3 -m orchestrator bench "$H200" --progress plain --set "model.path=$2" \
+  # of what is left (less the GPU tests' reserve), W1 takes two thirds when W2 follows; the last one takes all
+  reserve=10; [[ ,$PARTS, == *,gpu-tests,* ]] && reserve=${GPU_TESTS_SECONDS:-180}
+  share=3; [ "$1" = w1 ] && [[ " ${WORKLOADS:-w1 w2} " == *" w2 "* ]] && share=2
+  budget=$(( ($(left) - reserve) * share / 3 ))
+  timeout "$budget" python3 -m orchestrator bench "$H200" --progress plain --set "model.path=$2" \
     --vram-budget "$3GiB" --server "$OLD" --configs plan,control --config "${c/=/=LLAMA_SERVER=$NEW }" \
     --rounds "$([ "$1" = w1 ] && echo "${ROUNDS:-2}" || echo "${W2_ROUNDS:-1}")" --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency none \
-    --max-minutes "$(python3 -c "print(max(0.5, $(left) * $share / 3 / 60 - 0.3))")" --out "$OUT/$1-$3g" \
+    --max-minutes "$(python3 -c "print(max(0.5, $budget / 60 - 0.3))")" --out "$OUT/$1-$3g" \
     > "$OUT/$1-$3g.log" 2>&1
   log "$1 $3 GiB rc=$?"; tail -12 "$OUT/$1-$3g.log"
 done
