@@ -51,7 +51,8 @@ def test_threads_and_the_measured_machine_speed_scale_prompts(demo):
     costs, placement = demo
     one = predict_pp(costs, placement, _sp(1), 512, None, lengths=(512,))[512]
     four = predict_pp(costs, placement, _sp(4), 512, None, lengths=(512,))[512]
-    assert four / one == pytest.approx(4 ** R.CPU_PP_THREAD_EXPONENT, rel=0.02)
+    # the work scales with threads ** exponent; the experts' memory-bound share does not, so a little below it
+    assert 0.95 * 4 ** R.CPU_PP_THREAD_EXPONENT <= four / one <= 4 ** R.CPU_PP_THREAD_EXPONENT
     half = predict_pp(costs, placement, _sp(1, rate=0.5), 512, None, lengths=(512,))[512]
     ref = predict_pp(costs, placement, _sp(1, rate=1.0), 512, None, lengths=(512,))[512]
     assert ref == pytest.approx(one) and half == pytest.approx(ref / 2, rel=0.02)
