@@ -5,11 +5,12 @@ tests/backend/test_expert_cache_rpc.py).
 
     python lab/bench/expert_bias_splits.py [--tokens 64] [--dir DIR]
 
-Three servers, each with every routed expert tensor of every layer in host memory and an expert cache:
+Servers with every routed expert tensor of every layer in host memory and an expert cache:
 - a generated gpt-oss-20b shape (MXFP4 experts with biases) with the plan's -ot, which sends the expert biases to
   host memory with the experts (``blk\\.(...)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU``);
 - the same with the biases kept on the device (the override anchored at ``.weight``);
-- a generated Qwen3-30B-A3B shape (no expert biases) with the plan's -ot.
+- generated Qwen3-30B-A3B, DeepSeek-V3 (3 dense leading layers of 5) and GLM-4.5-Air (1 of 3) shapes (no expert
+  biases) with the plan's -ot.
 For each: the splits of the last graph (a decode step: one token), the ops the CPU runs there, and tokens/s over
 ``--tokens`` greedy tokens (a second start without the scheduler's debug output).
 """
@@ -35,7 +36,8 @@ sys.path.insert(0, str(REPO))
 from orchestrator.model import synth  # noqa: E402
 from orchestrator.plan.placement import EXPERT_TENSOR_RX, layer_alternation  # noqa: E402
 
-SHAPES = {"gpt-oss-20b": ("gpt-oss-20b", 0.1, 2), "qwen3-30b-a3b": ("qwen3-30b-a3b", 0.125, 2)}
+SHAPES = {"gpt-oss-20b": ("gpt-oss-20b", 0.1, 2), "qwen3-30b-a3b": ("qwen3-30b-a3b", 0.125, 2),
+          "deepseek-v3": ("deepseek-v3", 0.05, 5), "glm-4.5-air": ("glm-4.5-air", 0.125, 3)}
 
 
 def _port() -> int:
@@ -139,7 +141,7 @@ def main() -> int:
         for what, ot in variants:
             log = tmp / f"{name}-{len(rows)}.log"
             serve(bindir, path, ot, log, 2, debug=True)
-            splits, nodes = last_graph(log.read_text())
+            splits, nodes = last_graph(log.read_text(errors="replace"))
             on_cpu = [(op, n) for op, n, b in nodes if b == "CPU"]
             t = serve(bindir, path, ot, tmp / f"{name}-{len(rows)}-timed.log", a.tokens, debug=False)
             rows.append((name, what, len(splits), on_cpu, t["predicted_per_second"], t["predicted_ms"] / t["predicted_n"]))
