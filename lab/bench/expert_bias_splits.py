@@ -12,7 +12,8 @@ Servers with every routed expert tensor of every layer in host memory and an exp
 - generated Qwen3-30B-A3B, DeepSeek-V3 (3 dense leading layers of 5) and GLM-4.5-Air (1 of 3) shapes (no expert
   biases) with the plan's -ot.
 For each: the splits of the last graph (a decode step: one token), the ops the CPU runs there, and tokens/s over
-``--tokens`` greedy tokens (a second start without the scheduler's debug output).
+``--tokens`` greedy tokens (a second start without the scheduler's debug output), whose text must not depend on
+where the biases lie.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def serve(bindir: Path, model: Path, overrides: list[str], log: Path, n_predict:
         req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=1800) as r:
-            return json.loads(r.read())["timings"]
+            answer = json.loads(r.read())
+        return {**answer["timings"], "content": answer["content"]}
     finally:
         if srv is not None:
             _stop(srv)
@@ -129,7 +131,7 @@ def main() -> int:
         raise SystemExit(f"{bindir}: no ggml-rpc-server beside llama-server (orchestrator build makes both)")
     tmp = a.dir or Path(tempfile.mkdtemp(prefix="bias-splits-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, texts = [], {}
     for name, (like, scale, layers) in SHAPES.items():
         path = tmp / f"{name}.gguf"
         if not path.exists():
@@ -145,10 +147,15 @@ def main() -> int:
             on_cpu = [(op, n) for op, n, b in nodes if b == "CPU"]
             t = serve(bindir, path, ot, tmp / f"{name}-{len(rows)}-timed.log", a.tokens, debug=False)
             rows.append((name, what, len(splits), on_cpu, t["predicted_per_second"], t["predicted_ms"] / t["predicted_n"]))
+            texts.setdefault(name, []).append(t["content"])
     print(f"{'model':16} {'expert tensors':22} {'splits':>6} {'CPU ops':>7} {'t/s':>7} {'ms/token':>8}  ops on the CPU")
     for name, what, n_splits, on_cpu, tps, ms in rows:
         ops = ", ".join(sorted({op for op, _ in on_cpu}))
         print(f"{name:16} {what:22} {n_splits:6d} {len(on_cpu):7d} {tps:7.2f} {ms:8.2f}  {ops}")
+    for name, got in texts.items():
+        if len(got) > 1:
+            print(f"{name}: the greedy tokens with the biases on the device are "
+                  f"{'the same' if len(set(got)) == 1 else 'NOT the same'} as with the plan's -ot")
     print(f"logs: {tmp}")
     return 0
 
