@@ -4,6 +4,7 @@
 tests/backend/test_expert_cache_rpc.py).
 
     python lab/bench/expert_bias_splits.py [--tokens 64] [--dir DIR]
+    python lab/bench/expert_bias_splits.py --plan PLAN.json [--config 'NAME=FLAGS'] [--dir DIR]
 
 Servers with every routed expert tensor of every layer in host memory and an expert cache:
 - a generated gpt-oss-20b shape (MXFP4 experts with biases) with the plan's -ot, which sends the expert biases to
@@ -14,6 +15,11 @@ Servers with every routed expert tensor of every layer in host memory and an exp
 For each: the splits of the last graph (a decode step: one token), the ops the CPU runs there, and tokens/s over
 ``--tokens`` greedy tokens (a second start without the scheduler's debug output), whose text must not depend on
 where the biases lie.
+
+With --plan (a plan document, `orchestrator plan ... --json`, on the machine it was made for: the GPU machine) the
+plan's own llama-server runs as the plan launches it, and with --config a bench configuration as
+lab/bench/bias_variant.py prints it (its flags in place of the plan's): one completion of two tokens with the
+scheduler's debug output, then its last graph's splits by backend, the ops the CPU runs and tokens/s over --tokens.
 """
 
 from __future__ import annotations
@@ -114,12 +120,76 @@ def last_graph(log: str) -> tuple[list[tuple[str, str]], list[tuple[str, str, st
     return splits, nodes
 
 
+def serve_plan(plan: Path, config: str | None, log: Path, n_predict: int, debug: bool) -> dict:
+    """One completion of ``n_predict`` greedy tokens on the plan's worker 0 as it launches (or with ``config``'s
+    flags and environment in place of the plan's); its timings."""
+    import shlex
+
+    w = json.loads(plan.read_text())["workers"][0]
+    argv, env = list(w["argv"]), dict(w["env"])
+    if config:
+        words = shlex.split(config.partition("=")[2])
+        while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+            k, _, v = words.pop(0).partition("=")
+            env[k] = v
+        server = env.pop("LLAMA_SERVER", None) or argv[len(argv) - len(w["args"]) - 1]
+        argv = [server, *words]
+    argv = [a for a in argv]
+    port = _port()
+    if "--port" in argv:
+        argv[argv.index("--port") + 1] = str(port)
+    else:
+        argv += ["--port", str(port)]
+    if "--host" not in argv:
+        argv += ["--host", "127.0.0.1"]
+    if debug:
+        argv += ["-lv", "10"]
+    env = {**os.environ, **env, **({"GGML_SCHED_DEBUG": "2"} if debug else {})}
+    with open(log, "w") as lf:
+        srv = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait(url, srv, log, timeout=900)
+        body = {"prompt": [1, 2, 3], "n_predict": n_predict, "temperature": 0.0, "ignore_eos": True,
+                "cache_prompt": False}
+        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            answer = json.loads(r.read())
+        return {**answer["timings"], "content": answer["content"]}
+    finally:
+        _stop(srv)
+
+
+def plan_mode(a) -> int:
+    tmp = a.dir or Path(tempfile.mkdtemp(prefix="plan-splits-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    name = (a.config or "plan=").partition("=")[0]
+    log = tmp / f"{name}-debug.log"
+    serve_plan(a.plan, a.config, log, 2, debug=True)
+    splits, nodes = last_graph(log.read_text(errors="replace"))
+    backends = {}
+    for _i, b in splits:
+        backends[b.split("[")[0]] = backends.get(b.split("[")[0], 0) + 1
+    on_cpu = [(op, n) for op, n, b in nodes if b == "CPU"]
+    t = serve_plan(a.plan, a.config, tmp / f"{name}-timed.log", a.tokens, debug=False)
+    print(f"{name}: {len(splits)} splits in a decode step ({', '.join(f'{k} {v}' for k, v in backends.items())}); "
+          f"{len(on_cpu)} ops on the CPU: {', '.join(sorted({op for op, _ in on_cpu}))}; "
+          f"{t['predicted_per_second']:.1f} t/s over {t['predicted_n']} greedy tokens")
+    print(f"logs: {tmp}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens timed per server")
     ap.add_argument("--dir", type=Path, help="where the models and logs go (default: a temporary folder)")
     ap.add_argument("--server", help="llama-server of a build with the expert cache and ggml's RPC server beside it")
+    ap.add_argument("--plan", type=Path, help="a plan document: run its worker 0 as planned (on its machine)")
+    ap.add_argument("--config", help="with --plan: a bench configuration NAME='[VAR=value ...] flags' to run instead")
     a = ap.parse_args()
+    if a.plan:
+        return plan_mode(a)
     if a.server:
         server = a.server
     else:
