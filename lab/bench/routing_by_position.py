@@ -2,6 +2,7 @@
 """An LRU expert cache's hit rate by the position of the token in its context, from a decode-order routing trace.
 
     python lab/bench/routing_by_position.py MODEL.gguf [--tokens 768] [--slots 46,38] [--sample T] [--threads N]
+                                            [--gpu-layers N]
 
 The routing profile the plan reads (`orchestrator model M --routing`) averages one context of 1024 tokens; the
 bench's generation (tg128 at depth 0) decodes positions 1-128 of a fresh context, twice. Where a model's routing
@@ -54,12 +55,13 @@ def main() -> int:
     ap.add_argument("--slots", default="", help="slots per layer, comma-separated (default: 30%% and 36%% of the experts)")
     ap.add_argument("--sample", type=float, help="temperature: the model's own tokens after one random id")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--gpu-layers", type=int, default=0, help="layers on the GPU (a CUDA build: a faster trace)")
     a = ap.parse_args()
     from orchestrator.errors import OrchestratorError
     from orchestrator.model import routing
 
     try:
-        tr = routing.trace(a.model, tokens=a.tokens, sample=a.sample, threads=a.threads)
+        tr = routing.trace(a.model, tokens=a.tokens, sample=a.sample, threads=a.threads, ngl=a.gpu_layers)
     except OrchestratorError as e:
         raise SystemExit(str(e))
     slots = [int(s) for s in a.slots.split(",") if s] or [round(0.30 * tr.n_expert), round(0.36 * tr.n_expert)]
