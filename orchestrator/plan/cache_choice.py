@@ -230,7 +230,10 @@ def _cache_inputs(cc: CacheContext, best: Candidate, host: tuple[int, ...], laye
         prefetch_uploads=tuple(R.PREFETCH_UPLOADS_PER_MISS.items()),
         prefetch_overlap=tuple(R.PREFETCH_OVERLAP.items()),
         device_slots=slots_on_device(ctx, cc.gpus, cc.load_mode) is None,
-        device_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_DEVICE_S)
+        device_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_DEVICE_S,
+        host_side_ops=max((costs.layer_expert_side[i] for i in costs.moe_layers), default=0)
+        if costs.layer_expert_side else 0,
+        side_op_hop_s=R.EXPERT_SIDE_HOP_S)
 
 
 def _base_seconds(costs: ModelCosts, best: Candidate, host: tuple[int, ...], gpu_bw: float, host_bw: float) -> float:

@@ -18,6 +18,10 @@ experts' time per generated token is predicted from the routing profile's hit-ra
       + host layers x P(a token has a CPU miss in the layer) x cpu_miss_hop_s + cpu_miss_fixed_s
                                                   (miss mode "cpu": the hop GPU -> CPU -> GPU where it is needed,
                                                   and the CPU path's cost per token)
+      + host layers x host_side_ops x side_op_hop_s   (the experts' other tensors left in host memory, gpt-oss's
+                                                  biases: the cache serves the MUL_MAT_IDs only, so each of their
+                                                  ops runs on the CPU between the layer's GPU splits, a hop
+                                                  GPU -> CPU -> GPU each)
 
 With uploads ahead of need (``prefetch``: the backend's ``--moe-cache-prefetch``, upload mode), the misses' link
 time is multiplied by (1 - cut) + uploads x (1 - overlap): ``cut`` the share of the misses they turn into hits,
@@ -115,6 +119,10 @@ class CacheInputs:
     # slots assigned on the device (--moe-cache-slots device): possible for this worker, and a host layer's cost then
     device_slots: bool = False
     device_layer_overhead_s: float = 0.0
+    # per host-resident layer the cache serves: ops on routed-expert tensors other than the MUL_MAT_IDs' weights
+    # (expert biases) whose tensors lie in host memory, and what each one's hop GPU -> CPU -> GPU costs
+    host_side_ops: int = 0
+    side_op_hop_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +152,7 @@ class CacheCandidate:
     stage_buffers: int = 0             # prompts' staging buffers (--moe-cache-prefill-ahead), out of cache_bytes
     stage_bytes: int = 0               # their VRAM
     stage_min_batch: int = 0           # micro-batches staged only from this many tokens (0: the patch's rule)
+    side_hops: int = 0                 # per token: hops to the CPU for the experts' tensors left there (biases)
 
     @property
     def cache_mib(self) -> int:
@@ -210,8 +219,9 @@ class CachePlan:
             lines.append(f"  {c.gpu_layers} expert layers on the GPU, {c.host_layers} in host memory; no cache")
         lines.append(f"  per token: {c.gpu_resident_bytes / gb:.3f} GB GPU-resident experts + "
                      f"{c.cache_hit_bytes / gb:.3f} GB from the cache + {c.host_read_bytes / gb:.3f} GB from "
-                     f"host memory + {c.pcie_bytes / gb:.3f} GB over PCIe -> {c.expert_seconds * 1e3:.2f} ms "
-                     f"-> {c.tokens_per_s:.1f} tok/s predicted")
+                     f"host memory + {c.pcie_bytes / gb:.3f} GB over PCIe"
+                     + (f" + {c.side_hops} hops to the CPU for the experts' biases" if c.side_hops else "")
+                     + f" -> {c.expert_seconds * 1e3:.2f} ms -> {c.tokens_per_s:.1f} tok/s predicted")
         for g in self.per_gpu:
             lines.append(f"  {g.device}: {g.whole_layers} whole expert layers, {g.host_layers} host-resident x "
                          f"{g.slots_per_layer} slots = {g.slots} experts = {g.cache_bytes / MIB:.1f} MiB of cache; "
@@ -242,7 +252,8 @@ class CachePlan:
                     "prompt_seconds_per_ubatch": c.prompt_seconds,
                     "prefetch": c.prefetch, "prefetch_gain": round(c.prefetch_gain, 4),
                     "device_slots": c.device_slots, "stage_buffers": c.stage_buffers,
-                    "stage_mib": round(c.stage_bytes / MIB, 1), "stage_min_batch": c.stage_min_batch}
+                    "stage_mib": round(c.stage_bytes / MIB, 1), "stage_min_batch": c.stage_min_batch,
+                    **({"side_hops": c.side_hops} if c.side_hops else {})}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
                 "candidates": [cand(c) for c in self.candidates],
@@ -327,8 +338,13 @@ def _aggregate(inp: CacheInputs, k: int, per_layer: int, fraction: float,
     misses = (1.0 - hit) * picks
     link = prefetch_link_factor(inp, n) if prefetch else 1.0
     t = (k * used * expert + picks) / inp.gpu_bw + misses * link / inp.pcie_bw + h * _layer_overhead(inp, device) \
-        + inp.cache_fixed_s
+        + inp.cache_fixed_s + _side_seconds(inp, h)
     return n / (inp.base_seconds + t), hit
+
+
+def _side_seconds(inp: CacheInputs, host_layers: int) -> float:
+    """The hops of one step to the CPU for the ops on the experts' tensors the cache does not serve (biases)."""
+    return host_layers * inp.host_side_ops * inp.side_op_hop_s
 
 
 def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCandidate:
@@ -356,7 +372,7 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     hit = hit_rate(inp.curve, fraction)
     agg, agg_hit = _aggregate(inp, k, per_layer, fraction)
     hits, misses = hit * host_picks, (1.0 - hit) * host_picks
-    fixed = h * inp.cache_layer_overhead_s + inp.cache_fixed_s
+    fixed = h * inp.cache_layer_overhead_s + inp.cache_fixed_s + _side_seconds(inp, h)
     prefetch, gain, device = False, 1.0, False
     if mode == "upload":
         t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw + fixed
@@ -396,7 +412,8 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
                           pcie_bytes=pcie, expert_seconds=t, tokens_per_s=1.0 / (inp.base_seconds + t),
                           prompt_seconds=prompt, slot_bytes=int(math.ceil(slots * expert)),
                           streams=max(1, inp.streams), stream_tokens_per_s=agg, stream_hit_rate=agg_hit,
-                          prefetch=prefetch, prefetch_gain=gain, device_slots=device)
+                          prefetch=prefetch, prefetch_gain=gain, device_slots=device,
+                          side_hops=h * inp.host_side_ops)
 
 
 def candidates(inp: CacheInputs, cache_bytes: int | None = None,
