@@ -3,10 +3,9 @@ W4 = the gpt-oss-120b shape cut to 12 layers (MXFP4 experts with biases), W5 = t
 layers (q4_0), each planned for 10 GiB: every expert layer in host memory (W5: all but the dense first layer), the
 rest of the VRAM as cache, slots assigned on the device.
 
-The run kept no bench record beside its tables, so it is replanned from what it printed: the plan's llama-server argv
-(host-resident layers, cache, micro-batch), the probe's bandwidth from the plan's op-offload line, the routing
-profile's LRU points (routing.txt: the profile traced on the GPU before planning, 1024 random ids in decode order), and
-the measured tg128 of the table.
+Each run is replanned from what it printed: the plan's llama-server argv (host-resident layers, cache, micro-batch),
+the probe's bandwidth from the plan's op-offload line, the routing profile's LRU points (routing-wN.txt: the profile
+traced on the GPU before planning, 1024 random ids in decode order), and the measured tg128 of the table.
 
 The plan's -ot sends gpt-oss's expert biases (ffn_*_exps.bias) to host memory with the experts; the cache serves the
 MUL_MAT_IDs on the GPU, so each bias's ADD_ID runs on the CPU between GPU splits: three hops GPU -> CPU -> GPU per
@@ -46,15 +45,15 @@ def _argv(plan: str) -> list[str]:
     return shlex.split(line)
 
 
-def _profile_curve(model: str) -> HitCurve:
-    """The per-layer LRU points routing.txt printed for ``model`` (5, 10, 15, 30, 50% of a layer's experts)."""
-    text = _text("routing.txt.xz")
+def _profile_curve(workload: str, model: str) -> HitCurve:
+    """The per-layer LRU points the routing trace printed for ``model`` (5, 10, 15, 30, 50% of a layer's experts)."""
+    text = _text(f"routing-{workload.split('-')[0]}.txt.xz")
     block = text[text.index(f"model   /root/work/models/{model}"):]
     table = block[block.index("per-layer LRU"):]
     rows = re.findall(r"^\s+(\d+)%\s+[\d.]+\s+([\d.]+)%", table, re.M)[:5]
     xs = (0.0,) + tuple(int(f) / 100 for f, _ in rows) + (1.0,)
     ys = (0.0,) + tuple(float(h) / 100 for _, h in rows) + (1.0,)
-    return HitCurve(fractions=xs, hits=ys, source=f"{model}: routing.txt")
+    return HitCurve(fractions=xs, hits=ys, source=f"{model}: routing-{workload.split('-')[0]}.txt")
 
 
 def _measured_tg(table: str, config: str = "plan") -> float:
@@ -84,7 +83,7 @@ def _replan(models, workload: str, like: str, layers: int, budget_gib: int, quan
                       expert_layers_on_cpu=host, expert_cache_bytes=mib * MiB,
                       ubatch=int(args[args.index("-ub") + 1]), parallel=int(args[args.index("-np") + 1]))
     model = models(like, quant, layers=layers)
-    curve = _profile_curve(Path(args[args.index("-m") + 1]).name)
+    curve = _profile_curve(workload, Path(args[args.index("-m") + 1]).name)
     if hit_rate is not None:
         share = float(re.search(r"= ([\d.]+)% of the host-resident ones", plan).group(1)) / 100
         curve = HitCurve(fractions=(0.0, share, 1.0), hits=(0.0, hit_rate, 1.0), source="the run's counters")
@@ -107,7 +106,7 @@ def test_w4_generation_counts_the_hops_of_the_expert_biases(models, monkeypatch)
     assert c.hit_rate == pytest.approx(0.919, abs=0.005)       # the plan's own figure; the counters said 0.906
     assert c.side_hops == 12 * 3
     measured = _measured_tg(_text("w4-10g.txt.xz"))
-    assert measured == 174
+    assert measured == 173
     # the bench's own band for predicted / measured generation (0.85-1.15)
     assert w.predicted.tg / measured == pytest.approx(1.0, abs=0.15), (w.predicted.tg, measured)
     assert any("36 hops to the CPU for the experts' biases" in line for line in w.expert_cache.arithmetic())
@@ -120,18 +119,28 @@ def test_w4_generation_counts_the_hops_of_the_expert_biases(models, monkeypatch)
 
 
 def test_w5_generation_with_the_counters_hit_rate(models):
-    """W5 was predicted 0.63 of its generation from the profile's 83.0% hits; its counters said 93.3% (the bench
+    """W5 was predicted 0.60 of its generation from the profile's 79.4% hits; its counters said 92.6% (the bench
     generates positions 1-128 of a fresh context, where the generated routing is more local than the profile's
     average: docs/model.md, "Locality by position in the context"). With the counters' hit rate the same plan
     predicts the measured generation."""
     measured = _measured_tg(_text("w5-10g.txt.xz"))
     profile = _replan(models, "w5-10g", "glm-4.5-air", 16, 10, quant="q4_0")
     c = profile.expert_cache.chosen
-    assert (c.host_layers, c.slots_per_layer, c.side_hops) == (15, 46, 0)
-    assert c.hit_rate == pytest.approx(0.830, abs=0.005)
-    assert profile.predicted.tg / measured == pytest.approx(0.63, abs=0.02)     # the recorded miss
-    counted = _replan(models, "w5-10g", "glm-4.5-air", 16, 10, quant="q4_0", hit_rate=0.933)
-    assert counted.expert_cache.chosen.hit_rate == pytest.approx(0.933, abs=0.001)
+    assert (c.host_layers, c.slots_per_layer, c.side_hops) == (15, 41, 0)
+    assert c.hit_rate == pytest.approx(0.794, abs=0.005)
+    assert profile.predicted.tg / measured == pytest.approx(0.60, abs=0.02)     # the recorded miss
+    counted = _replan(models, "w5-10g", "glm-4.5-air", 16, 10, quant="q4_0", hit_rate=0.926)
+    assert counted.expert_cache.chosen.hit_rate == pytest.approx(0.926, abs=0.001)
     assert counted.predicted.tg / measured == pytest.approx(1.0, abs=0.10), (counted.predicted.tg, measured)
     print(f"W5: {profile.predicted.tg:.1f} t/s at the profile's hits, {counted.predicted.tg:.1f} at the counters', "
           f"measured {measured:.0f}")
+
+
+def test_w3_generation_misses_a_cost_beyond_its_hit_rate(models):
+    """W3 (DeepSeek-V3 cut to 6 layers, 3 MoE of 256 experts, 12 GiB) replanned with its counters' hit rate still
+    predicts its generation 18% fast: about 0.5 ms per token the model does not have (no op of its graph runs on
+    the CPU; fit-pinned's prediction is 1.2x fast too). The recorded miss, so that a fix shows here."""
+    measured = _measured_tg(_text("w3-12g.txt.xz"))
+    counted = _replan(models, "w3-12g", "deepseek-v3", 6, 12, quant="q4_0", hit_rate=0.935)
+    assert counted.expert_cache.chosen.side_hops == 0
+    assert counted.predicted.tg / measured == pytest.approx(1.18, abs=0.04), (counted.predicted.tg, measured)
