@@ -40,7 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float) -> dict:
+def post_json(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read().decode())
@@ -84,7 +84,7 @@ def run_server(binary: str, model: str, args: list[str], *, timeout: float = 300
                 span = max(1, min(5000, n_vocab - 259))
                 prompt = [259 + (i % span) for i in range(batch_tokens)]
                 try:
-                    _post(f"http://127.0.0.1:{port}/completion",
+                    post_json(f"http://127.0.0.1:{port}/completion",
                           {"prompt": prompt, "n_predict": 1, "cache_prompt": False},
                           timeout=max(30.0, deadline - time.monotonic()))
                     batch_ok = proc.poll() is None

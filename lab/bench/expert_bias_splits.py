@@ -29,7 +29,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,17 +39,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from lab.serverrun import free_port, post_json  # noqa: E402
 from orchestrator.model import synth  # noqa: E402
 from orchestrator.plan.placement import EXPERT_TENSOR_RX, layer_alternation  # noqa: E402
 
 SHAPES = {"gpt-oss-20b": ("gpt-oss-20b", 0.1, 2), "qwen3-30b-a3b": ("qwen3-30b-a3b", 0.125, 2),
           "deepseek-v3": ("deepseek-v3", 0.05, 5), "glm-4.5-air": ("glm-4.5-air", 0.125, 3)}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -68,6 +62,13 @@ def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> 
     raise SystemExit(f"llama-server not ready after {timeout:.0f} s: {log}")
 
 
+def _greedy_completion(url: str, n_predict: int) -> dict:
+    """``n_predict`` greedy tokens after a three-token prompt, the prompt cache off: llama-server's timings."""
+    answer = post_json(url + "/completion", {"prompt": [1, 2, 3], "n_predict": n_predict, "temperature": 0.0,
+                                             "ignore_eos": True, "cache_prompt": False}, timeout=1800)
+    return {**answer["timings"], "content": answer["content"]}
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -80,7 +81,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def serve(bindir: Path, model: Path, overrides: list[str], log: Path, n_predict: int, debug: bool) -> dict:
     """One completion of ``n_predict`` greedy tokens on llama-server with the RPC device as its GPU; its timings."""
-    rp, sp = _port(), _port()
+    rp, sp = free_port(), free_port()
     with open(log.with_suffix(".rpc.log"), "w") as lf:
         rpc = subprocess.Popen([str(bindir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rp), "-t", "1"],
                                stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
@@ -99,13 +100,7 @@ def serve(bindir: Path, model: Path, overrides: list[str], log: Path, n_predict:
             srv = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         url = f"http://127.0.0.1:{sp}"
         _wait(url, srv, log)
-        body = {"prompt": [1, 2, 3], "n_predict": n_predict, "temperature": 0.0, "ignore_eos": True,
-                "cache_prompt": False}
-        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=1800) as r:
-            answer = json.loads(r.read())
-        return {**answer["timings"], "content": answer["content"]}
+        return _greedy_completion(url, n_predict)
     finally:
         if srv is not None:
             _stop(srv)
@@ -134,8 +129,7 @@ def serve_plan(plan: Path, config: str | None, log: Path, n_predict: int, debug:
             env[k] = v
         server = env.pop("LLAMA_SERVER", None) or argv[len(argv) - len(w["args"]) - 1]
         argv = [server, *words]
-    argv = [a for a in argv]
-    port = _port()
+    port = free_port()
     if "--port" in argv:
         argv[argv.index("--port") + 1] = str(port)
     else:
@@ -150,13 +144,7 @@ def serve_plan(plan: Path, config: str | None, log: Path, n_predict: int, debug:
     try:
         url = f"http://127.0.0.1:{port}"
         _wait(url, srv, log, timeout=900)
-        body = {"prompt": [1, 2, 3], "n_predict": n_predict, "temperature": 0.0, "ignore_eos": True,
-                "cache_prompt": False}
-        req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=1800) as r:
-            answer = json.loads(r.read())
-        return {**answer["timings"], "content": answer["content"]}
+        return _greedy_completion(url, n_predict)
     finally:
         _stop(srv)
 

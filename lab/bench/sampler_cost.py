@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="also print the samples as one JSON line")
     a = ap.parse_args()
 
-    from lab.serverrun import _post, free_port
+    from lab.serverrun import free_port, post_json
     from orchestrator.backend.detect import find_llama_server
     from orchestrator.launch.process import start
     from orchestrator.launch.spec import LaunchSpec
@@ -72,7 +72,7 @@ def main() -> int:
                     seed += 1
                     body = {"prompt": [11, 12, 13], "n_predict": a.tokens, "cache_prompt": False,
                             "ignore_eos": True, "temperature": 1.0, "seed": seed, **extra}
-                    reply = _post(f"http://127.0.0.1:{port}/completion", body, timeout=300)
+                    reply = post_json(f"http://127.0.0.1:{port}/completion", body, timeout=300)
                     samples[name].append(reply["timings"]["predicted_per_token_ms"])
         finally:
             proc.stop(grace=15.0)
