@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""The plan with its experts' biases kept on the GPU, as a bench configuration (``orchestrator bench --config``).
+"""The plan with its experts' biases placed the other way, as a bench configuration (``orchestrator bench --config``).
 
     python3 lab/bench/bias_variant.py PLAN.json [NAME]
 
-PLAN.json is `orchestrator plan ... --json`. The plan's -ot sends every routed-expert tensor of its host-resident
-layers to host memory, gpt-oss's ``ffn_*_exps.bias`` too, and with the expert cache each bias's ADD_ID then runs on
-the CPU between the layer's GPU splits (lab/bench/expert_bias_splits.py counts them). The variant anchors the
-pattern at ``.weight``: the expert weights stay in host memory for the cache, the biases (a few MiB a layer) go to
-the GPU with the rest of the layer. Everything else is the plan's (lab/device/plan-config.py renders it).
+PLAN.json is `orchestrator plan ... --json`. With the expert cache the plan's -ot moves only the weights of its
+host-resident layers' routed experts (``..._exps\\.weight=CPU``): gpt-oss's ``ffn_*_exps.bias`` stay on the GPU, so
+each bias's ADD_ID runs there. The variant of such a plan is llama.cpp's --cpu-moe placement, every routed-expert
+tensor in host memory, biases too: each ADD_ID then runs on the CPU between the layer's GPU splits
+(lab/bench/expert_bias_splits.py counts them); its default name is plan-biases-cpu. A plan whose -ot moves every
+routed-expert tensor (no cache) gets the weights-only pattern instead (plan-biases-gpu). Everything else is the
+plan's (lab/device/plan-config.py renders it).
 """
 
 from __future__ import annotations
@@ -18,27 +20,31 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+WEIGHTS = "\\.weight"
 
 
-def weights_only(pattern: str) -> str:
-    """``blk\\.(0|1)\\.ffn_(...)_(ch|)exps=CPU`` -> ``blk\\.(0|1)\\.ffn_(...)_(ch|)exps\\.weight=CPU``."""
+def toggled(pattern: str) -> tuple[str, str]:
+    """The plan's expert override with the biases' placement the other way, and the variant's default name."""
     rx, sep, buft = pattern.rpartition("=")
+    if rx.endswith("exps" + WEIGHTS):
+        return f"{rx[:-len(WEIGHTS)]}={buft}", "plan-biases-cpu"
     if not sep or not rx.endswith("exps"):
-        raise SystemExit(f"-ot {pattern!r}: not the plan's expert override (PATTERN_exps=BUFFER)")
-    return f"{rx}\\.weight={buft}"
+        raise SystemExit(f"-ot {pattern!r}: not the plan's expert override (PATTERN_exps[\\.weight]=BUFFER)")
+    return f"{rx}{WEIGHTS}={buft}", "plan-biases-gpu"
 
 
 def main(argv: list[str]) -> int:
     if not argv or len(argv) > 2:
         raise SystemExit(__doc__.strip().splitlines()[2].strip())
-    plan, name = Path(argv[0]), argv[1] if len(argv) > 1 else "plan-biases-gpu"
+    plan = Path(argv[0])
     try:
         args = json.loads(plan.read_text())["workers"][0]["args"]
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise SystemExit(f"{plan}: not a plan document with a worker ({e})")
     if "-ot" not in args:
         raise SystemExit(f"{plan}: the plan keeps every expert on the GPU (no -ot): nothing to vary")
-    new = weights_only(args[args.index("-ot") + 1])
+    new, name = toggled(args[args.index("-ot") + 1])
+    name = argv[1] if len(argv) > 1 else name
     out = subprocess.run([sys.executable, str(REPO / "lab" / "device" / "plan-config.py"), name, str(plan),
                           f"--replace=-ot={new}"], capture_output=True, text=True)
     if out.returncode != 0:

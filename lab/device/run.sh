@@ -88,10 +88,12 @@
 #                     19.4 GiB) under W5_BUDGET (default 10): the plan / fit-pinned / the plan again (A/A): pp512,
 #                     pp4096, tg128, the cache's counters; then the plan for 4 streams (model.parallel=4) against
 #                     fit-pinned with -np 4: aggregate generation of 1 and 4 streams (FAMILIES_STREAMS=0: none);
+#                     FAMILIES_BIASES=1 adds to W4's bench the plan with the experts' biases placed the other way
+#                     (bench/bias_variant.py: with a cache, in host memory as --cpu-moe puts them);
 #                     FAMILIES_EXTRA=1 adds what decides the open prediction misses: the plan's graph splits
-#                     (lab/bench/expert_bias_splits.py), for W4 the plan with the experts' biases on the GPU
-#                     (bench/bias_variant.py: its splits and a bench of it), the hit rate by position in the
-#                     context (bench/routing_by_position.py), and the plan with the whole model on the GPU (60 GiB)
+#                     (lab/bench/expert_bias_splits.py; for W4 those of that variant too), the hit rate by
+#                     position in the context (bench/routing_by_position.py), and the plan with the whole model on
+#                     the GPU (60 GiB)
 #   device-slots[=L]  the host's round trip per cached layer, W1 written at routing locality L (default: default) and
 #                     its profile measured: at DEVICE_SLOTS_BUDGET GiB (default 12) the plan for 4 streams
 #                     (model.parallel=4) / the same with its slots assigned on the device
@@ -279,6 +281,7 @@ workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: p
         orch plan "$H200" --set "model.path=$mdl" --set "nodes.0.vram_limit=${b}GiB" "${SETS[@]}" \
           --set workers.objective=balanced --json > "$O/plan-$name-balanced.json" 2>&1
         V=(--config "$(python3 lab/device/plan-config.py plan-balanced "$O/plan-$name-balanced.json")") ;;
+      biases) V=(--config "$(python3 lab/bench/bias_variant.py "$O/plan-$name.json")") ;;
     esac
   fi
   timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" "${SETS[@]}" --vram-budget ${b}GiB \
@@ -472,17 +475,19 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
       saved=$(grep -oE '^(saved|cached): .*\.json$' "$out.txt" | tail -1 | cut -d' ' -f2-)
       [ -n "$saved" ] && xz -c "$saved" > "$out.profile.json.xz"
       SETS=()
-      NO_VARIANT=1 workload_run "$mdl" "$b" "$f-${b}g" plan,fit-pinned,control \
-        --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 4
+      if [ "$f" = w4 ] && [ -n "${FAMILIES_BIASES:-}" ]; then   # gpt-oss: and its biases placed the other way
+        WORKLOAD_VARIANT=biases workload_run "$mdl" "$b" "$f-${b}g" plan,fit-pinned,control \
+          --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 4
+      else
+        NO_VARIANT=1 workload_run "$mdl" "$b" "$f-${b}g" plan,fit-pinned,control \
+          --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 4
+      fi
       if [ -n "${FAMILIES_EXTRA:-}" ]; then    # what decides the families' open prediction misses
         python3 lab/bench/expert_bias_splits.py --plan "$O/plan-$f-${b}g.json" --tokens 64 --dir "$O/splits-$f" | tail -2
-        if [ "$f" = w4 ]; then                 # gpt-oss: the plan with its experts' biases on the GPU
+        if [ "$f" = w4 ]; then                 # gpt-oss: the splits with its biases placed the other way
           c=$(python3 lab/bench/bias_variant.py "$O/plan-$f-${b}g.json")
           python3 lab/bench/expert_bias_splits.py --plan "$O/plan-$f-${b}g.json" --config "$c" --tokens 64 \
             --dir "$O/splits-$f-b" | tail -2
-          timeout $(( $(left) - 5 )) "${BENCH[@]}" --set "model.path=$mdl" --vram-budget ${b}GiB --configs plan \
-            --config "$c" --rounds 1 --max-minutes "$(mins 10)" --out "$O/$f-${b}g-biases" --pp 512,4096 --pp-reps 1 \
-            --tg-depths 0 --tg-reps 2 --concurrency 1 > "$O/$f-${b}g-biases.log" 2>&1; tail -22 "$O/$f-${b}g-biases.log"
         fi
         python3 lab/bench/routing_by_position.py "$mdl" --tokens 1024 --gpu-layers 99 \
           --slots "$(case $f in w3) echo 94;; w4) echo 44;; w5) echo 46;; esac)" > "$O/position-$f.txt" 2>&1

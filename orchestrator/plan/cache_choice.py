@@ -231,9 +231,16 @@ def _cache_inputs(cc: CacheContext, best: Candidate, host: tuple[int, ...], laye
         prefetch_overlap=tuple(R.PREFETCH_OVERLAP.items()),
         device_slots=slots_on_device(ctx, cc.gpus, cc.load_mode) is None,
         device_layer_overhead_s=R.CACHE_LAYER_OVERHEAD_DEVICE_S,
-        host_side_ops=max((costs.layer_expert_side[i] for i in costs.moe_layers), default=0)
-        if costs.layer_expert_side else 0,
-        side_op_hop_s=R.EXPERT_SIDE_HOP_S)
+        host_layer_vram=host_layer_side_bytes(costs))
+
+
+def host_layer_side_bytes(costs: ModelCosts) -> int:
+    """VRAM that each host-resident layer the cache serves keeps on its GPU: its routed-expert tensors beside the
+    MUL_MAT_IDs' weights (gpt-oss's biases). The plan keeps them there (``cpu_expert_override(weights_only=True)``):
+    left in host memory, each of their ops ran on the CPU between the layer's GPU splits, three hops GPU -> CPU ->
+    GPU per layer and token that halved gpt-oss-120b's generation on the H200 (docs/benchmarks.md, W4)."""
+    return max((costs.layer_expert_side_bytes[i] for i in costs.moe_layers), default=0) \
+        if costs.layer_expert_side_bytes else 0
 
 
 def _base_seconds(costs: ModelCosts, best: Candidate, host: tuple[int, ...], gpu_bw: float, host_bw: float) -> float:
@@ -446,6 +453,7 @@ def layer_split_cache_splits(costs: ModelCosts, best: Candidate, moe: list[int],
     layers (each GPU's first ones, as --n-cpu-moe would)."""
     p = best.placement
     expert = layer_bytes / costs.n_expert
+    side = host_layer_side_bytes(costs)
     host_set = set(host)
     by_gpu: dict[int, list[int]] = {}
     for i in moe:
@@ -460,12 +468,13 @@ def layer_split_cache_splits(costs: ModelCosts, best: Candidate, moe: list[int],
         for g, layers in by_gpu.items():
             now = sum(1 for i in layers if i not in host_set)
             n = len(layers)
-            # k layers whole + banks of s experts for the other n - k: k L + s (n - k) e <= room
-            free = room[g] - s * n * expert
+            # k layers whole + banks of s experts and what stays on the GPU (v) for the other n - k:
+            # k L + (s e + v) (n - k) <= room
+            free = room[g] - (s * expert + side) * n
             if free < 0:
                 keep = -1
                 break
-            k = n if layer_bytes <= s * expert else int(free // (layer_bytes - s * expert))
+            k = n if layer_bytes <= s * expert + side else int(free // (layer_bytes - s * expert - side))
             k = max(0, min(k, now))
             keep += k
             new_host += layers[:n - k]

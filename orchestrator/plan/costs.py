@@ -29,9 +29,11 @@ class ModelCosts:
     # multiply-adds of attention per query token and per position of context it attends to, summed over the
     # evaluated layers: heads x (key width + value width); what prompts pay more of the longer the context
     attn_pair_macs: int = 0
-    # routed-expert tensors of a layer beside the weights its MUL_MAT_IDs read (gpt-oss's ffn_*_exps.bias: an
-    # ADD_ID each on the experts' output): ops of their own wherever those tensors lie
-    layer_expert_side: tuple[int, ...] = ()
+    # VRAM of the routed-expert tensors of a layer beside the weights its MUL_MAT_IDs read (gpt-oss's
+    # ffn_*_exps.bias, an ADD_ID each on the experts' output): included in layer_experts; where the expert cache
+    # serves a host-resident layer these stay on its GPU, or each of their ops would run on the CPU between the
+    # layer's GPU splits
+    layer_expert_side_bytes: tuple[int, ...] = ()
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -82,7 +84,7 @@ def model_costs(model: ModelInfo) -> ModelCosts:
             experts[t.layer] += size
             expert_p[t.layer] += t.n_elements
             if not t.name.endswith(".weight"):
-                side[t.layer] += 1
+                side[t.layer] += size
         else:
             always[t.layer] += size
             always_p[t.layer] += t.n_elements
@@ -96,7 +98,7 @@ def model_costs(model: ModelInfo) -> ModelCosts:
         n_expert_used=model.n_expert_used or 0, layer_always=tuple(always), layer_experts=tuple(experts),
         layer_always_params=tuple(always_p), layer_expert_params=tuple(per_expert_p),
         input_bytes=input_b, output_bytes=output_b, output_params=output_p,
-        attn_pair_macs=_attn_pair_macs(model, skip_from), layer_expert_side=tuple(side),
+        attn_pair_macs=_attn_pair_macs(model, skip_from), layer_expert_side_bytes=tuple(side),
     )
 
 

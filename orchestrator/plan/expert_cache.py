@@ -4,8 +4,10 @@ After the always-used weights, the KV cache and the buffers, ``vram_free`` bytes
 Whole expert layers on the GPU serve every batch without copies (prompt processing); cache slots
 (``--moe-cache-mib``) hold the experts that decode is using now, for the layers whose experts stay in host
 memory: the cache is split evenly into one bank of slots per host-resident layer (an LRU per layer, the curve's
-``lru-layer`` policy), and a bank smaller than one token's picks cannot serve decode (no such candidate). For each candidate -- ``k`` whole layers on the GPU, the rest of ``vram_free`` as cache -- the routed
-experts' time per generated token is predicted from the routing profile's hit-rate curve:
+``lru-layer`` policy), and a bank smaller than one token's picks cannot serve decode (no such candidate). For each
+candidate -- ``k`` whole layers on the GPU, the rest of ``vram_free`` as cache (less what each host-resident layer's
+experts keep on the GPU: ``host_layer_vram``, gpt-oss's biases) -- the routed experts' time per generated token is
+predicted from the routing profile's hit-rate curve:
 
     t = GPU-resident expert bytes / GPU bw                          (k layers, n_expert_used experts each)
       + cache hits / GPU bw                                         (host layers' picks found in the cache)
@@ -18,10 +20,6 @@ experts' time per generated token is predicted from the routing profile's hit-ra
       + host layers x P(a token has a CPU miss in the layer) x cpu_miss_hop_s + cpu_miss_fixed_s
                                                   (miss mode "cpu": the hop GPU -> CPU -> GPU where it is needed,
                                                   and the CPU path's cost per token)
-      + host layers x host_side_ops x side_op_hop_s   (the experts' other tensors left in host memory, gpt-oss's
-                                                  biases: the cache serves the MUL_MAT_IDs only, so each of their
-                                                  ops runs on the CPU between the layer's GPU splits, a hop
-                                                  GPU -> CPU -> GPU each)
 
 With uploads ahead of need (``prefetch``: the backend's ``--moe-cache-prefetch``, upload mode), the misses' link
 time is multiplied by (1 - cut) + uploads x (1 - overlap): ``cut`` the share of the misses they turn into hits,
@@ -119,10 +117,9 @@ class CacheInputs:
     # slots assigned on the device (--moe-cache-slots device): possible for this worker, and a host layer's cost then
     device_slots: bool = False
     device_layer_overhead_s: float = 0.0
-    # per host-resident layer the cache serves: ops on routed-expert tensors other than the MUL_MAT_IDs' weights
-    # (expert biases) whose tensors lie in host memory, and what each one's hop GPU -> CPU -> GPU costs
-    host_side_ops: int = 0
-    side_op_hop_s: float = 0.0
+    # VRAM a host-resident layer's routed-expert tensors still take: those the MUL_MAT_IDs do not read (gpt-oss's
+    # biases) stay with the layer on the GPU, so their ops run there and not on the CPU between the cache's splits
+    host_layer_vram: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +149,6 @@ class CacheCandidate:
     stage_buffers: int = 0             # prompts' staging buffers (--moe-cache-prefill-ahead), out of cache_bytes
     stage_bytes: int = 0               # their VRAM
     stage_min_batch: int = 0           # micro-batches staged only from this many tokens (0: the patch's rule)
-    side_hops: int = 0                 # per token: hops to the CPU for the experts' tensors left there (biases)
 
     @property
     def cache_mib(self) -> int:
@@ -220,7 +216,6 @@ class CachePlan:
         lines.append(f"  per token: {c.gpu_resident_bytes / gb:.3f} GB GPU-resident experts + "
                      f"{c.cache_hit_bytes / gb:.3f} GB from the cache + {c.host_read_bytes / gb:.3f} GB from "
                      f"host memory + {c.pcie_bytes / gb:.3f} GB over PCIe"
-                     + (f" + {c.side_hops} hops to the CPU for the experts' biases" if c.side_hops else "")
                      + f" -> {c.expert_seconds * 1e3:.2f} ms -> {c.tokens_per_s:.1f} tok/s predicted")
         for g in self.per_gpu:
             lines.append(f"  {g.device}: {g.whole_layers} whole expert layers, {g.host_layers} host-resident x "
@@ -252,8 +247,7 @@ class CachePlan:
                     "prompt_seconds_per_ubatch": c.prompt_seconds,
                     "prefetch": c.prefetch, "prefetch_gain": round(c.prefetch_gain, 4),
                     "device_slots": c.device_slots, "stage_buffers": c.stage_buffers,
-                    "stage_mib": round(c.stage_bytes / MIB, 1), "stage_min_batch": c.stage_min_batch,
-                    **({"side_hops": c.side_hops} if c.side_hops else {})}
+                    "stage_mib": round(c.stage_bytes / MIB, 1), "stage_min_batch": c.stage_min_batch}
         return {"objective": self.objective, "use_cache": self.use_cache, "reason": self.reason,
                 "curve_source": self.curve_source, "chosen": cand(self.chosen), "no_cache": cand(self.no_cache),
                 "candidates": [cand(c) for c in self.candidates],
@@ -338,13 +332,8 @@ def _aggregate(inp: CacheInputs, k: int, per_layer: int, fraction: float,
     misses = (1.0 - hit) * picks
     link = prefetch_link_factor(inp, n) if prefetch else 1.0
     t = (k * used * expert + picks) / inp.gpu_bw + misses * link / inp.pcie_bw + h * _layer_overhead(inp, device) \
-        + inp.cache_fixed_s + _side_seconds(inp, h)
+        + inp.cache_fixed_s
     return n / (inp.base_seconds + t), hit
-
-
-def _side_seconds(inp: CacheInputs, host_layers: int) -> float:
-    """The hops of one step to the CPU for the ops on the experts' tensors the cache does not serve (biases)."""
-    return host_layers * inp.host_side_ops * inp.side_op_hop_s
 
 
 def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCandidate:
@@ -372,7 +361,7 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
     hit = hit_rate(inp.curve, fraction)
     agg, agg_hit = _aggregate(inp, k, per_layer, fraction)
     hits, misses = hit * host_picks, (1.0 - hit) * host_picks
-    fixed = h * inp.cache_layer_overhead_s + inp.cache_fixed_s + _side_seconds(inp, h)
+    fixed = h * inp.cache_layer_overhead_s + inp.cache_fixed_s
     prefetch, gain, device = False, 1.0, False
     if mode == "upload":
         t = (gpu_resident + hits + misses) / inp.gpu_bw + misses / inp.pcie_bw + fixed
@@ -412,8 +401,7 @@ def _candidate(inp: CacheInputs, k: int, cache_bytes: int, mode: str) -> CacheCa
                           pcie_bytes=pcie, expert_seconds=t, tokens_per_s=1.0 / (inp.base_seconds + t),
                           prompt_seconds=prompt, slot_bytes=int(math.ceil(slots * expert)),
                           streams=max(1, inp.streams), stream_tokens_per_s=agg, stream_hit_rate=agg_hit,
-                          prefetch=prefetch, prefetch_gain=gain, device_slots=device,
-                          side_hops=h * inp.host_side_ops)
+                          prefetch=prefetch, prefetch_gain=gain, device_slots=device)
 
 
 def candidates(inp: CacheInputs, cache_bytes: int | None = None,
@@ -439,10 +427,11 @@ def candidates(inp: CacheInputs, cache_bytes: int | None = None,
         out.append(_candidate(inp, k_max, 0, "none"))
         return tuple(out)
     for k in range(min(inp.min_gpu_layers, k_max), k_max + 1):
-        rest = free - k * inp.layer_expert_bytes
+        rest = free - k * inp.layer_expert_bytes - (inp.n_moe_layers - k) * inp.host_layer_vram
         rest = rest // MIB * MIB
         if cache_bytes is not None:
-            if rest < cache_bytes or (k < k_max and free - (k + 1) * inp.layer_expert_bytes >= cache_bytes):
+            more = free - (k + 1) * inp.layer_expert_bytes - (inp.n_moe_layers - k - 1) * inp.host_layer_vram
+            if rest < cache_bytes or (k < k_max and more >= cache_bytes):
                 continue
             rest = cache_bytes // MIB * MIB
         h = inp.n_moe_layers - k

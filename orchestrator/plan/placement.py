@@ -243,16 +243,18 @@ def layer_alternation(layers) -> str:
     return "(" + "|".join(str(i) for i in sorted(layers)) + ")"
 
 
-def cpu_expert_override(layers) -> tuple[tuple[str, str], ...]:
+def cpu_expert_override(layers, weights_only: bool = False) -> tuple[tuple[str, str], ...]:
     """The tensor override (pattern, buffer type) sending the routed experts of ``layers`` to host memory; none
-    when there are none.
+    when there are none. ``weights_only``: only the tensors the experts' MUL_MAT_IDs read (``.weight``); their
+    other tensors (gpt-oss's biases) stay with the layer on its GPU.
 
     ``blk\\.(0|1)\\.ffn_...`` cannot match ``blk.10.``: the layer number is followed by a literal dot.
     """
     layers = sorted(layers)
     if not layers:
         return ()
-    return ((f"blk\\.{layer_alternation(layers)}\\.{EXPERT_TENSOR_RX}", "CPU"),)
+    return ((f"blk\\.{layer_alternation(layers)}\\.{EXPERT_TENSOR_RX}" + ("\\.weight" if weights_only else ""),
+             "CPU"),)
 
 
 def matches(pattern: str, name: str) -> bool:

@@ -14,7 +14,8 @@ from orchestrator.model.info import ModelInfo
 from orchestrator.model.routing_profile import HitCurve, default_curve
 from orchestrator.plan import buffers as M
 from orchestrator.plan import rates as R
-from orchestrator.plan.cache_choice import NO_CACHE, CacheContext, CacheDecision, decide_expert_cache
+from orchestrator.plan.cache_choice import (NO_CACHE, CacheContext, CacheDecision, decide_expert_cache,
+                                            host_layer_side_bytes)
 from orchestrator.plan.candidates import (REPLY_TOKENS, WORKLOAD_PROMPTS, Candidate, choose, evaluate, gpu_free,
                                          kv_layers, request_seconds, speed_inputs)
 from orchestrator.plan.planning_context import PlanningContext
@@ -356,17 +357,22 @@ def _gpu_memory(w: _GpuWorker, chosen: _Chosen) -> tuple[DeviceMemory, ...]:
     """Predicted memory on each GPU (the expert cache's banks included) and in host memory."""
     model, req, node_req, best = w.ctx.model, w.ctx.req, w.ctx.node_req, chosen.best
     placement, banks = best.placement, chosen.cache.bank_bytes
+    # the cached layers' expert biases stay on their GPU (cpu_expert_override(weights_only=True))
+    kept = [0] * len(w.gpus)
+    if chosen.cache.cache_mib and w.ctx.costs.layer_expert_side_bytes:
+        for i in placement.cpu_expert_layers:
+            kept[placement.layer_gpu[i]] += w.ctx.costs.layer_expert_side_bytes[i]
     memory = []
     for k, g in enumerate(w.gpus):
         free, _why = gpu_free(g, node_req)
-        memory.append(DeviceMemory(D.gpu(k), weights=placement.gpu_weights[k], kv=placement.gpu_kv[k],
+        memory.append(DeviceMemory(D.gpu(k), weights=placement.gpu_weights[k] + kept[k], kv=placement.gpu_kv[k],
                                    compute=best.compute_gpu[k], overhead=best.overhead_gpu,
                                    budget=free - node_req.vram_reserve, cache=banks[k] if banks else 0))
     cpu_compute = M.cpu_compute_bytes(model, w.ctx.buffers(best.ubatch),
                                       has_layers=placement.n_gpu_layers <= model.n_layers,
                                       has_output=placement.n_gpu_layers <= model.n_layers)
-    memory.append(DeviceMemory("CPU", weights=placement.cpu_weights, kv=placement.cpu_kv, compute=cpu_compute,
-                               overhead=M.output_bytes(model, req.parallel)))
+    memory.append(DeviceMemory("CPU", weights=placement.cpu_weights - sum(kept), kv=placement.cpu_kv,
+                               compute=cpu_compute, overhead=M.output_bytes(model, req.parallel)))
     return tuple(memory)
 
 
@@ -440,7 +446,8 @@ def plan_worker(ctx: PlanningContext, *, name: str, gpu_indexes: tuple[int, ...]
                                   f"{fmt_bytes(host.total)} in host memory vs {fmt_bytes(avail_host)} available: "
                                   f"weights will be re-read from disk (slow)"))
     overrides = cpu_expert_override(
-        [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]) if gpus else ()
+        [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0],
+        weights_only=bool(side.cache.cache_mib and host_layer_side_bytes(costs))) if gpus else ()
     n_layers = len(placement.layer_gpu)
     settings = WorkerSettings(
         model_path=model.paths[0], context=req.context, parallel=req.parallel, alias=req.alias, host=req.host,

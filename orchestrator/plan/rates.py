@@ -144,12 +144,6 @@ CACHE_LAYER_OVERHEAD_DEVICE_S = _fitted("CACHE_LAYER_OVERHEAD_DEVICE_S")
 # in two parts; before, it switched shape from token to token and lost its CUDA graphs, which cost far more per token.
 CACHE_CPU_MISS_FIXED_S = _fitted("CACHE_CPU_MISS_FIXED_S")
 CACHE_CPU_MISS_HOP_S = _fitted("CACHE_CPU_MISS_HOP_S")
-# The plan's -ot sends every routed-expert tensor of a host-resident layer to host memory (llama.cpp's --cpu-moe
-# pattern), gpt-oss's expert biases too; the cache serves the MUL_MAT_IDs only, so each bias's ADD_ID runs on the CPU
-# between the layer's GPU splits (three per gpt-oss layer, counted with GGML_SCHED_DEBUG on the RPC device: see
-# docs/model.md, "Expert biases"). Each is the hop GPU -> CPU -> GPU that CROSS_DEVICE_LAYER_OVERHEAD_S measures for a
-# host-resident layer without a cache.
-EXPERT_SIDE_HOP_S = CROSS_DEVICE_LAYER_OVERHEAD_S
 # Several streams decoding together share each bank of slots. A stream's hit rate at N streams is the single-stream
 # curve at (cached fraction x (k / U(N)) ** STREAM_SHARE_EXPONENT), U(N) the distinct experts of a step of N tokens
 # (plan/expert_cache.py).

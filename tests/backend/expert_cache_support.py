@@ -137,14 +137,16 @@ def serve_in_turn(argv: list[str], log: Path, url: str, bodies: list[dict],
 
 
 def completions_in_turn(server: str, rpc_server: str, model: Path, tmp: Path, name: str, extra: list[str],
-                        bodies: list[dict], env: dict | None = None) -> tuple[list[tuple[dict, dict]], str]:
-    """:func:`serve_in_turn` on a llama-server whose 'GPU' is a fresh ggml-rpc-server."""
+                        bodies: list[dict], env: dict | None = None,
+                        experts: tuple[str, ...] = ("--cpu-moe",)) -> tuple[list[tuple[dict, dict]], str]:
+    """:func:`serve_in_turn` on a llama-server whose 'GPU' is a fresh ggml-rpc-server; ``experts``: the options
+    that leave the routed experts in host memory (every one of them by default)."""
     rpc_port, port = _port(), _port()
     rpc = _start([rpc_server, "-H", "127.0.0.1", "-p", str(rpc_port), "-t", "1"], tmp / f"{name}-rpc.log")
     try:
         _wait(lambda: _listening(rpc_port), 60, "ggml-rpc-server", tmp / f"{name}-rpc.log", rpc)
         argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
-                "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "999", "--cpu-moe", "--no-repack", "--metrics",
+                "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "999", *experts, "--no-repack", "--metrics",
                 "--no-warmup", "-t", "1", *extra]
         return serve_in_turn(argv, tmp / f"{name}.log", f"http://127.0.0.1:{port}", bodies, env)
     finally:

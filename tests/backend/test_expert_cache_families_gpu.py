@@ -15,6 +15,8 @@ tokens in turn, 64 tokens generated after each:
   probabilities, and exactly the same counters;
 - the cache refreshing its slots from the prompts, which it stages ahead into two buffers
   (--moe-cache-prefill-ahead 2, the CUDA move call): the same tokens and probabilities, staging reported.
+And gpt-oss as the plan runs it with a cache: only the experts' weights in host memory (the plan's `-ot ...\\.weight`),
+their biases on the GPU, so each ADD_ID runs there: the same tokens and probabilities, the same counters.
 And per family a prompt of 4096 tokens in micro-batches of 512 (-b 2048 -ub 512), with the slots assigned on the
 device: the micro-batches before the last give no logits, so the last layer's routed matmuls see batches of no
 tokens, which reach the cache (they are within its batch cap); the same tokens and probabilities as the uncached
@@ -112,6 +114,25 @@ def test_staged_prompts_give_the_tokens_of_the_uncached_gpu_path(family, tmp_pat
     _same(staged, plain, f"{like}, staged prompts")
     print(f"{like}: prompts staged into {buffers} buffers ({m['moe_cache_prefill_staged_total']:.0f} staged "
           f"tensors), tokens identical to the uncached path")
+
+
+def test_gpt_oss_with_its_expert_biases_on_the_gpu_gives_the_tokens_of_the_uncached_gpu_path(family, tmp_path):
+    like, path, _b, _n, n_tensors, slots, mib, (plain, _log) = family
+    if like != "gpt-oss-120b":
+        pytest.skip(f"{like} has no expert biases")
+    from orchestrator.plan.placement import cpu_expert_override
+
+    (pattern, buft), = cpu_expert_override(range(FAMILIES[like][2]), weights_only=True)
+    flags = ["--moe-cache-mib", str(mib), "--moe-cache-max-batch", "4", "--load-mode", "none",
+             "--moe-cache-prefill", "refresh", "--moe-cache-slots", "device"]
+    run, log = _run_in_turn(server_path(), path, tmp_path / "biases.log", flags, ENV, BODIES,
+                            experts=("-ot", f"{pattern}={buft}"))
+    m = run[-1][1]
+    assert m.get("moe_cache_device_slots") == 1, log[-3000:]
+    assert m["moe_cache_slots"] >= slots and m["moe_cache_tensors"] == n_tensors
+    _same(run, plain, f"{like}, biases on the GPU")
+    print(f"{like}: the experts' biases on the GPU, {sum(len(a['tokens']) for a, _m in run)} tokens identical to "
+          f"the uncached path; decode hit rate {m['moe_cache_hits_total'] / m['moe_cache_lookups_total']:.3f}")
 
 
 MICRO = ["-c", "8192", "-b", "2048", "-ub", "512"]

@@ -9,7 +9,9 @@ One server per family without a cache and two with it, each answering two prompt
   (``--moe-cache-prefill-ahead 2``) and the device's slot assignment (``--moe-cache-slots device``): the RPC
   device has neither (staging needs the CUDA move call, the assignment its kernel), so the documented fallbacks
   hold: no staging buffers, nothing staged, the slots assigned on the host with one warning;
-- prompts that refresh the slots (``--moe-cache-prefill refresh``).
+- prompts that refresh the slots (``--moe-cache-prefill refresh``);
+- gpt-oss as the plan runs it with a cache: only the experts' weights in host memory (the plan's ``-ot ...\\.weight``),
+  their biases on the device with the rest of the layer, so each bias's ADD_ID runs there.
 Every answer's tokens and probabilities equal the server's without a cache; the counters add up.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.model import synth
+from orchestrator.plan.placement import cpu_expert_override
 from tests.backend.expert_cache_support import N_PREDICT, completions_in_turn, probs
 from tests.backend.test_expert_cache_rpc import PREFILL_ENV, SECOND, rpc_server  # noqa: F401 (a fixture)
 
@@ -43,6 +46,7 @@ class Family:
         self.expert_bytes = experts[0].nbytes // self.n_expert
         self.n_tensors = len(experts)
         self.n_used = info.metadata[f"{self.arch}.expert_used_count"]
+        self.has_biases = any(t.name.endswith("_exps.bias") for t in info.tensors)
         self.mib = -(-slots * self.expert_bytes * self.n_tensors // 2**20)
         self.slots = self.mib * 2**20 // (self.expert_bytes * self.n_tensors)
         assert slots <= self.slots < self.n_expert // 2, (like, self.slots)
@@ -68,6 +72,11 @@ def runs(request, llama_server_path, rpc_server, tmp_path_factory):  # noqa: F81
                                                 "--moe-cache-slots", "device"), bodies, env=PREFILL_ENV)
     out["refresh"] = completions_in_turn(llama_server_path, rpc_server, path, tmp, "refresh",
                                          fam.cache("--moe-cache-prefill", "refresh"), bodies, env=PREFILL_ENV)
+    if fam.has_biases:
+        (pattern, buft), = cpu_expert_override(range(layers), weights_only=True)
+        out["biases"] = completions_in_turn(llama_server_path, rpc_server, path, tmp, "biases",
+                                            fam.cache("--moe-cache-prefill", "read"), bodies, env=PREFILL_ENV,
+                                            experts=("-ot", f"{pattern}={buft}"))
     return fam, out
 
 
@@ -75,7 +84,7 @@ def test_the_cache_gives_the_tokens_and_probabilities_of_no_cache(runs):
     fam, out = runs
     none, _ = out["none"]
     assert none[0][1].get("moe_cache_active") is None or not none[0][1].get("moe_cache_active")
-    for mode in ("read", "refresh"):
+    for mode in [m for m in out if m != "none"]:
         answers, log = out[mode]
         assert answers[-1][1].get("moe_cache_active") == 1, log[-3000:]
         for (got, _m), (want, _w) in zip(answers, none):
@@ -121,3 +130,16 @@ def test_staging_and_device_slots_fall_back_on_the_rpc_device(runs):
     assert m["moe_cache_slots"] == fam.slots
     assert m["moe_cache_device_slots"] == 0
     assert log.count("slots assigned on the host: the device cannot assign them") == 1, log[-3000:]
+
+
+def test_gpt_oss_biases_stay_on_the_device_as_the_plan_places_them(runs):
+    """The plan's -ot for a cached gpt-oss layer moves the experts' weights to host memory and nothing else: the
+    cache serves every weight tensor (as many banks as with --cpu-moe), and the biases' ADD_IDs run on the device."""
+    fam, out = runs
+    if not fam.has_biases:
+        pytest.skip(f"{fam.like} has no expert biases")
+    (_a1, m1), (_a2, m2) = out["biases"][0]
+    (_r1, r1), (_r2, r2) = out["read"][0]
+    assert m2["moe_cache_tensors"] == r2["moe_cache_tensors"] == fam.n_tensors
+    assert m2["moe_cache_lookups_total"] == r2["moe_cache_lookups_total"]
+    assert m2["moe_cache_hits_total"] == r2["moe_cache_hits_total"]

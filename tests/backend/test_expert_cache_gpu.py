@@ -31,13 +31,14 @@ N_PREDICT = 256
 
 
 def _run_in_turn(server: str, model: Path, log: Path, extra: list[str], env: dict[str, str],
-                 bodies: list[dict]) -> tuple[list[tuple[dict, dict]], str]:
-    """Every routed expert in host memory (``-ngl 999 --cpu-moe``): ``bodies`` answered one after another."""
+                 bodies: list[dict], experts: tuple[str, ...] = ("--cpu-moe",)) -> tuple[list[tuple[dict, dict]], str]:
+    """Every routed expert in host memory (``-ngl 999 --cpu-moe``, or ``experts``): ``bodies`` answered one after
+    another."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-np", "1",
-            "-ngl", "999", "--cpu-moe", "-fa", "on", "--metrics", "--no-warmup", "-t", "8", *extra]
+            "-ngl", "999", *experts, "-fa", "on", "--metrics", "--no-warmup", "-t", "8", *extra]
     return serve_in_turn(argv, log, f"http://127.0.0.1:{port}", bodies, env)
 
 

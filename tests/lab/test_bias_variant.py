@@ -1,4 +1,4 @@
-"""lab/bench/bias_variant.py: the plan with its experts' biases kept on the GPU, as a bench configuration."""
+"""lab/bench/bias_variant.py: the plan with its experts' biases placed the other way, as a bench configuration."""
 
 from __future__ import annotations
 
@@ -21,19 +21,36 @@ def _plan(tmp_path: Path, args: list[str]) -> Path:
     return path
 
 
-def test_the_variant_keeps_the_biases_on_the_gpu_and_the_rest_of_the_plan(tmp_path):
-    (pattern, buft), = cpu_expert_override([0, 1, 11])
-    args = ["-m", "m.gguf", "--host", "127.0.0.1", "--port", "8081", "-ngl", "999", "-ot", f"{pattern}={buft}",
+def _variant(tmp_path: Path, pattern: str) -> tuple[str, list[str], str]:
+    args = ["-m", "m.gguf", "--host", "127.0.0.1", "--port", "8081", "-ngl", "999", "-ot", f"{pattern}=CPU",
             "--moe-cache-mib", "6720", "--moe-cache-slots", "device", "-ub", "4096"]
     out = subprocess.run([sys.executable, str(SCRIPT), str(_plan(tmp_path, args))], capture_output=True, text=True,
                          check=True).stdout.strip()
     name, _, flags = out.partition("=")
     words = shlex.split(flags)
-    assert name == "plan-biases-gpu"
-    assert "GGML_OP_OFFLOAD_MIN_BATCH=32" in words and "--port" not in words
     new = words[words.index("-ot") + 1]
     rx, _, dev = new.rpartition("=")
     assert dev == "CPU"
+    return name, words, rx
+
+
+def test_a_cached_plans_variant_sends_the_biases_to_the_cpu_with_the_weights(tmp_path):
+    (pattern, _buft), = cpu_expert_override([0, 1, 11], weights_only=True)
+    name, words, rx = _variant(tmp_path, pattern)
+    assert name == "plan-biases-cpu"
+    assert words[words.index("--moe-cache-mib") + 1] == "6720"
+    for layer in (0, 1, 11):
+        for t in ("gate", "up", "down"):
+            assert matches(rx, f"blk.{layer}.ffn_{t}_exps.weight") and matches(rx, f"blk.{layer}.ffn_{t}_exps.bias")
+            assert not matches(pattern, f"blk.{layer}.ffn_{t}_exps.bias")   # the plan's own keeps them on the GPU
+    assert not matches(rx, "blk.2.ffn_up_exps.bias")
+
+
+def test_the_variant_keeps_the_biases_on_the_gpu_and_the_rest_of_the_plan(tmp_path):
+    (pattern, buft), = cpu_expert_override([0, 1, 11])
+    name, words, rx = _variant(tmp_path, pattern)
+    assert name == "plan-biases-gpu"
+    assert "GGML_OP_OFFLOAD_MIN_BATCH=32" in words and "--port" not in words
     assert words[words.index("--moe-cache-mib") + 1] == "6720" and words[words.index("-ub") + 1] == "4096"
     for layer in (0, 1, 11):
         for t in ("gate", "up", "down"):

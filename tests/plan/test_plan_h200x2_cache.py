@@ -246,7 +246,8 @@ def test_small_experts_get_no_more_slots_than_the_room_holds():
 
     e, n_expert, n_layers = 4096, 128, 8                     # 4 KiB experts: 8 layers x one slot = 32 KiB
     L = e * n_expert
-    costs = SimpleNamespace(n_expert=n_expert, n_expert_used=8, layer_experts=[L] * n_layers)
+    costs = SimpleNamespace(n_expert=n_expert, n_expert_used=8, layer_experts=[L] * n_layers,
+                            moe_layers=tuple(range(n_layers)), layer_expert_side_bytes=())
     room = [3 * L + 100 * 1024, 2 * L + 300 * 1024]          # per GPU: bytes for experts (whole layers + banks)
     placement = SimpleNamespace(layer_gpu=(0,) * 4 + (1,) * 4, gpu_weights=(3 * L, 2 * L), gpu_kv=(0, 0))
     best = SimpleNamespace(placement=placement, budgets=(SimpleNamespace(budget=room[0]),
