@@ -156,6 +156,8 @@ mkdir -p "$M" "$W/out"
 source .devbundle/on-device.sh .devbundle >/dev/null
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export ORCHESTRATOR_CACHE=/root/.cache/orchestrator
+# which host measured: the GPU's UUID tells two machines of the same kind apart when runs of different days meet
+{ nvidia-smi -L; lscpu | grep -E '^Model name|^CPU\(s\)'; cat /etc/machine-id; } > "$W/out/host.txt" 2>&1
 finish() { tar czf "${OUT:-/tmp}/device.tgz" -C "$W/out" . 2>/dev/null; }
 trap finish EXIT
 log() { echo "[$(( $(date +%s) - t0 ))s] $*"; }

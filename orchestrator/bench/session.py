@@ -165,13 +165,20 @@ def prime_page_cache(paths: Sequence[str]) -> list[dict]:
 
 
 def _gpu_inventory(nvml: Any, gpus: Sequence[int]) -> list[dict]:
+    """Each measured GPU's name and memory, and its UUID: the one thing that tells two hosts of the same model apart
+    when runs of different days are compared."""
     out = []
     for i in gpus:
         try:
             total, used, free = nvml.memory(i)
-            out.append({"index": i, "name": nvml.name(i), "total": total, "used": used, "free": free})
+            entry = {"index": i, "name": nvml.name(i), "total": total, "used": used, "free": free}
+        except Exception:
+            continue
+        try:
+            entry["uuid"] = nvml.uuid(i)
         except Exception:
             pass
+        out.append(entry)
     return out
 
 

@@ -240,7 +240,28 @@ def test_gpu_run_holds_the_budget_and_records_vram_power_temperature(tmp_path, t
         assert g["power_mean_w"] > 0 and 0 < g["temp_max_c"] < 120
     m = data["summary"]["plan"]["metrics"]
     assert m["vram_peak_gpu0"]["median"] > 0 and "power_mean_w_gpu0" in m
+    assert data["gpus"][0]["uuid"].startswith("GPU-")                  # which GPU (and host) measured it
     assert _servers_left() == []
+
+
+def test_the_record_names_each_gpu_by_its_uuid_where_the_driver_gives_it():
+    from orchestrator.bench.session import _gpu_inventory
+
+    class Driver:                       # the NVML wrapper's answers for two GPUs, the second without a UUID
+        def memory(self, i):
+            return (100, 40, 60)
+
+        def name(self, i):
+            return "NVIDIA H200"
+
+        def uuid(self, i):
+            if i == 1:
+                raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+            return "GPU-265e2bc1-ed21-b662-5b9a-846805de6d81"
+
+    got = _gpu_inventory(Driver(), [0, 1])
+    assert got[0]["uuid"] == "GPU-265e2bc1-ed21-b662-5b9a-846805de6d81" and got[0]["free"] == 60
+    assert "uuid" not in got[1] and got[1]["name"] == "NVIDIA H200"
 
 
 @pytest.mark.integration
