@@ -7,11 +7,12 @@ tests/backend/test_expert_cache_rpc.py).
     python lab/bench/expert_bias_splits.py --plan PLAN.json [--config 'NAME=FLAGS'] [--dir DIR]
 
 Servers with every routed expert tensor of every layer in host memory and an expert cache:
-- a generated gpt-oss-20b shape (MXFP4 experts with biases) with the plan's -ot, which sends the expert biases to
-  host memory with the experts (``blk\\.(...)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU``);
-- the same with the biases kept on the device (the override anchored at ``.weight``);
+- a generated gpt-oss-20b shape (MXFP4 experts with biases) with --cpu-moe's placement, which sends the expert
+  biases to host memory with the experts (``blk\\.(...)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU``);
+- the same with the biases kept on the device (the override anchored at ``.weight``, as the plan places a cached
+  layer's experts);
 - generated Qwen3-30B-A3B, DeepSeek-V3 (3 dense leading layers of 5) and GLM-4.5-Air (1 of 3) shapes (no expert
-  biases) with the plan's -ot.
+  biases) with the first override.
 For each: the splits of the last graph (a decode step: one token), the ops the CPU runs there, and tokens/s over
 ``--tokens`` greedy tokens (a second start without the scheduler's debug output), whose text must not depend on
 where the biases lie.
