@@ -203,7 +203,7 @@ def test_cpu_prompts_follow_the_prompt_length_on_the_demo_and_the_h200():
     per replica (pp512, pp4096 and generation, in each record with prompts of 4096 tokens: both taken on idle
     cores; their own probe points set nothing: the reference rate 1), and W1 on the H200's 16 cores (pp512,
     generation, and pp4096 where recorded) at the H200's cpu_rate from its probe point (the demo model's pp512
-    on one core, in the 2026-12-02 record)."""
+    on one core, in the 2026-12-02 record), and every prompt of 512 tokens or more on several threads."""
     from lab import cpu_speed
 
     pts = cpu_speed.with_rates(_speed_points(SPEED + H200_CPU), cpu_speed.machine_rates(_speed_points(SPEED + H200_CPU)))
@@ -222,10 +222,14 @@ def test_cpu_prompts_follow_the_prompt_length_on_the_demo_and_the_h200():
     assert {p["set"] for p in w1} and len({p["set"] for p in w1}) >= 2
     for p in w1:
         ratio = cpu_speed.predict(p) / p["ts"]
-        # target +-25%; the 2026-12-04 host's W1 prompts sit at 0.748 (pp512 and pp4096): the per-FLOP rate, fitted
-        # mostly on the small models, prices W1's wider matrix products a little low. Held at 28% so the test keeps
-        # what was measured; docs/benchmarks.md says where the target is missed.
-        assert 0.72 <= ratio <= 1.25, (p["set"], p["n_prompt"], ratio)
+        assert 0.75 <= ratio <= 1.25, (p["set"], p["n_prompt"], ratio)
+    # every prompt of 512 tokens or more on several threads (the demo and its 24 layers at 4 and 16 threads, W1 at
+    # 16, on both H200 records): the threads' scaling fitted on them holds each within the target
+    multi = [p for p in pts if p["threads"] > 1 and p["n_prompt"] >= 512]
+    assert len(multi) >= 8 and {p["threads"] for p in multi} >= {4, 16}
+    for p in multi:
+        ratio = cpu_speed.predict(p) / p["ts"]
+        assert 0.75 <= ratio <= 1.25, (p["set"], p["model"]["name"], p["threads"], p["n_prompt"], ratio)
 
 
 def _thread_limited(pts: list[dict], docs: list[dict]) -> set[int]:
