@@ -394,11 +394,18 @@ def fit_pp(pts: list[dict]) -> dict:
         multi = [p for p in with_rates(pp, rates) if p["threads"] > 1 and p["machine"] in rates
                  and p["n_prompt"] >= THREAD_FIT_MIN_PROMPT]
         if multi:
-            m_inputs = [(p, _inputs(p, R.cpu_flops_per_core(p["machine"])[0])) for p in multi]
-            best = min((_pp_error(m_inputs, CPU_PP_THREAD_EXPONENT=e / 100), e / 100) for e in range(30, 101))
-            out["CPU_PP_THREAD_EXPONENT"] = best[1]
+            out["CPU_PP_THREAD_EXPONENT"] = fit_thread_exponent(multi)
     out["cpu_rate"] = rates
     return out
+
+
+def fit_thread_exponent(multi: list[dict]) -> float:
+    """CPU_PP_THREAD_EXPONENT (to 0.01) that makes predict_pp closest to ``multi``: prompt points of several
+    threads, each with its machine's cpu_rate (:func:`with_rates`), on the other constants in rates.py."""
+    from orchestrator.plan import rates as R
+
+    m_inputs = [(p, _inputs(p, R.cpu_flops_per_core(p["machine"])[0])) for p in multi]
+    return min((_pp_error(m_inputs, CPU_PP_THREAD_EXPONENT=e / 100), e / 100) for e in range(30, 101))[1]
 
 
 def probe_reference(values: dict[str, float]) -> float:

@@ -232,6 +232,28 @@ def test_cpu_prompts_follow_the_prompt_length_on_the_demo_and_the_h200():
         assert 0.75 <= ratio <= 1.25, (p["set"], p["model"]["name"], p["threads"], p["n_prompt"], ratio)
 
 
+def test_the_threads_exponent_is_not_set_by_w1_or_by_one_record():
+    """The threads' exponent fitted without W1's points (the demo and its 24 layers only), or without any one
+    record, still holds W1's 16-thread prompts on both H200 records within +-25%: W1 meets the target through the
+    smaller models' scaling, not through its own points."""
+    from lab import cpu_speed
+    from orchestrator.plan import rates as R
+
+    pts = _speed_points(SPEED + H200_CPU)
+    pts = cpu_speed.with_rates(pts, cpu_speed.machine_rates(pts))
+    multi = [p for p in pts if p["threads"] > 1 and p["n_prompt"] >= cpu_speed.THREAD_FIT_MIN_PROMPT]
+    w1 = [p for p in multi if p["model"]["n_layers"] == 48]
+    assert len(w1) >= 3 and len({p["set"] for p in w1}) >= 2
+    subsets = [[p for p in multi if p["model"]["n_layers"] != 48]]
+    subsets += [[p for p in multi if p["set"] != s] for s in sorted({p["set"] for p in multi})]
+    for subset in subsets:
+        exponent = cpu_speed.fit_thread_exponent(subset)
+        assert exponent == pytest.approx(R.CPU_PP_THREAD_EXPONENT, abs=0.025)
+        with cpu_speed.constants(CPU_PP_THREAD_EXPONENT=exponent):
+            for p in w1:
+                assert 0.75 <= cpu_speed.predict(p) / p["ts"] <= 1.25, (exponent, p["set"], p["n_prompt"])
+
+
 def _thread_limited(pts: list[dict], docs: list[dict]) -> set[int]:
     """Sets whose runs used fewer threads than the node's cores while those threads read at under 3/4 of the
     all-core figure the plan predicts from (the record's own probe of each thread count says so)."""
