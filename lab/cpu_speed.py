@@ -352,13 +352,23 @@ def with_rates(pts: list[dict], rates: dict[str, float]) -> list[dict]:
     return [{**p, "cpu_rate": rates.get(p["machine"], 0.0)} for p in pts]
 
 
+# The thread exponent is fitted on prompts whose time is the work that threads share. In a shorter prompt every
+# expert the micro-batch uses is read from memory for a token or two (at 32 tokens, 112 of 128 experts a layer), so
+# its time is mostly those reads at the bandwidth of the run's own threads, which the model does not have (it reads
+# at the node's all-core figure, as in generation): the H200's records probe 7 GB/s for one core and 27 for four
+# against 77 for all 16, and their 32-token prompts at 1 and 4 threads run 10-24 ms a micro-batch slower than
+# predicted, about those reads at those rates. Taken as the threads' scaling, that pulled the exponent down and
+# priced W1's 16-thread prompts 25% slow. From 512 tokens the weights are read once for 512 tokens: a few percent.
+THREAD_FIT_MIN_PROMPT = 512
+
+
 def fit_pp(pts: list[dict]) -> dict:
     """The CPU-only prompt constants that make predict_pp closest to the prompt points (least squares on the
     relative error, Nelder-Mead in log space: predict_pp is not linear in them). On the reference machine's
     one-thread points: CPU_ONLY_PP_FLOPS_FACTOR (the share of rates.py's per-core FLOP/s table the matrix
     products reach), CPU_PP_LAYER_TOKEN_S and CPU_PP_ATTN_MAC_S (attention, from prompts of several lengths).
     Then each other machine's cpu_rate from its probe point, and CPU_PP_THREAD_EXPONENT on every point with more
-    than one thread."""
+    than one thread and a prompt of at least THREAD_FIT_MIN_PROMPT tokens."""
     import math
 
     from orchestrator.plan import rates as R
@@ -381,13 +391,21 @@ def fit_pp(pts: list[dict]) -> dict:
            "CPU_PP_ATTN_MAC_S": attn if len(lengths) > 2 else 0.0, "points": len(ref)}
     with constants(**{k: v for k, v in out.items() if k.isupper()}):
         rates = machine_rates(pts)
-        multi = [p for p in with_rates(pp, rates) if p["threads"] > 1 and p["machine"] in rates]
+        multi = [p for p in with_rates(pp, rates) if p["threads"] > 1 and p["machine"] in rates
+                 and p["n_prompt"] >= THREAD_FIT_MIN_PROMPT]
         if multi:
-            m_inputs = [(p, _inputs(p, R.cpu_flops_per_core(p["machine"])[0])) for p in multi]
-            best = min((_pp_error(m_inputs, CPU_PP_THREAD_EXPONENT=e / 100), e / 100) for e in range(30, 101))
-            out["CPU_PP_THREAD_EXPONENT"] = best[1]
+            out["CPU_PP_THREAD_EXPONENT"] = fit_thread_exponent(multi)
     out["cpu_rate"] = rates
     return out
+
+
+def fit_thread_exponent(multi: list[dict]) -> float:
+    """CPU_PP_THREAD_EXPONENT (to 0.01) that makes predict_pp closest to ``multi``: prompt points of several
+    threads, each with its machine's cpu_rate (:func:`with_rates`), on the other constants in rates.py."""
+    from orchestrator.plan import rates as R
+
+    m_inputs = [(p, _inputs(p, R.cpu_flops_per_core(p["machine"])[0])) for p in multi]
+    return min((_pp_error(m_inputs, CPU_PP_THREAD_EXPONENT=e / 100), e / 100) for e in range(30, 101))[1]
 
 
 def probe_reference(values: dict[str, float]) -> float:

@@ -97,7 +97,8 @@ CPU_ONLY_PP_FLOPS_FACTOR = _fitted("CPU_ONLY_PP_FLOPS_FACTOR")
 CPU_PP_LAYER_TOKEN_S = _fitted("CPU_PP_LAYER_TOKEN_S")
 # Prompts grow slower with their length (predict.cpu_pp_batch_seconds): attention costs CPU_PP_ATTN_MAC_S per
 # multiply-add of a query against a position of its micro-batch's context (heads x (key + value width) per pair and
-# layer), and the per-token work runs threads ** CPU_PP_THREAD_EXPONENT times faster on several threads. Every
+# layer), and the per-token work runs threads ** CPU_PP_THREAD_EXPONENT times faster on several threads (fitted on
+# prompts of 512 tokens and more: shorter ones are bound by reading the experts at the threads' bandwidth). Every
 # compute term is divided by the machine's cpu_rate: its prompt speed against the machine these were fitted on
 # (1.0 there), which `orchestrator probe` measures (llama-bench on a small synthetic model, one core).
 CPU_PP_ATTN_MAC_S = _fitted("CPU_PP_ATTN_MAC_S")
