@@ -90,8 +90,9 @@
 #                     fit-pinned with -np 4: aggregate generation of 1 and 4 streams (FAMILIES_STREAMS=0: none);
 #                     FAMILIES_BIASES=1 adds to W4's bench the plan with the experts' biases placed the other way
 #                     (bench/bias_variant.py: with a cache, in host memory as --cpu-moe puts them);
-#                     FAMILIES_EXTRA=1 adds what decides the open prediction misses: the plan's graph splits
-#                     (lab/bench/expert_bias_splits.py; for W4 those of that variant too), the hit rate by
+#                     FAMILIES_EXTRA=1 (every family; or a LIST of them, as w3,w4) adds what decides the open
+#                     prediction misses: the plan's graph splits (lab/bench/expert_bias_splits.py; for W4 those of
+#                     that variant too), the hit rate by
 #                     position in the context (bench/routing_by_position.py), and the plan with the whole model on
 #                     the GPU (60 GiB)
 #   device-slots[=L]  the host's round trip per cached layer, W1 written at routing locality L (default: default) and
@@ -484,7 +485,7 @@ print(len(re.search(r'\(([\d|]+)\)', a[a.index('-ot') + 1]).group(1).split('|'))
         NO_VARIANT=1 workload_run "$mdl" "$b" "$f-${b}g" plan,fit-pinned,control \
           --pp 512,4096 --pp-reps 1 --tg-depths 0 --tg-reps 2 --concurrency 1 --ttft-requests 4
       fi
-      if [ -n "${FAMILIES_EXTRA:-}" ]; then    # what decides the families' open prediction misses
+      if [[ ",${FAMILIES_EXTRA:-}," == *",1,"* || ",${FAMILIES_EXTRA:-}," == *",$f,"* ]]; then
         python3 lab/bench/expert_bias_splits.py --plan "$O/plan-$f-${b}g.json" --tokens 64 --dir "$O/splits-$f" | tail -2
         if [ "$f" = w4 ]; then                 # gpt-oss: the splits with its biases placed the other way
           c=$(python3 lab/bench/bias_variant.py "$O/plan-$f-${b}g.json")
