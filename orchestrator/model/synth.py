@@ -155,14 +155,15 @@ class LocalityPlan:
 def _yarn_thetas(shape: S.ModelShape, n_rot: int) -> np.ndarray:
     """Each RoPE pair's frequency as ggml applies it: YaRN (ggml ``rope_yarn``) mixes the interpolated
     ``theta / factor`` and the original ``theta`` with a ramp between the corrected dims of beta_fast and
-    beta_slow (llama.cpp's defaults 32 and 1 where the file has none)."""
+    beta_slow. llama.cpp's loaders of these architectures do not read the file's betas (only grok's and
+    mistral3's do, in the pinned source), so its defaults 32 and 1 hold whatever the header says (Kimi-K2 writes
+    1 and 1, as its config)."""
     half = n_rot // 2
     thetas = shape.rope_freq_base ** (-2.0 * np.arange(half) / n_rot)
     if shape.rope_scaling != "yarn" or not shape.rope_factor:
         return thetas
     fs = 1.0 / shape.rope_factor
-    beta_fast = shape.yarn_beta_fast or 32.0
-    beta_slow = shape.yarn_beta_slow or 1.0
+    beta_fast, beta_slow = 32.0, 1.0
 
     def corr(beta: float) -> float:
         return n_rot * np.log(shape.rope_orig_ctx / (beta * 2 * np.pi)) / (2 * np.log(shape.rope_freq_base))
@@ -269,6 +270,25 @@ def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
     return LocalityPlan(locality, i, theta, score, norm_weight, LOCALITY_WINDOW, mode, read, q_b_read)
 
 
+_SILU_GATE_MS = 0.3553   # E[(silu(g) u)^2] for g, u ~ N(0, 1): a SwiGLU's mean square per unit-RMS input
+
+
+def _residual_rms(shape: S.ModelShape, layer: int) -> float:
+    """The expected RMS of the residual stream entering ``layer`` of a generated model: the embeddings' 1 plus,
+    per layer before it, the feed-forward output's mean square from the weights' gains (a SwiGLU of unit-RMS
+    inputs, down-projected at its gain; routed experts weighted by normalized gates that are about equal, so a
+    token's top-k add 1/k of one expert's square, times the routing scale's square; shared experts in full).
+    Attention adds a window average (under 0.1% of it) and is left out."""
+    ms = 1.0
+    for j in range(layer):
+        if j < shape.n_dense_lead or not shape.n_expert:
+            ms += GAIN["ffn_down"] ** 2 * _SILU_GATE_MS
+            continue
+        routed = GAIN["exp_down"] ** 2 * _SILU_GATE_MS * (shape.expert_weights_scale or 1.0) ** 2
+        ms += routed / shape.n_expert_used + shape.n_expert_shared * GAIN["shexp_down"] ** 2 * _SILU_GATE_MS
+    return float(np.sqrt(ms))
+
+
 def _context_router_gain(shape: S.ModelShape, lp: LocalityPlan, layer: int) -> float:
     """Router gain on the context block for ``layer`` so that about ``lp.share`` of the logit variance comes
     from it: the context block holds ``layer + 1`` window averages (each of RMS ~ CTX_GAIN / sqrt(1.77 sigma))
@@ -352,7 +372,8 @@ def _patch_rows(spec: S.TensorSpec, rows: np.ndarray, row0: int, lp: LocalityPla
         rope = ~latent
         rows[rope] = 0
         win = rope & ((r - shape.kv_lora_rank) == 2 * lp.rope_dim)
-        rows[win, 0] = _const_block(spec.type, lp.read)
+        # the attention norm divides the bias block by the residual's RMS: read it back up to the planned key
+        rows[win, 0] = _const_block(spec.type, lp.read * _residual_rms(shape, _layer_of(spec.name)))
     elif kind == "attn_output":
         rows[(r >= _BIAS.start) & (r < _BIAS.stop)] = 0
         ctx = (r >= _CTX.start) & (r < _CTX.stop)

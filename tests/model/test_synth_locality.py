@@ -137,6 +137,10 @@ def test_mla_window_reads_only_the_bias_block(family_models):
     assert not kv[: s.kv_lora_rank, :64].any() and kv[: s.kv_lora_rank, 64:].any()
     rope = kv[s.kv_lora_rank:]
     assert (rope[2 * lp.rope_dim, :32] > 0).all() and np.count_nonzero(rope) == 32
+    # deeper layers read the bias block up by the residual's expected growth (the attention norm divides by it)
+    deep = _q8_values(t["blk.3.attn_kv_a_mqa.weight"], s.n_embd)[s.kv_lora_rank + 2 * lp.rope_dim, 0]
+    grow = synth._residual_rms(s, 3) / synth._residual_rms(s, 1)
+    assert grow > 1.05 and deep / rope[2 * lp.rope_dim, 0] == pytest.approx(grow, rel=0.02)
     for name in ("blk.0.ffn_down.weight", "blk.3.ffn_down_shexp.weight"):   # dense and shared expert
         down = _q8_values(t[name], t[name].shape[0])
         assert not down[:64].any() and down[64:].any(), name
