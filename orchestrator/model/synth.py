@@ -295,7 +295,20 @@ def _context_router_gain(shape: S.ModelShape, lp: LocalityPlan, layer: int) -> f
     against the other dims' ~1 (tokens' own embedding and expert outputs)."""
     ctx_rms = _CTX_GAIN / np.sqrt(1.77 * lp.window) * np.sqrt(layer + 1)
     rest = shape.n_embd - 64
-    return float(np.sqrt(lp.share / (1 - lp.share) * rest / 32) / ctx_rms)
+    odds = lp.share / (1 - lp.share) * _pick_odds(shape)
+    return float(np.sqrt(odds * rest / 32) / ctx_rms)
+
+
+# The calibration's router picks 8 of 128 experts. One that picks a smaller share of them (DeepSeek-V3 8 of 256,
+# Kimi-K2 8 of 384, gpt-oss-120b 4 of 128) takes its picks from further out in the logits' tail, where the shared
+# context component decides more of them: at the same share of variance its routing is more local. Scaling the
+# context's odds by the ratio of the pick shares (never up) keeps each family's curve at Qwen3's; measured through
+# llama.cpp in docs/model.md ("Model families").
+_CALIBRATION_PICK_SHARE = 8 / 128
+
+
+def _pick_odds(shape: S.ModelShape) -> float:
+    return min(1.0, shape.n_expert_used / shape.n_expert / _CALIBRATION_PICK_SHARE)
 
 
 def _const_block(qtype: str, value: float) -> np.ndarray:

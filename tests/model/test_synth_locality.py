@@ -171,3 +171,20 @@ def test_direct_window_without_qk_norms(family_models):
         if like == "gpt-oss-20b":
             assert not np.asarray(t[f"blk.{layer}.attn_output.bias"].data)[:64].any()
             assert not np.asarray(t[f"blk.{layer}.ffn_down_exps.bias"].data)[:, :64].any()
+
+
+def test_context_gain_follows_the_share_of_experts_a_token_picks():
+    """A router that picks a smaller share of its experts than the calibration's 8 of 128 gets the context at
+    proportionally lower odds (never higher); Qwen3's shapes keep the calibration's gain."""
+    def gain(like):
+        s = S.scaled(S.get(like), 0.1)
+        return synth._context_router_gain(s, synth.locality_plan(s, synth.DEFAULT_LOCALITY), 4), s
+
+    q, qs = gain("qwen3-30b-a3b")
+    lp = synth.locality_plan(qs, synth.DEFAULT_LOCALITY)
+    plain = np.sqrt(lp.share / (1 - lp.share) * (qs.n_embd - 64) / 32) / (2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5))
+    assert q == pytest.approx(plain)
+    for like, odds in (("deepseek-v3", 0.5), ("kimi-k2", 1 / 3), ("gpt-oss-120b", 0.5), ("gpt-oss-20b", 1.0)):
+        g, s = gain(like)
+        base = np.sqrt(lp.share / (1 - lp.share) * (s.n_embd - 64) / 32) / (2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5))
+        assert g == pytest.approx(base * np.sqrt(odds)), like
