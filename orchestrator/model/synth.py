@@ -87,10 +87,10 @@ STYLES = {
 # * dims 0..31 of the residual stream ("bias" block) carry the same value for every token (token embeddings),
 #   and nothing else writes there (attn_output, dense and shared-expert down rows, expert down rows and the
 #   output biases zero there);
-# * every attention head's query and key are constants (read from that block, or biases) on one RoPE pair at a low frequency theta and
-#   nothing else, so every head's score is ``A cos(theta * distance)``: a recency window of about
-#   ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. How the other q/k dims are silenced
-#   depends on the attention:
+# * every attention head's query and key are constants (read from that block, or biases) on one RoPE pair at
+#   a low frequency theta and nothing else, so every head's score is ``A cos(theta * distance)``: a recency
+#   window of about ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. How the other q/k
+#   dims are silenced depends on the attention:
 #     - per-head q/k norms (qwen3moe, glm-4.5): the norm weights keep only that pair ("qknorm");
 #     - plain projections with biases (gpt-oss, glm-4.5-air): every q/k row is zero and the window's q and k
 #       are the projections' biases on its dim ("direct");
@@ -126,8 +126,9 @@ _WINDOW_SCORE_MAX = 4096.0
 # percent). There the window takes a pair whose frequency gives the window's width at a peak score of
 # _MLA_WINDOW_SCORE: low enough that the keys' spread stays a fraction of a nat, high enough that the window's
 # period (2 pi sigma sqrt(A), 1,206 tokens at 16) lies past the 1,024 positions a routing profile covers.
-# Measured through llama.cpp (docs/model.md, "Locality by position in the context"): at 16 a DeepSeek-V3 shape
-# hits within 2 points over positions 1-128 ... 513-1023; at 6 the window's return cut 513-1023 by 5 points.
+# Measured through llama.cpp (docs/model.md, "Locality by position in the context"): at 16 a DeepSeek-V3 cut
+# hits within 4 points over positions 1-128 ... 513-1023, as the Qwen3 shape; at 6 the window's return cut
+# 513-1023 by 5 points against the other bands.
 _MLA_WINDOW_SCORE = 16.0
 DEFAULT_LOCALITY = 0.82
 HIGH_LOCALITY = 0.92
@@ -263,8 +264,8 @@ def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
         # q = k = read exactly on the window dim, from the projections' biases: no token's input scales them
         read = float(np.sqrt(qk))
     else:
-        # q_pe = q_b_read * sqrt(q_lora_rank) (q_a_norm of one live dim); k_pe = read * 32 * bias value / RMS of
-        # the token's residual (1 in the first layer, more further down: deeper windows are somewhat wider)
+        # q_pe = q_b_read * sqrt(q_lora_rank) (q_a_norm of one live dim); k_pe = read * 32 * bias value, kv_a's
+        # window row reading the bias block up by the residual's expected RMS at its layer (_residual_rms)
         read = float(np.sqrt(qk) / (32 * _BIAS_VALUE))
         q_b_read = float(np.sqrt(qk) / np.sqrt(shape.q_lora_rank))
     return LocalityPlan(locality, i, theta, score, norm_weight, LOCALITY_WINDOW, mode, read, q_b_read)

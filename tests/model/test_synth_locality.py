@@ -182,9 +182,13 @@ def test_context_gain_follows_the_share_of_experts_a_token_picks():
 
     q, qs = gain("qwen3-30b-a3b")
     lp = synth.locality_plan(qs, synth.DEFAULT_LOCALITY)
-    plain = np.sqrt(lp.share / (1 - lp.share) * (qs.n_embd - 64) / 32) / (2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5))
-    assert q == pytest.approx(plain)
+    ctx_rms = 2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5)      # five window averages by layer 4
+
+    def plain(s):
+        return np.sqrt(lp.share / (1 - lp.share) * (s.n_embd - 64) / 32) / ctx_rms
+
+    assert q == pytest.approx(plain(qs))
     for like, odds in (("deepseek-v3", 0.5), ("kimi-k2", 1 / 3), ("gpt-oss-120b", 0.5), ("gpt-oss-20b", 1.0)):
         g, s = gain(like)
-        base = np.sqrt(lp.share / (1 - lp.share) * (s.n_embd - 64) / 32) / (2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5))
+        base = plain(s)
         assert g == pytest.approx(base * np.sqrt(odds)), like
