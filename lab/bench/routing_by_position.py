@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """An LRU expert cache's hit rate by the position of the token in its context, from a decode-order routing trace.
 
-    python lab/bench/routing_by_position.py MODEL.gguf [--tokens 768] [--slots 46,38] [--sample T] [--threads N]
+    python lab/bench/routing_by_position.py MODEL.gguf [--tokens 1024] [--slots 46,38] [--sample T] [--threads N]
                                             [--gpu-layers N]
 
 The routing profile the plan reads (`orchestrator model M --routing`) averages one context of 1024 tokens; the
@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator.model.routing_profile import Trace, lru_distances  # noqa: E402
 
-WINDOWS = ((1, 129), (129, 257), (257, 513), (513, 769), (769, 1025))
+WINDOWS = ((1, 129), (129, 257), (257, 513), (513, 1024))
 COLD = np.iinfo(np.int64).max
 
 
@@ -51,7 +51,7 @@ def by_position(trace: Trace, slots: int, windows=WINDOWS) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--tokens", type=int, default=768)
+    ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--slots", default="", help="slots per layer, comma-separated (default: 30%% and 36%% of the experts)")
     ap.add_argument("--sample", type=float, help="temperature: the model's own tokens after one random id")
     ap.add_argument("--threads", type=int)

@@ -87,13 +87,13 @@ STYLES = {
 # * dims 0..31 of the residual stream ("bias" block) carry the same value for every token (token embeddings),
 #   and nothing else writes there (attn_output, dense and shared-expert down rows, expert down rows and the
 #   output biases zero there);
-# * every attention head's query and key read that block through one RoPE pair at a low frequency theta and
-#   nothing else, so every head's score is ``A cos(theta * distance)``: a recency window of about
-#   ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. How the other q/k dims are silenced
-#   depends on the attention:
+# * every attention head's query and key are constants (read from that block, or biases) on one RoPE pair at
+#   a low frequency theta and nothing else, so every head's score is ``A cos(theta * distance)``: a recency
+#   window of about ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. How the other q/k
+#   dims are silenced depends on the attention:
 #     - per-head q/k norms (qwen3moe, glm-4.5): the norm weights keep only that pair ("qknorm");
-#     - plain projections with biases (gpt-oss, glm-4.5-air): every other q/k row and the q/k biases are zero
-#       ("direct");
+#     - plain projections with biases (gpt-oss, glm-4.5-air): every q/k row is zero and the window's q and k
+#       are the projections' biases on its dim ("direct");
 #     - MLA (deepseek2): the query's low-rank input q_a reads only the bias block in one row (q_a_norm makes it
 #       a constant), q_b turns that into one RoPE dim per head (the "nope" part of q is zero, so the latent
 #       part of the key does not count), and kv_a's rope rows read the bias block in one dim ("mla");
@@ -118,12 +118,18 @@ _QK_READ = 4.0             # weight with which the windowed q/k rows read each b
 _CTX_GAIN = 2.0            # attn_output gain into the context block
 _WINDOW_PERIOD_MIN = 4096  # tokens: the window's RoPE period is longer than this, where the score allows
 _WINDOW_SCORE_MAX = 4096.0
-# Where no per-head norm fixes the query and key (direct, mla), the q.k the arithmetic below asks for made a window
-# far narrower than planned, measured through llama.cpp: at locality 0.01 consecutive tokens already shared 3x
-# the experts independent ids share (20% vs 6.25% for GLM-4.5-Air's top 8 of 128, 10% vs 3.1% for gpt-oss-120b and
-# DeepSeek-V3). A twentieth of it puts locality 0.01 at independent routing (6.6-7.7%, 3.3-3.9%) and the default
-# within a few points of the Qwen3 shape's curve at the same width (docs/model.md, "Model families").
-_UNNORMED_QK = 0.05
+# The window's score must not depend on the token: a peak score A of a few hundred turns a 1% difference between
+# two tokens' q.k into several nats, and attention then sits on the one token whose key happens to be largest
+# instead of averaging a window. Per-head q/k norms (qknorm) make q and k constants; the plain projections'
+# biases do (direct: q = k = a bias on the window dim, every row zero). MLA has neither for its key: k_pe is
+# kv_a's rope rows times the normalized hidden state, so it varies as 1 / RMS of each token's residual (a few
+# percent). There the window takes a pair whose frequency gives the window's width at a peak score of
+# _MLA_WINDOW_SCORE: low enough that the keys' spread stays a fraction of a nat, high enough that the window's
+# period (2 pi sigma sqrt(A), 1,206 tokens at 16) lies past the 1,024 positions a routing profile covers.
+# Measured through llama.cpp (docs/model.md, "Locality by position in the context"): at 16 a DeepSeek-V3 cut
+# hits within 4 points over positions 1-128 ... 513-1023, as the Qwen3 shape; at 6 the window's return cut
+# 513-1023 by 5 points against the other bands.
+_MLA_WINDOW_SCORE = 16.0
 DEFAULT_LOCALITY = 0.82
 HIGH_LOCALITY = 0.92
 LOCALITY_LEVELS = {"off": 0.0, "default": DEFAULT_LOCALITY, "high": HIGH_LOCALITY}
@@ -150,14 +156,15 @@ class LocalityPlan:
 def _yarn_thetas(shape: S.ModelShape, n_rot: int) -> np.ndarray:
     """Each RoPE pair's frequency as ggml applies it: YaRN (ggml ``rope_yarn``) mixes the interpolated
     ``theta / factor`` and the original ``theta`` with a ramp between the corrected dims of beta_fast and
-    beta_slow (llama.cpp's defaults 32 and 1 where the file has none)."""
+    beta_slow. llama.cpp's loaders of these architectures do not read the file's betas (only grok's and
+    mistral3's do, in the pinned source), so its defaults 32 and 1 hold whatever the header says (Kimi-K2 writes
+    1 and 1, as its config)."""
     half = n_rot // 2
     thetas = shape.rope_freq_base ** (-2.0 * np.arange(half) / n_rot)
     if shape.rope_scaling != "yarn" or not shape.rope_factor:
         return thetas
     fs = 1.0 / shape.rope_factor
-    beta_fast = shape.yarn_beta_fast or 32.0
-    beta_slow = shape.yarn_beta_slow or 1.0
+    beta_fast, beta_slow = 32.0, 1.0
 
     def corr(beta: float) -> float:
         return n_rot * np.log(shape.rope_orig_ctx / (beta * 2 * np.pi)) / (2 * np.log(shape.rope_freq_base))
@@ -231,16 +238,20 @@ def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
     mode = _locality_mode(shape)
     n_rot = shape.qk_rope_dim if shape.arch == "deepseek2" else (shape.n_rot or shape.head_dim)
     thetas = _yarn_thetas(shape, n_rot)
-    want = 1.0 / (LOCALITY_WINDOW * np.sqrt(_WINDOW_SCORE))
-    # the pair nearest the wanted frequency among those whose period exceeds a 4096-token prompt (the window
-    # must not come back within the contexts the benchmarks use; a coarser frequency grid, as partial RoPE's,
-    # takes a lower frequency and a higher peak score for the same width), unless that score passes
-    # _WINDOW_SCORE_MAX: a score of 1e6 (Kimi-K2's next pair, YaRN factor 64) drowns the window in the f16
-    # rounding of the keys, so there the nearest pair is taken and the window comes back after its period
-    dist = np.abs(np.log(thetas / want))
-    far = np.where((2 * np.pi / thetas > _WINDOW_PERIOD_MIN)
-                   & (1.0 / (thetas * LOCALITY_WINDOW) ** 2 <= _WINDOW_SCORE_MAX), dist, np.inf)
-    i = int(np.argmin(far)) if np.isfinite(far).any() else int(np.argmin(dist))
+    if mode == "mla":
+        # the pair nearest the width at _MLA_WINDOW_SCORE (see there): its period is what that score gives
+        want = 1.0 / (LOCALITY_WINDOW * np.sqrt(_MLA_WINDOW_SCORE))
+        i = int(np.argmin(np.abs(np.log(thetas / want))))
+    else:
+        # the pair nearest the wanted frequency among those whose period exceeds a 4096-token prompt (the window
+        # must not come back within the contexts the benchmarks use; a coarser frequency grid, as partial
+        # RoPE's, takes a lower frequency and a higher peak score for the same width), unless that score passes
+        # _WINDOW_SCORE_MAX (f16 rounding of the keys); with none such, the nearest pair
+        want = 1.0 / (LOCALITY_WINDOW * np.sqrt(_WINDOW_SCORE))
+        dist = np.abs(np.log(thetas / want))
+        far = np.where((2 * np.pi / thetas > _WINDOW_PERIOD_MIN)
+                       & (1.0 / (thetas * LOCALITY_WINDOW) ** 2 <= _WINDOW_SCORE_MAX), dist, np.inf)
+        i = int(np.argmin(far)) if np.isfinite(far).any() else int(np.argmin(dist))
     theta = float(thetas[i])
     score = 1.0 / (theta * LOCALITY_WINDOW) ** 2
     # the q.k product (before the score scale and the rope amplitude) that gives the score
@@ -250,14 +261,33 @@ def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
         # q/k after the norm: norm_weight * sqrt(head_dim) on the window dim; score = q.k / sqrt(head_dim)
         norm_weight = float(np.sqrt(score / np.sqrt(shape.head_dim)))
     elif mode == "direct":
-        # q = k = read * 32 * bias value (the attention norm keeps the bias block near 1 in the first layers)
-        read = float(np.sqrt(qk * _UNNORMED_QK) / (32 * _BIAS_VALUE))
+        # q = k = read exactly on the window dim, from the projections' biases: no token's input scales them
+        read = float(np.sqrt(qk))
     else:
-        # k_pe = read * 32 * bias value; q_pe = q_b_read * sqrt(q_lora_rank) (q_a_norm of one live dim)
-        qk *= _UNNORMED_QK
+        # q_pe = q_b_read * sqrt(q_lora_rank) (q_a_norm of one live dim); k_pe = read * 32 * bias value, kv_a's
+        # window row reading the bias block up by the residual's expected RMS at its layer (_residual_rms)
         read = float(np.sqrt(qk) / (32 * _BIAS_VALUE))
         q_b_read = float(np.sqrt(qk) / np.sqrt(shape.q_lora_rank))
     return LocalityPlan(locality, i, theta, score, norm_weight, LOCALITY_WINDOW, mode, read, q_b_read)
+
+
+_SILU_GATE_MS = 0.3553   # E[(silu(g) u)^2] for g, u ~ N(0, 1): a SwiGLU's mean square per unit-RMS input
+
+
+def _residual_rms(shape: S.ModelShape, layer: int) -> float:
+    """The expected RMS of the residual stream entering ``layer`` of a generated model: the embeddings' 1 plus,
+    per layer before it, the feed-forward output's mean square from the weights' gains (a SwiGLU of unit-RMS
+    inputs, down-projected at its gain; routed experts weighted by normalized gates that are about equal, so a
+    token's top-k add 1/k of one expert's square, times the routing scale's square; shared experts in full).
+    Attention adds a window average (under 0.1% of it) and is left out."""
+    ms = 1.0
+    for j in range(layer):
+        if j < shape.n_dense_lead or not shape.n_expert:
+            ms += GAIN["ffn_down"] ** 2 * _SILU_GATE_MS
+            continue
+        routed = GAIN["exp_down"] ** 2 * _SILU_GATE_MS * (shape.expert_weights_scale or 1.0) ** 2
+        ms += routed / shape.n_expert_used + shape.n_expert_shared * GAIN["shexp_down"] ** 2 * _SILU_GATE_MS
+    return float(np.sqrt(ms))
 
 
 def _context_router_gain(shape: S.ModelShape, lp: LocalityPlan, layer: int) -> float:
@@ -266,7 +296,20 @@ def _context_router_gain(shape: S.ModelShape, lp: LocalityPlan, layer: int) -> f
     against the other dims' ~1 (tokens' own embedding and expert outputs)."""
     ctx_rms = _CTX_GAIN / np.sqrt(1.77 * lp.window) * np.sqrt(layer + 1)
     rest = shape.n_embd - 64
-    return float(np.sqrt(lp.share / (1 - lp.share) * rest / 32) / ctx_rms)
+    odds = lp.share / (1 - lp.share) * _pick_odds(shape)
+    return float(np.sqrt(odds * rest / 32) / ctx_rms)
+
+
+# The calibration's router picks 8 of 128 experts. One that picks a smaller share of them (DeepSeek-V3 8 of 256,
+# Kimi-K2 8 of 384, gpt-oss-120b 4 of 128) takes its picks from further out in the logits' tail, where the shared
+# context component decides more of them: at the same share of variance its routing is more local. Scaling the
+# context's odds by the ratio of the pick shares (never up) keeps each family's curve at Qwen3's; measured through
+# llama.cpp in docs/model.md ("Model families").
+_CALIBRATION_PICK_SHARE = 8 / 128
+
+
+def _pick_odds(shape: S.ModelShape) -> float:
+    return min(1.0, shape.n_expert_used / shape.n_expert / _CALIBRATION_PICK_SHARE)
 
 
 def _const_block(qtype: str, value: float) -> np.ndarray:
@@ -326,9 +369,8 @@ def _patch_rows(spec: S.TensorSpec, rows: np.ndarray, row0: int, lp: LocalityPla
         if lp.mode == "qknorm":
             rows[win] = 0
             rows[win, 0] = _const_block(spec.type, _QK_READ)
-        else:   # direct: only the window rows, and only from the bias block
+        else:   # direct: no row is live; the window's q and k are the projections' biases
             rows[:] = 0
-            rows[win, 0] = _const_block(spec.type, lp.read)
     elif kind == "attn_v":
         rows[:, 0:2] = 0
     elif kind == "attn_q_a":          # MLA: one live row, read from the bias block only
@@ -344,7 +386,8 @@ def _patch_rows(spec: S.TensorSpec, rows: np.ndarray, row0: int, lp: LocalityPla
         rope = ~latent
         rows[rope] = 0
         win = rope & ((r - shape.kv_lora_rank) == 2 * lp.rope_dim)
-        rows[win, 0] = _const_block(spec.type, lp.read)
+        # the attention norm divides the bias block by the residual's RMS: read it back up to the planned key
+        rows[win, 0] = _const_block(spec.type, lp.read * _residual_rms(shape, _layer_of(spec.name)))
     elif kind == "attn_output":
         rows[(r >= _BIAS.start) & (r < _BIAS.stop)] = 0
         ctx = (r >= _CTX.start) & (r < _CTX.stop)
@@ -546,8 +589,9 @@ def _f32_data(spec: S.TensorSpec, rng: _Rng, style: WeightStyle, lp: LocalityPla
         w = rng.gen.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
         if lp is not None and spec.role == "bias":
             kind = spec.name.split(".")[-2]
-            if kind in ("attn_q", "attn_k"):           # the window's q/k come from the bias block only
+            if kind in ("attn_q", "attn_k"):           # the window's q/k: a constant on its dim, 0 elsewhere
                 w[:] = 0.0
+                w[np.arange(w.shape[-1]) % mshape.head_dim == lp.rope_dim] = np.float32(lp.read)
             elif kind in ("attn_output", "ffn_down_exps"):   # nothing else writes the bias and context blocks
                 w[..., : _CTX.stop] = 0.0
         return w

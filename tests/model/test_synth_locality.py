@@ -122,7 +122,8 @@ def test_mla_window_reads_only_the_bias_block(family_models):
     rope rows hold the window dim only, its latent rows do not read the bias or context blocks."""
     res = family_models["deepseek-v3"]
     s, lp = res.shape, synth.locality_plan(res.shape, res.locality)
-    assert lp.mode == "mla" and 2 * np.pi / lp.theta > 4096
+    # a low peak score (the keys vary with each token's residual), its period past a profile's 1024 positions
+    assert lp.mode == "mla" and lp.score < 40 and 2 * np.pi / lp.theta > 1024
     t = _tensors(res.path)
     qa = _q8_values(t["blk.1.attn_q_a.weight"], s.n_embd)
     assert qa[0, :32].all() and not qa[0, 32:].any() and not qa[1:].any()
@@ -136,6 +137,10 @@ def test_mla_window_reads_only_the_bias_block(family_models):
     assert not kv[: s.kv_lora_rank, :64].any() and kv[: s.kv_lora_rank, 64:].any()
     rope = kv[s.kv_lora_rank:]
     assert (rope[2 * lp.rope_dim, :32] > 0).all() and np.count_nonzero(rope) == 32
+    # deeper layers read the bias block up by the residual's expected growth (the attention norm divides by it)
+    deep = _q8_values(t["blk.3.attn_kv_a_mqa.weight"], s.n_embd)[s.kv_lora_rank + 2 * lp.rope_dim, 0]
+    grow = synth._residual_rms(s, 3) / synth._residual_rms(s, 1)
+    assert grow > 1.05 and deep / rope[2 * lp.rope_dim, 0] == pytest.approx(grow, rel=0.02)
     for name in ("blk.0.ffn_down.weight", "blk.3.ffn_down_shexp.weight"):   # dense and shared expert
         down = _q8_values(t[name], t[name].shape[0])
         assert not down[:64].any() and down[64:].any(), name
@@ -144,8 +149,9 @@ def test_mla_window_reads_only_the_bias_block(family_models):
 
 
 def test_direct_window_without_qk_norms(family_models):
-    """gpt-oss and glm-4.5-air have no q/k norms: only the window rows of q and k are live, reading the bias
-    block, and the q/k biases are zero; nothing writes the bias and context blocks (biases included)."""
+    """gpt-oss and glm-4.5-air have no q/k norms: every q/k row is zero and the window's q and k are the
+    projections' biases on its dim, the same for every token (q.k = the planned score exactly); nothing writes
+    the bias and context blocks (biases included)."""
     for like in ("gpt-oss-20b", "glm-4.5-air"):
         res = family_models[like]
         s, lp = res.shape, synth.locality_plan(res.shape, res.locality)
@@ -153,12 +159,36 @@ def test_direct_window_without_qk_norms(family_models):
         t = _tensors(res.path)
         layer = s.n_layer - 1
         for w in ("attn_q", "attn_k"):
-            m = _q8_values(t[f"blk.{layer}.{w}.weight"], s.n_embd)
-            win = m[lp.rope_dim::s.head_dim]
-            assert (win[:, :32] > 0).all() and np.count_nonzero(m) == 32 * win.shape[0], (like, w)
-            assert not np.asarray(t[f"blk.{layer}.{w}.bias"].data).any()
+            assert not _q8_values(t[f"blk.{layer}.{w}.weight"], s.n_embd).any(), (like, w)
+            b = np.array(t[f"blk.{layer}.{w}.bias"].data).reshape(-1, s.head_dim)
+            assert (b[:, lp.rope_dim] == np.float32(lp.read)).all(), (like, w)
+            b[:, lp.rope_dim] = 0
+            assert not b.any(), (like, w)
+        q_k = lp.read ** 2 * synth._kq_scale(s) * synth._rope_amplitude(s) ** 2
+        assert q_k == pytest.approx(lp.score) and lp.score == pytest.approx(1 / (lp.theta * lp.window) ** 2)
         o = np.asarray(t[f"blk.{layer}.attn_output.weight"].data)
         assert o.size
         if like == "gpt-oss-20b":
             assert not np.asarray(t[f"blk.{layer}.attn_output.bias"].data)[:64].any()
             assert not np.asarray(t[f"blk.{layer}.ffn_down_exps.bias"].data)[:, :64].any()
+
+
+def test_context_gain_follows_the_share_of_experts_a_token_picks():
+    """A router that picks a smaller share of its experts than the calibration's 8 of 128 gets the context at
+    proportionally lower odds (never higher); Qwen3's shapes keep the calibration's gain."""
+    def gain(like):
+        s = S.scaled(S.get(like), 0.1)
+        return synth._context_router_gain(s, synth.locality_plan(s, synth.DEFAULT_LOCALITY), 4), s
+
+    q, qs = gain("qwen3-30b-a3b")
+    lp = synth.locality_plan(qs, synth.DEFAULT_LOCALITY)
+    ctx_rms = 2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5)      # five window averages by layer 4
+
+    def plain(s):
+        return np.sqrt(lp.share / (1 - lp.share) * (s.n_embd - 64) / 32) / ctx_rms
+
+    assert q == pytest.approx(plain(qs))
+    for like, odds in (("deepseek-v3", 0.5), ("kimi-k2", 1 / 3), ("gpt-oss-120b", 0.5), ("gpt-oss-20b", 1.0)):
+        g, s = gain(like)
+        base = plain(s)
+        assert g == pytest.approx(base * np.sqrt(odds)), like
