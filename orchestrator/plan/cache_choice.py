@@ -182,7 +182,8 @@ def weigh_inputs(cc: CacheContext, best: Candidate, host: tuple[int, ...]) -> Ca
         splits, split_hosts = layer_split_cache_splits(costs, best, list(moe), list(host), layer_bytes,
                                                        min_gpu_layers)
     elif ctx.req.expert_layers_on_cpu is not None:
-        vram = on_gpu + ctx.req.expert_cache_bytes
+        # the layers and the cache as set, and beside the cache what those layers keep on the GPU (their biases)
+        vram = on_gpu + ctx.req.expert_cache_bytes + len(host) * host_layer_side_bytes(costs)
     else:
         vram = on_gpu + max(0, best.budgets[0].budget - best.placement.gpu_weights[0] - best.placement.gpu_kv[0])
     inputs = _cache_inputs(cc, best, host, layer_bytes, vram_free=vram, min_gpu_layers=min_gpu_layers)
