@@ -8,7 +8,7 @@ the probe's bandwidth from the plan's op-offload line, the routing profile's LRU
 traced on the GPU before planning, 1024 random ids in decode order), and the measured tg128 of the table.
 
 W4 ran again with the plan keeping a cached layer's expert biases on the GPU (docs/benchmarks/h200-2026-12-04-w4-biases,
-the generator's attention windows of today): generation 1.51x the same plan with the biases in host memory, as
+the generator's token-independent attention windows): generation 1.51x the same plan with the biases in host memory, as
 --cpu-moe puts them, where each bias's ADD_ID ran on the CPU between the layer's GPU splits.
 """
 
