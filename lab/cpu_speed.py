@@ -18,7 +18,8 @@ moment of a shared machine does not fall on one configuration only. Every llama-
 configuration's samples (on a shared machine the least disturbed one: other work only ever slows a run down; the
 median is printed beside it) and fits, by least squares on the relative error: for generation, time per token =
 CPU bytes / (bandwidth x CPU_ONLY_TG_EFFICIENCY) + layers x CPU_LAYER_OVERHEAD_S + CPU_TOKEN_OVERHEAD_S (the
-bandwidth-bound and the overhead-bound regime in one line); for prompts, CPU_ONLY_PP_FLOPS_FACTOR (the share of
+bandwidth-bound and the overhead-bound regime in one line; on one thread of the reference machine), the per-layer cost
+then x threads ** CPU_LAYER_THREAD_EXPONENT (on runs over every core of their node); for prompts, CPU_ONLY_PP_FLOPS_FACTOR (the share of
 rates.py's per-core FLOP/s the CPU-only path reaches) and CPU_PP_LAYER_TOKEN_S (per layer and token: what a token
 costs beyond its matrix products). It prints the
 constants and every configuration's predicted / measured speed with the constants in rates.py.
@@ -202,6 +203,7 @@ def points(docs: list[dict]) -> list[dict]:
             node = str(doc["node_threads"])
             bw = statistics.median([d[node] for d in (doc["host_bw"], doc.get("host_bw_after", {})) if node in d])
             out.append({"set": i, "machine": doc["machine"]["cpu_model"], "model": models[name], "threads": t,
+                        "node_threads": doc["node_threads"],
                         "n_prompt": n_p, "n_gen": n_g, "n_ubatch": ub, "host_bw": bw,
                         "ts": max(ts), "median": statistics.median(ts), "spread": (min(ts), max(ts)),
                         "n": len(ts)})
@@ -282,6 +284,23 @@ def fit_tg(pts: list[dict]) -> dict:
         (inv_eff, layer), fixed = _lstsq([r[:2] for r in rows], ys), 0.0
     return {"CPU_ONLY_TG_EFFICIENCY": 1.0 / inv_eff, "CPU_LAYER_OVERHEAD_S": layer, "CPU_TOKEN_OVERHEAD_S": fixed,
             "points": len(tg)}
+
+
+def fit_layer_thread_exponent(pts: list[dict]) -> dict:
+    """CPU_LAYER_THREAD_EXPONENT (to 0.01): the per-layer cost's growth with the threads, on the generation points
+    that ran on every core of their node with more than one (there the probe's all-core bandwidth is the threads'
+    own), on the other constants in rates.py. Least squares on the relative error; none without such points."""
+    multi = [p for p in pts if p["n_gen"] and not p["n_prompt"] and p["threads"] > 1
+             and p["threads"] == p.get("node_threads")]
+    if not multi:
+        return {}
+
+    def error(e: float) -> float:
+        with constants(CPU_LAYER_THREAD_EXPONENT=e):
+            return sum((predict(p) / p["ts"] - 1.0) ** 2 for p in multi)
+
+    best = min((error(e / 100), e / 100) for e in range(0, 51))
+    return {"CPU_LAYER_THREAD_EXPONENT": best[1], "layer_thread_points": len(multi)}
 
 
 # The machine the CPU prompt constants are fitted on (cpu_rate 1.0): the dev VM where the demo runs. Another
@@ -438,6 +457,11 @@ def fit(args) -> int:
     print(f"fitted on {tg['points']} generation points: CPU_ONLY_TG_EFFICIENCY {tg['CPU_ONLY_TG_EFFICIENCY']:.3f}, "
           f"CPU_LAYER_OVERHEAD_S {tg['CPU_LAYER_OVERHEAD_S'] * 1e6:.1f} us, "
           f"CPU_TOKEN_OVERHEAD_S {tg['CPU_TOKEN_OVERHEAD_S'] * 1e6:.1f} us")
+    with constants(**{k: v for k, v in tg.items() if k.isupper()}):
+        tg.update(fit_layer_thread_exponent(pts))
+    if "CPU_LAYER_THREAD_EXPONENT" in tg:
+        print(f"fitted on {tg['layer_thread_points']} generation points on every core of their node: "
+              f"CPU_LAYER_THREAD_EXPONENT {tg['CPU_LAYER_THREAD_EXPONENT']:.2f}")
     pp = fit_pp(pts)
     if pp:
         print(f"fitted on {pp['points']} prompt points of the reference machine ({REFERENCE_MACHINE}, one thread): "
@@ -467,8 +491,8 @@ def fit(args) -> int:
     if args.write is not None:
         from lab.rates_file import RATES_JSON, write_fitted
 
-        names = ("CPU_ONLY_TG_EFFICIENCY", "CPU_LAYER_OVERHEAD_S", "CPU_TOKEN_OVERHEAD_S", "CPU_ONLY_PP_FLOPS_FACTOR",
-                 "CPU_PP_LAYER_TOKEN_S", "CPU_PP_ATTN_MAC_S", "CPU_PP_THREAD_EXPONENT")
+        names = ("CPU_ONLY_TG_EFFICIENCY", "CPU_LAYER_OVERHEAD_S", "CPU_TOKEN_OVERHEAD_S", "CPU_LAYER_THREAD_EXPONENT",
+                 "CPU_ONLY_PP_FLOPS_FACTOR", "CPU_PP_LAYER_TOKEN_S", "CPU_PP_ATTN_MAC_S", "CPU_PP_THREAD_EXPONENT")
         fitted = {**tg, **(pp or {})}
         missing = [n for n in names if n not in fitted]
         if missing:

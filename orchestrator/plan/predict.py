@@ -192,13 +192,15 @@ def _gpu_layer_bytes(costs: ModelCosts, placement: Placement, frac: float) -> li
     return out
 
 
-def cpu_token_seconds(cpu_bytes: float, n_layers: int, host_bw: float) -> float:
+def cpu_token_seconds(cpu_bytes: float, n_layers: int, host_bw: float, threads: int = 1) -> float:
     """Time per generated token of a worker without GPUs: the bytes it reads at the share of the measured host
     bandwidth llama.cpp's CPU backend reaches (the bandwidth-bound regime: big models), plus a cost per layer and
     per token that do not shrink with the model (the overhead-bound regime: small models, where thread
-    synchronisation, many small operations and the graph's set-up dominate)."""
+    synchronisation, many small operations and the graph's set-up dominate); the per-layer cost grows with the
+    threads that synchronise."""
     t = cpu_bytes / (host_bw * R.CPU_ONLY_TG_EFFICIENCY) if cpu_bytes else 0.0
-    return t + n_layers * R.CPU_LAYER_OVERHEAD_S + R.CPU_TOKEN_OVERHEAD_S
+    layer = R.CPU_LAYER_OVERHEAD_S * max(1, threads) ** R.CPU_LAYER_THREAD_EXPONENT
+    return t + n_layers * layer + R.CPU_TOKEN_OVERHEAD_S
 
 
 def _decode_step(costs: ModelCosts, placement: Placement, sp: SpeedInputs, frac: float,
@@ -222,7 +224,7 @@ def _decode_step(costs: ModelCosts, placement: Placement, sp: SpeedInputs, frac:
         cpu_bytes += costs.output_bytes
     if not gpu_bytes:
         cpu_bytes += kv_bytes
-        t = cpu_token_seconds(cpu_bytes, costs.n_compute_layers, sp.host_bw)
+        t = cpu_token_seconds(cpu_bytes, costs.n_compute_layers, sp.host_bw, sp.threads)
     else:
         t = cpu_bytes / (sp.host_bw * R.CPU_TG_EFFICIENCY) if cpu_bytes else 0.0
         times = [b / (bw * R.GPU_TG_EFFICIENCY) for b, bw in zip(gpu_bytes, sp.gpu_mem_bw)]

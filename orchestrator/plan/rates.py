@@ -93,6 +93,11 @@ CROSS_DEVICE_LAYER_OVERHEAD_S = _fitted("CROSS_DEVICE_LAYER_OVERHEAD_S")
 CPU_ONLY_TG_EFFICIENCY = _fitted("CPU_ONLY_TG_EFFICIENCY")
 CPU_LAYER_OVERHEAD_S = _fitted("CPU_LAYER_OVERHEAD_S")
 CPU_TOKEN_OVERHEAD_S = _fitted("CPU_TOKEN_OVERHEAD_S")
+# The per-layer cost of generation grows with the worker's threads (ggml's threads meet at a barrier after every op
+# of the graph, and more of them take longer to meet): CPU_LAYER_OVERHEAD_S x threads ** CPU_LAYER_THREAD_EXPONENT,
+# fitted on runs where the threads are the node's every core (there the probe's all-core bandwidth is what they read;
+# fewer threads read less, which the model does not have: docs/benchmarks.md, "Without a GPU").
+CPU_LAYER_THREAD_EXPONENT = _fitted("CPU_LAYER_THREAD_EXPONENT")
 CPU_ONLY_PP_FLOPS_FACTOR = _fitted("CPU_ONLY_PP_FLOPS_FACTOR")
 CPU_PP_LAYER_TOKEN_S = _fitted("CPU_PP_LAYER_TOKEN_S")
 # Prompts grow slower with their length (predict.cpu_pp_batch_seconds): attention costs CPU_PP_ATTN_MAC_S per

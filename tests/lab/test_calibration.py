@@ -254,6 +254,31 @@ def test_the_threads_exponent_is_not_set_by_w1_or_by_one_record():
                 assert 0.75 <= cpu_speed.predict(p) / p["ts"] <= 1.25, (exponent, p["set"], p["n_prompt"])
 
 
+def test_cpu_generation_on_every_core_of_the_h200():
+    """Generation on all 16 cores of the H200 (the demo, demo-24l, W1; both records) within +-25% of the fastest
+    run: the per-layer cost grows as threads ** CPU_LAYER_THREAD_EXPONENT (without it the demo read 1.32). The
+    exponent fitted without any one of these points stays near the stored one and keeps the others within the
+    target: no one point sets it."""
+    from lab import cpu_speed
+    from orchestrator.plan import rates as R
+
+    pts = _speed_points(SPEED + H200_CPU)
+    full = [p for p in pts if p["n_gen"] and not p["n_prompt"] and p["threads"] > 1
+            and p["threads"] == p["node_threads"]]
+    assert len(full) >= 5 and {p["model"]["n_layers"] for p in full} >= {6, 24, 48}
+    for p in full:
+        assert 0.75 <= cpu_speed.predict(p) / p["ts"] <= 1.25, (p["set"], p["model"]["name"])
+    with cpu_speed.constants(CPU_LAYER_THREAD_EXPONENT=0.0):
+        assert max(cpu_speed.predict(p) / p["ts"] for p in full) > 1.25      # the demo at 16 threads, as before
+    for left in full:
+        rest = [p for p in full if p is not left]
+        exponent = cpu_speed.fit_layer_thread_exponent(rest)["CPU_LAYER_THREAD_EXPONENT"]
+        assert exponent == pytest.approx(R.CPU_LAYER_THREAD_EXPONENT, abs=0.035), left["model"]["name"]
+        with cpu_speed.constants(CPU_LAYER_THREAD_EXPONENT=exponent):
+            for p in rest:
+                assert 0.75 <= cpu_speed.predict(p) / p["ts"] <= 1.25, (exponent, p["set"], p["model"]["name"])
+
+
 def _thread_limited(pts: list[dict], docs: list[dict]) -> set[int]:
     """Sets whose runs used fewer threads than the node's cores while those threads read at under 3/4 of the
     all-core figure the plan predicts from (the record's own probe of each thread count says so)."""
