@@ -239,7 +239,8 @@ def host_layer_side_bytes(costs: ModelCosts) -> int:
     """VRAM that each host-resident layer the cache serves keeps on its GPU: its routed-expert tensors beside the
     MUL_MAT_IDs' weights (gpt-oss's biases). The plan keeps them there (``cpu_expert_override(weights_only=True)``):
     left in host memory, each of their ops ran on the CPU between the layer's GPU splits, three hops GPU -> CPU ->
-    GPU per layer and token that halved gpt-oss-120b's generation on the H200 (docs/benchmarks.md, W4)."""
+    GPU per layer and token: on the H200 gpt-oss-120b generated 1.51x faster with them on the GPU
+    (docs/benchmarks.md, W4)."""
     return max((costs.layer_expert_side_bytes[i] for i in costs.moe_layers), default=0) \
         if costs.layer_expert_side_bytes else 0
 
