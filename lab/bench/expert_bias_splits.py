@@ -27,40 +27,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from lab.serverrun import free_port, post_json  # noqa: E402
+from orchestrator.launch.process import launch, start  # noqa: E402
+from orchestrator.launch.spec import LaunchSpec  # noqa: E402
 from orchestrator.model import synth  # noqa: E402
 from orchestrator.plan.placement import EXPERT_TENSOR_RX, layer_alternation  # noqa: E402
 
 SHAPES = {"gpt-oss-20b": ("gpt-oss-20b", 0.1, 2), "qwen3-30b-a3b": ("qwen3-30b-a3b", 0.125, 2),
           "deepseek-v3": ("deepseek-v3", 0.05, 5), "glm-4.5-air": ("glm-4.5-air", 0.125, 3)}
-
-
-def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"llama-server not ready after {timeout:.0f} s: {log}")
 
 
 def _greedy_completion(url: str, n_predict: int) -> dict:
@@ -70,26 +53,13 @@ def _greedy_completion(url: str, n_predict: int) -> dict:
     return {**answer["timings"], "content": answer["content"]}
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
 def serve(bindir: Path, model: Path, overrides: list[str], log: Path, n_predict: int, debug: bool) -> dict:
     """One completion of ``n_predict`` greedy tokens on llama-server with the RPC device as its GPU; its timings."""
     rp, sp = free_port(), free_port()
-    with open(log.with_suffix(".rpc.log"), "w") as lf:
-        rpc = subprocess.Popen([str(bindir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rp), "-t", "1"],
-                               stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
-    srv = None
+    rpc = start(LaunchSpec(name="rpc", argv=(str(bindir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(rp),
+                                             "-t", "1"), port=rp), log.with_suffix(".rpc.log"))
     try:
         time.sleep(1.0)
-        env = {**os.environ, **({"GGML_SCHED_DEBUG": "2"} if debug else {})}
         argv = [str(bindir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(sp), "-c", "512",
                 "-np", "1", "--rpc", f"127.0.0.1:{rp}", "-ngl", "999", "--no-repack", "--no-warmup", "-t", "1",
                 "--moe-cache-mib", "4", "--moe-cache-max-batch", "4", "--metrics"]
@@ -97,15 +67,23 @@ def serve(bindir: Path, model: Path, overrides: list[str], log: Path, n_predict:
             argv += ["-ot", o]
         if debug:
             argv += ["-lv", "10"]
-        with open(log, "w") as lf:
-            srv = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        url = f"http://127.0.0.1:{sp}"
-        _wait(url, srv, log)
-        return _greedy_completion(url, n_predict)
+        return _completion(LaunchSpec(name="splits", argv=tuple(argv), port=sp, env=_debug_env(debug)), log,
+                           n_predict, timeout=300)
     finally:
-        if srv is not None:
-            _stop(srv)
-        _stop(rpc)
+        rpc.stop(grace=30)
+
+
+def _debug_env(debug: bool) -> dict:
+    return {"GGML_SCHED_DEBUG": "2"} if debug else {}
+
+
+def _completion(spec: LaunchSpec, log: Path, n_predict: int, timeout: float) -> dict:
+    """``spec`` started by the product's launcher (its own process group, reaped), one greedy completion, stopped."""
+    proc = launch(spec, log, timeout=timeout, grace=30)
+    try:
+        return _greedy_completion(spec.url, n_predict)
+    finally:
+        proc.stop(grace=30)
 
 
 def last_graph(log: str) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
@@ -139,15 +117,8 @@ def serve_plan(plan: Path, config: str | None, log: Path, n_predict: int, debug:
         argv += ["--host", "127.0.0.1"]
     if debug:
         argv += ["-lv", "10"]
-    env = {**os.environ, **env, **({"GGML_SCHED_DEBUG": "2"} if debug else {})}
-    with open(log, "w") as lf:
-        srv = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait(url, srv, log, timeout=900)
-        return _greedy_completion(url, n_predict)
-    finally:
-        _stop(srv)
+    return _completion(LaunchSpec(name="plan", argv=tuple(argv), port=port, env={**env, **_debug_env(debug)}), log,
+                       n_predict, timeout=900)
 
 
 def plan_mode(a) -> int:
