@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=["q4_0", "q8_0"], default=None,
                    help="type of the quantized weights (default: q4_0; gpt-oss: q8_0 around its MXFP4 experts, "
                         "as in the released file)")
+    p.add_argument("--expert-quant", choices=["q4_0", "q8_0", "mxfp4"], default=None,
+                   help="type of the routed experts where it differs from --quant's (default: --quant; gpt-oss: "
+                        "mxfp4), e.g. gpt-oss's experts in q4_0 beside its q8_0 attention")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed and options: same file)")
     p.add_argument("--dry-run", action="store_true", help="print the shape and the file size, write nothing")
     p.add_argument("--list", action="store_true", help="list the model shapes and exit")
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise ModelError(f"--like is required; valid names: {', '.join(shapes.names())}")
     if args.out is None and not args.dry_run:
         raise ModelError("give the output file name (OUT.gguf)")
-    shape = shapes.scaled(shapes.get(args.like), args.scale, layers=args.layers)
+    shape = shapes.with_expert_quant(shapes.scaled(shapes.get(args.like), args.scale, layers=args.layers),
+                                     args.expert_quant)
     from orchestrator.model import synth
 
     locality = synth.default_locality(shape) if args.locality is None else args.locality
@@ -114,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         # SIGTERM and SIGHUP clean up like Ctrl-C: the partial file is removed
         with terminate_as_interrupt():
             res = synth.write_model(args.out, args.like, scale=args.scale, quant=args.quant, seed=args.seed,
-                                    layers=args.layers, progress=progress, locality=locality)
+                                    layers=args.layers, progress=progress, locality=locality,
+                                    expert_quant=args.expert_quant)
     finally:
         if tty:
             print(file=sys.stderr)

@@ -29,6 +29,7 @@ GGML_TYPE_ID = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "q6_k": 14, "mxfp4": 3
 # llama_ftype ids (llama.h) written as general.file_type
 FILE_TYPE = {"q4_0": 2, "q8_0": 7, "mxfp4_moe": 38}
 QUANTS = ("q4_0", "q8_0")
+EXPERT_QUANTS = ("q4_0", "q8_0", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class ModelShape:
     n_rot: int = 0                       # rope.dimension_count where it differs from head_dim (0: head_dim)
     qk_norm: bool = False
     mxfp4_experts: bool = False
+    # the routed experts' type where it is not the file's (--expert-quant; "": --quant's, gpt-oss's MXFP4)
+    expert_quant: str = ""
     # rope scaling (yarn)
     rope_scaling: str = ""
     rope_factor: float = 0.0
@@ -349,6 +352,8 @@ def tensor_specs(s: ModelShape, quant: str | None = None) -> list[TensorSpec]:
     t: list[TensorSpec] = [TensorSpec("token_embd.weight", (E, V), q, "embd")]
 
     def add(name: str, ne: tuple[int, ...], typ: str, role: str) -> None:
+        if s.expert_quant and role in ("exp_in", "exp_down"):
+            typ = s.expert_quant
         t.append(TensorSpec(name, ne, typ, role))
 
     def biased_qkv(b: str) -> None:   # gpt-oss and GLM-4.5: q, k, v with biases, the output without
@@ -434,6 +439,17 @@ def tensor_specs(s: ModelShape, quant: str | None = None) -> list[TensorSpec]:
 
 def fan_in(spec: TensorSpec) -> int:
     return spec.ne[0]
+
+
+def with_expert_quant(s: ModelShape, expert_quant: str | None) -> ModelShape:
+    """``s`` with its routed experts in ``expert_quant`` (one of EXPERT_QUANTS; None: as the shape has them), the
+    rest of the file as --quant makes it: e.g. gpt-oss's experts in Q4_0 beside its Q8_0 attention, to tell the
+    MXFP4 kernels' cost from the layer's other ops."""
+    if not expert_quant:
+        return s
+    if expert_quant not in EXPERT_QUANTS:
+        raise ModelError(f"--expert-quant {expert_quant!r}: expected one of {', '.join(EXPERT_QUANTS)}")
+    return replace(s, expert_quant=expert_quant, mxfp4_experts=expert_quant == "mxfp4")
 
 
 def file_type(s: ModelShape, quant: str | None = None) -> int:
@@ -529,4 +545,6 @@ def describe(s: ModelShape) -> str:
         parts.append(f"{s.n_dense_lead} dense layers")
     if s.n_expert_shared:
         parts.append(f"{s.n_expert_shared} shared expert")
+    if s.expert_quant:
+        parts.append(f"experts {s.expert_quant}")
     return ", ".join(parts)

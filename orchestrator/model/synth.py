@@ -717,17 +717,17 @@ def gguf_metadata(shape: S.ModelShape, quant: str | None) -> dict[str, W.Typed]:
     return md
 
 
-def plan(like: str, *, scale: float = 1.0, quant: str | None = None, layers: int | None = None
-         ) -> tuple[S.ModelShape, list[S.TensorSpec]]:
-    shape = S.scaled(S.get(like), scale, layers=layers)
+def plan(like: str, *, scale: float = 1.0, quant: str | None = None, layers: int | None = None,
+         expert_quant: str | None = None) -> tuple[S.ModelShape, list[S.TensorSpec]]:
+    shape = S.with_expert_quant(S.scaled(S.get(like), scale, layers=layers), expert_quant)
     return shape, S.tensor_specs(shape, quant)
 
 
 def write_header_only(out: os.PathLike | str, like: str, *, scale: float = 1.0, quant: str | None = None,
-                      layers: int | None = None) -> Path:
+                      layers: int | None = None, expert_quant: str | None = None) -> Path:
     """The file :func:`write_model` writes, with every weight zero: the header, and the data as a hole in a
     sparse file (no disk). What reading, planning and memory prediction need, written in milliseconds."""
-    shape, specs = plan(like, scale=scale, quant=quant, layers=layers)
+    shape, specs = plan(like, scale=scale, quant=quant, layers=layers, expert_quant=expert_quant)
     W.write_gguf(out, gguf_metadata(shape, quant), specs)
     return Path(out)
 
@@ -745,15 +745,17 @@ def write_model(
     style: str = "realistic",
     progress: Callable[[int, int], None] | None = None,
     locality: float | None = None,
+    expert_quant: str | None = None,
 ) -> SynthResult:
     """Write the synthetic model to ``out`` (via ``out.part``, renamed when complete).
 
     ``locality``: share of the router's input that comes from a slowly varying context component (0: every
-    token routes independently; None: :func:`default_locality` of the shape)."""
+    token routes independently; None: :func:`default_locality` of the shape). ``expert_quant``: the routed
+    experts' type where it differs from ``quant`` (:func:`orchestrator.model.shapes.with_expert_quant`)."""
     out = Path(out)
     if style not in STYLES:
         raise ModelError(f"weight style {style!r}: expected one of {', '.join(STYLES)}")
-    shape, specs = plan(like, scale=scale, quant=quant, layers=layers)
+    shape, specs = plan(like, scale=scale, quant=quant, layers=layers, expert_quant=expert_quant)
     if locality is None:
         locality = default_locality(shape) if style == "realistic" else 0.0
     lp = locality_plan(shape, locality)

@@ -254,6 +254,20 @@ def test_cli_list_and_dry_run():
     assert int(res.stdout.strip()) == S.total_bytes(S.tensor_specs(S.get("qwen3-30b-a3b")))
 
 
+def test_cli_expert_quant_writes_the_experts_in_that_type(tmp_path):
+    from orchestrator.model import read_model
+
+    out = tmp_path / "oss.gguf"
+    res = _cli(str(out), "--like", "gpt-oss-20b", "--scale", "0.05", "--expert-quant", "q4_0")
+    assert res.returncode == 0, res.stderr
+    assert "experts q4_0" in res.stderr
+    types = {t.name: t.type for t in read_model(out).tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == "Q4_0" and types["blk.1.ffn_down_exps.weight"] == "Q4_0"
+    assert types["blk.0.attn_q.weight"] == "Q8_0"
+    bad = _cli(str(tmp_path / "x.gguf"), "--like", "gpt-oss-20b", "--expert-quant", "q5_0")
+    assert bad.returncode == 2 and "invalid choice: 'q5_0'" in bad.stderr and not (tmp_path / "x.gguf").exists()
+
+
 def _interactive_stop_signals() -> None:
     """The writer gets the stop signals a program started from a shell gets, whatever this run inherited
     (`nohup` ignores SIGHUP, and an ignored SIGHUP stays ignored by design)."""

@@ -75,6 +75,31 @@ def test_gpt_oss_has_mxfp4_experts_sinks_biases_and_sliding_window():
     assert kv["general.file_type"] == 38  # MOSTLY_MXFP4_MOE
 
 
+def test_expert_quant_changes_the_routed_experts_only():
+    base = S.scaled(S.get("gpt-oss-20b"), layers=4)
+    q4x = S.with_expert_quant(base, "q4_0")
+    a = {t.name: t for t in S.tensor_specs(base)}
+    b = {t.name: t for t in S.tensor_specs(q4x)}
+    assert a.keys() == b.keys()
+    changed = {n for n in a if a[n].type != b[n].type}
+    assert changed == {f"blk.{i}.ffn_{k}_exps.weight" for i in range(4) for k in ("gate", "up", "down")}
+    assert {b[n].type for n in changed} == {"q4_0"} and {a[n].type for n in changed} == {"mxfp4"}
+    assert b["blk.0.attn_q.weight"].type == "q8_0" and b["blk.0.ffn_down_exps.bias"].type == "f32"
+    # Q4_0 blocks are one byte larger than MXFP4's: 18 against 17 bytes per 32 weights
+    exp = [n for n in changed]
+    assert sum(b[n].nbytes for n in exp) * 17 == sum(a[n].nbytes for n in exp) * 18
+    kv = {k: v for k, v, _ in S.metadata(q4x)}
+    assert kv["general.file_type"] == S.FILE_TYPE["q8_0"]
+    # and the other way: Qwen3's experts in MXFP4, the file then typed as llama-quantize's MXFP4_MOE
+    mx = S.with_expert_quant(S.scaled(S.get("qwen3-30b-a3b"), 0.1), "mxfp4")
+    specs = S.tensor_specs(mx, "q4_0")
+    assert {t.type for t in specs if t.is_expert} == {"mxfp4"}
+    assert {k: v for k, v, _ in S.metadata(mx, "q4_0")}["general.file_type"] == S.FILE_TYPE["mxfp4_moe"]
+    assert S.with_expert_quant(base, None) is base
+    with pytest.raises(ModelError, match=r"--expert-quant 'q5_0': expected one of q4_0, q8_0, mxfp4"):
+        S.with_expert_quant(base, "q5_0")
+
+
 def test_qwen3_235b_per_layer_size_and_layers_override():
     full = S.get("qwen3-235b-a22b")
     s30 = S.scaled(full, 1.0, layers=30)
