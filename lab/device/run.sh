@@ -16,6 +16,16 @@
 #   machine           nvidia-smi, numactl -H, lscpu; `orchestrator inspect --save`, `probe --refresh`, doctor,
 #                     and W1's plans at 8, 12 and 16 GiB (on the x2 too: the recorded h200x2 machine)
 #   llama-bench       llama-bench with W1 whole on the GPU (-ngl 99 -fa 1 -p 512 -n 128 -r 3)
+#   layer-costs[=LIST]  each family's cost per layer all on the GPU: llama-bench (-ngl 99 -fa 1 -p 512 -n 128) on two
+#                     cuts of one shape at full width, interleaved over LAYER_COSTS_ROUNDS rounds (default 3), one
+#                     family on disk at a time; LIST of gpt-oss (gpt-oss-20b at 12 and 24 layers, MXFP4 experts, and
+#                     the 24 with Q4_0 experts), qwen3 (Qwen3-30B-A3B q4_0 at 24 and 48; W1 if there), deepseek
+#                     (DeepSeek-V3 q4_0 at 4 and 6), glm (GLM-4.5-Air q4_0 at 8 and 16), gpt-oss-120b (6 and 12)
+#                     (default all, in that order; what does not fit the time left is skipped); the deeper cut of
+#                     gpt-oss and qwen3 also with GGML_CUDA_DISABLE_GRAPHS=1. lab/bench/layer_costs.py report OUT_DIR
+#                     gives the slopes against the plan's. LAYER_COSTS_BENCH (a llama-bench), LAYER_COSTS_NGL,
+#                     LAYER_COSTS_SCALE, LAYER_COSTS_TESTS (default "-p 512 -n 128"), LAYER_COSTS_REPS (default 3),
+#                     LAYER_COSTS_ARGS run it elsewhere, e.g. on a CPU build with --scale 0.1 cuts
 #   probe-vs-torch    lab.bench_probe: our pinned PCIe copies against torch's, same run
 #   calib-gpu         the memory model's 8 mixed CPU/GPU calibration cases (lab.calibrate gpu), then the report
 #   live-routing[=L]  W1 written at routing locality L (default: default) and its profile measured, then `up` at
@@ -132,14 +142,14 @@
 #
 # Needs .devbundle/ carried along (`../shared/device/make-bundle.sh .devbundle rich markdown-it-py mdurl pygments`:
 # the machine's python3 lacks rich, which the tables need; plus `orchestrator build --export-source
-# .devbundle/llama-src.tar.xz`, and ik-src.tar.xz for the ik steps). Each step writes under /root/work/out/STEP; all of
-# them are packed into $OUT/device.tgz at the end. RUN_SECONDS (default 570) bounds the whole command: the
-# benchmark steps size their --max-minutes to what is left.
+# .devbundle/llama-src.tar.xz`, and ik-src.tar.xz for the ik steps). Each step writes under /root/work/out/STEP
+# (DEVICE_WORK moves /root/work elsewhere); all of them are packed into $OUT/device.tgz at the end. RUN_SECONDS
+# (default 570) bounds the whole command: the benchmark steps size their --max-minutes to what is left.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-STEPS=(build gpu-tests gpu-tests-families families routing live-routing machine llama-bench probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
+STEPS=(build gpu-tests gpu-tests-families families routing live-routing machine llama-bench layer-costs probe-vs-torch calib-gpu up-proof gateway w1-budgets w1-why w1-sweep w1-offload
        w1-cpu-flags w1-load-modes w2 w1-cache w2-cache workload prefetch device-slots w1-threads w2-x2 w2-x2-split w1-x2 build-ik w2-x2-ik
        w2-x2-cache cpu-up cpu-early
        gateway-cpu sampler-cost)
@@ -149,7 +159,7 @@ known() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done;
 [ "$1" = help ] && { usage; exit 0; }
 for a in "$@"; do known "${a%%=*}" || { echo "run.sh: unknown step '${a%%=*}' (run.sh help lists them)" >&2; exit 2; }; done
 
-W=/root/work
+W=${DEVICE_WORK:-/root/work}   # elsewhere: a scratch directory (the layer-costs step on a CPU build)
 M=$W/models
 t0=$(date +%s)
 DEADLINE=$(( t0 + ${RUN_SECONDS:-570} ))
@@ -293,6 +303,50 @@ workload_run() {   # workload_run MODEL.gguf GIB NAME CONFIGS [bench options]: p
   log "$name rc=$?"; tail -22 "$O/$name.log"
 }
 
+layer_cost_run() {   # layer_cost_run MODEL.gguf VARIANT ROUND [VAR=VALUE ...]: one llama-bench of MODEL in the
+                     # environment given, its rows labelled with the variant and the round, added to layer-costs.jsonl
+  local mdl=$1 variant=$2 round=$3; shift 3
+  [ "$(left)" -gt "${LAYER_COSTS_RUN_S:-20}" ] || \
+    { log "layer-costs: no time left for $(basename "$mdl") $variant"; return 1; }
+  # shellcheck disable=SC2086   # the tests and extra arguments are lists of words
+  env "$@" timeout $(( $(left) - 5 )) "$LC_BENCH" -m "$mdl" -ngl "${LAYER_COSTS_NGL:-99}" -fa 1 \
+    ${LAYER_COSTS_TESTS:--p 512 -n 128} -r "${LAYER_COSTS_REPS:-3}" ${LAYER_COSTS_ARGS:-} -o jsonl \
+    > "$O/run.jsonl" 2>> "$O/llama-bench.err"
+  local rc=$?
+  sed "s/^{/{\"variant\": \"$variant\", \"round\": $round, /" "$O/run.jsonl" >> "$O/layer-costs.jsonl"
+  log "$(basename "$mdl") $variant round $round rc=$rc: $(python3 lab/bench/layer_costs.py brief "$O/run.jsonl")"
+}
+
+LC_FAMILIES="gpt-oss, qwen3, deepseek, glm, gpt-oss-120b"
+layer_family() {   # layer_family NAME: the family's shape (LC_LIKE), depths (LC_CUTS), synth-model options (LC_QUANT),
+                   # estimated seconds on the H200 (LC_EST, as the step's comment adds them up) and whether its
+                   # deeper cut also runs without CUDA graphs (LC_GRAPHS)
+  case "$1" in
+    gpt-oss)      LC_LIKE=gpt-oss-20b   LC_CUTS="12 24" LC_QUANT=()             LC_EST=105 LC_GRAPHS=1 ;;
+    qwen3)        LC_LIKE=qwen3-30b-a3b LC_CUTS="24 48" LC_QUANT=(--quant q4_0) LC_EST=90  LC_GRAPHS=1 ;;
+    deepseek)     LC_LIKE=deepseek-v3   LC_CUTS="4 6"   LC_QUANT=(--quant q4_0) LC_EST=70  LC_GRAPHS= ;;
+    glm)          LC_LIKE=glm-4.5-air   LC_CUTS="8 16"  LC_QUANT=(--quant q4_0) LC_EST=70  LC_GRAPHS= ;;
+    gpt-oss-120b) LC_LIKE=gpt-oss-120b  LC_CUTS="6 12"  LC_QUANT=()             LC_EST=70  LC_GRAPHS= ;;
+    *) return 1 ;;
+  esac
+}
+
+layer_cut() {   # layer_cut FAMILY LIKE LAYERS [synth-model options]: a cut of LIKE written under $M, described in
+                # models.jsonl; its path in CUT
+  local f=$1 like=$2 n=$3; shift 3
+  CUT=$M/lc-$like-${n}l$(printf '%s' "$*" | sed -n 's/.*--expert-quant \([a-z0-9_]*\).*/-\1x/p').gguf
+  if [ "$like" = qwen3-30b-a3b ] && [ "$n" = 48 ] && [ "${LAYER_COSTS_SCALE:-1}" = 1 ] && [ -f "$Q30" ]; then
+    CUT=$Q30                                   # W1 is that cut: written by the build step beside the compiler
+  else
+    ( time orch synth-model "$CUT" --like "$like" --layers "$n" --scale "${LAYER_COSTS_SCALE:-1}" "$@" ) \
+      >> "$O/synth-$f.log" 2>&1
+    local rc=$?
+    log "$f: $(basename "$CUT") rc=$rc ($(du -BM "$CUT" 2>/dev/null | cut -f1))"
+    [ $rc -eq 0 ] || { tail -2 "$O/synth-$f.log"; return 1; }
+  fi
+  python3 lab/bench/layer_costs.py describe "$CUT" >> "$O/models.jsonl"
+}
+
 step() {   # step NAME [ARG]
   local name=$1 arg=${2:-}
   O=$W/out/$name${arg:+-$arg}
@@ -324,6 +378,48 @@ step() {   # step NAME [ARG]
     need_server; synth q30
     timeout 60 "$(dirname "$SERVER")/llama-bench" -m "$Q30" -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o jsonl \
       > "$O/llama-bench.jsonl" 2>"$O/llama-bench.err"
+    ;;
+  layer-costs)
+    # Time on the H200 (synth-model writes ~1.7 GB/s there: a 17 GB file in 8-10 s; llama-bench starts CUDA and loads a
+    # model from the page cache in a few seconds; pp512 + 3 x tg128 take 1-3 s), 3 rounds, in the default order:
+    #   gpt-oss       gpt-oss-20b 12 + 24 layers + 24 with Q4_0 experts (6.7 + 12.1 + 12.7 GB): write ~20 s; a round
+    #                 is 12, 24, 24 q4_0, 24 without CUDA graphs, ~6-8 s each: ~85 s; ~105 s in all
+    #   qwen3         Qwen3-30B-A3B q4_0 24 + 48 (8.9 + 17.3 GB; the 48 is W1, none to write if the build wrote it):
+    #                 write ~17 s; a round is 24, 48, 48 without graphs: ~75 s; ~90 s in all
+    #   deepseek      DeepSeek-V3 q4_0 4 + 6 (8.7 + 21.7 GB): write ~19 s; rounds ~50 s; ~70 s in all
+    #   glm           GLM-4.5-Air q4_0 8 + 16 (10.2 + 20.8 GB): write ~19 s; rounds ~50 s; ~70 s in all
+    #   gpt-oss-120b  6 + 12 (11.6 + 21.9 GB: the 12 is W4's shape): write ~20 s; rounds ~50 s; ~70 s in all
+    # ~405 s for all five; the disk holds one family at a time (at most 33.5 GB, W1 removed after qwen3). A family
+    # starts only with its estimate left (LAYER_COSTS_MIN_LEFT overrides it), a run only with 20 s left.
+    local f n r m cut_paths=() families
+    families=$(echo "${arg:-gpt-oss,qwen3,deepseek,glm,gpt-oss-120b}" | tr ',' ' ')
+    for f in $families; do layer_family "$f" || { log "layer-costs: unknown family '$f' ($LC_FAMILIES)"; return; }; done
+    if [ -n "${LAYER_COSTS_BENCH:-}" ]; then LC_BENCH=$LAYER_COSTS_BENCH
+    else need_server; LC_BENCH=$(dirname "$SERVER")/llama-bench; fi
+    : > "$O/layer-costs.jsonl"; : > "$O/models.jsonl"
+    for f in $families; do
+      layer_family "$f"
+      [ "$(left)" -gt "${LAYER_COSTS_MIN_LEFT:-$LC_EST}" ] || \
+        { log "layer-costs: no time left for $f (~$LC_EST s)"; continue; }
+      rm -f "$M"/lc-*.gguf                       # one family on disk at a time
+      cut_paths=()
+      for n in $LC_CUTS; do
+        layer_cut "$f" "$LC_LIKE" "$n" "${LC_QUANT[@]}" || { log "$f: skipped"; rm -f "$M"/lc-*.gguf; continue 2; }
+        cut_paths+=("$CUT")
+      done
+      [ "$f" = gpt-oss ] && layer_cut "$f" "$LC_LIKE" "${LC_CUTS##* }" "${LC_QUANT[@]}" --expert-quant q4_0 && \
+        cut_paths+=("$CUT")
+      for r in $(seq 1 "${LAYER_COSTS_ROUNDS:-3}"); do   # A B (C) A B (C) ...: a slow moment falls on every cut
+        for m in "${cut_paths[@]}"; do layer_cost_run "$m" default "$r" || break 2; done
+        if [ -n "$LC_GRAPHS" ] && [ ${#cut_paths[@]} -ge 2 ]; then
+          layer_cost_run "${cut_paths[1]}" graphs-off "$r" GGML_CUDA_DISABLE_GRAPHS=1 || break
+        fi
+      done
+      rm -f "$M"/lc-*.gguf
+      [ "${cut_paths[1]:-}" = "$Q30" ] && rm -f "$Q30"   # W1 too (17 GB): `synth q30` writes it again
+    done
+    rm -f "$O/run.jsonl"
+    python3 lab/bench/layer_costs.py report "$O" > "$O/report.txt" 2>&1; log "report rc=$?"; cat "$O/report.txt"
     ;;
   probe-vs-torch)
     timeout $(( $(left) - 3 )) python3 -m lab.bench_probe --backends nvcc --allocs register,hostalloc \
