@@ -389,11 +389,17 @@ step() {   # step NAME [ARG]
     #   deepseek      DeepSeek-V3 q4_0 4 + 6 (8.7 + 21.7 GB): write ~19 s; rounds ~50 s; ~70 s in all
     #   glm           GLM-4.5-Air q4_0 8 + 16 (10.2 + 20.8 GB): write ~19 s; rounds ~50 s; ~70 s in all
     #   gpt-oss-120b  6 + 12 (11.6 + 21.9 GB: the 12 is W4's shape): write ~20 s; rounds ~50 s; ~70 s in all
-    # ~405 s for all five; the disk holds one family at a time (at most 33.5 GB, W1 removed after qwen3). A family
-    # starts only with its estimate left (LAYER_COSTS_MIN_LEFT overrides it), a run only with 20 s left.
+    # ~405 s for all five; the disk holds one family at a time (at most 33.5 GB; W1, when there, goes with qwen3,
+    # then first). A family starts only with its estimate left (LAYER_COSTS_MIN_LEFT overrides it), a run only with
+    # 20 s left.
     local f n r m cut_paths=() families
     families=$(echo "${arg:-gpt-oss,qwen3,deepseek,glm,gpt-oss-120b}" | tr ',' ' ')
     for f in $families; do layer_family "$f" || { log "layer-costs: unknown family '$f' ($LC_FAMILIES)"; return; }; done
+    # W1 already on the disk is qwen3's deeper cut: its family first, so that W1 is gone before the others are written
+    # (W1 beside gpt-oss's three cuts would be 49 GB)
+    if [ -f "$Q30" ] && [ "${LAYER_COSTS_SCALE:-1}" = 1 ] && [[ " $families " == *" qwen3 "* ]]; then
+      families="qwen3 $(echo " $families " | sed 's/ qwen3 / /')"
+    fi
     if [ -n "${LAYER_COSTS_BENCH:-}" ]; then LC_BENCH=$LAYER_COSTS_BENCH
     else need_server; LC_BENCH=$(dirname "$SERVER")/llama-bench; fi
     : > "$O/layer-costs.jsonl"; : > "$O/models.jsonl"

@@ -170,3 +170,11 @@ def test_the_step_refuses_an_unknown_family_and_skips_what_does_not_fit(tmp_path
                          cwd=REPO, timeout=120)
     assert "layer-costs: no time left for deepseek (~70 s)" in res.stdout
     assert not list((tmp_path / "w" / "models").glob("*.gguf"))
+    # W1 on the disk already: qwen3, whose deeper cut it is, goes first
+    w1 = tmp_path / "w" / "models" / "qwen3-30b-a3b-q4_0.gguf"
+    w1.write_bytes(b"")
+    res = subprocess.run(["bash", str(RUN), "layer-costs=gpt-oss,glm,qwen3"], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=120)
+    skipped = [line.split("no time left for ")[1].split(" ")[0] for line in res.stdout.splitlines()
+               if "no time left for" in line]
+    assert skipped == ["qwen3", "gpt-oss", "glm"] and w1.exists()
