@@ -425,6 +425,7 @@ step() {   # step NAME [ARG]
       [ "${cut_paths[1]:-}" = "$Q30" ] && rm -f "$Q30"   # W1 too (17 GB): `synth q30` writes it again
     done
     rm -f "$O/run.jsonl"
+    python3 lab/bench/layer_costs.py report "$O" --json > "$O/report.json" 2>&1
     python3 lab/bench/layer_costs.py report "$O" > "$O/report.txt" 2>&1; log "report rc=$?"; cat "$O/report.txt"
     ;;
   probe-vs-torch)

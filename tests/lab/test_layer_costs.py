@@ -156,6 +156,7 @@ def test_the_device_step_on_the_cpu_build(tmp_path, llama_server_path):
     report = (o / "report.txt").read_text()
     assert "gpt-oss-20b (synthetic, scale 0.05), experts MXFP4" in report and "per layer per token" in report
     assert "CUDA graphs off" in report
+    assert json.loads((o / "report.json").read_text())["graphs"]
     assert (out / "device.tgz").is_file()
 
 
