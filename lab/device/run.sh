@@ -313,7 +313,8 @@ layer_cost_run() {   # layer_cost_run MODEL.gguf VARIANT ROUND [VAR=VALUE ...]: 
     ${LAYER_COSTS_TESTS:--p 512 -n 128} -r "${LAYER_COSTS_REPS:-3}" ${LAYER_COSTS_ARGS:-} -o jsonl \
     > "$O/run.jsonl" 2>> "$O/llama-bench.err"
   local rc=$?
-  sed "s/^{/{\"variant\": \"$variant\", \"round\": $round, /" "$O/run.jsonl" >> "$O/layer-costs.jsonl"
+  # whole rows only (a run cut by the time limit may leave half a line)
+  sed -n "/^{.*}\$/s/^{/{\"variant\": \"$variant\", \"round\": $round, /p" "$O/run.jsonl" >> "$O/layer-costs.jsonl"
   log "$(basename "$mdl") $variant round $round rc=$rc: $(python3 lab/bench/layer_costs.py brief "$O/run.jsonl")"
 }
 
