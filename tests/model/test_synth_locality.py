@@ -192,3 +192,26 @@ def test_context_gain_follows_the_share_of_experts_a_token_picks():
         g, s = gain(like)
         base = plain(s)
         assert g == pytest.approx(base * np.sqrt(odds)), like
+
+
+# sha256 of small cuts of every family but deepseek2 (seed 3, default locality), as the generator writes them.
+# A change made for one attention kind (the MLA window) must leave the other families' files byte for byte as they
+# were: their routing is what docs/model.md measured. A deliberate change to their weights updates these hashes
+# and re-measures those families (docs/model.md, "Model families").
+OTHER_FAMILY_FILES = {
+    ("qwen3-30b-a3b", 0.05, 2): "1c86e26babb9f5de72d7188f61dd9cf465f400e98c50f6f3720fe78ec43a2fd6",
+    ("qwen3-235b-a22b", 0.03, 2): "1e8ca92b36bd1e9a17183481496c016334d9689c87a2b3c55e44a642f0a4de46",
+    ("gpt-oss-20b", 0.1, 2): "a48eca24c843ec26f54104918affbfe3d6b477a56729eae8e67f431386589dd2",
+    ("gpt-oss-120b", 0.05, 2): "83decacd5b484d7b6e46b70b80893df92a376163c94ff6f07cd73d3b37b0f4c9",
+    ("glm-4.5-air", 0.05, 3): "d731d1337b29cd8f507d58de52fe8ce7903e404ee4664b8663eaa4a9b725ca09",
+    ("glm-4.5", 0.05, 4): "46637d98d7fc46180ae9434956985c90d796b84763d228c220b30a26aa80a312",
+}
+
+
+@pytest.mark.parametrize("like,scale,layers", list(OTHER_FAMILY_FILES), ids=[k[0] for k in OTHER_FAMILY_FILES])
+def test_other_families_files_are_unchanged(tmp_path, like, scale, layers):
+    import hashlib
+
+    res = synth.write_model(tmp_path / f"{like}.gguf", like, scale=scale, layers=layers, seed=3, fsync=False)
+    assert res.shape.arch != "deepseek2" and res.locality == synth.DEFAULT_LOCALITY
+    assert hashlib.sha256(res.path.read_bytes()).hexdigest() == OTHER_FAMILY_FILES[(like, scale, layers)]
