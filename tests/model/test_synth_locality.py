@@ -181,10 +181,10 @@ def test_context_gain_follows_the_share_of_experts_a_token_picks():
         return synth._context_router_gain(s, synth.locality_plan(s, synth.DEFAULT_LOCALITY), 4), s
 
     q, qs = gain("qwen3-30b-a3b")
-    lp = synth.locality_plan(qs, synth.DEFAULT_LOCALITY)
-    ctx_rms = 2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5)      # five window averages by layer 4
 
     def plain(s):
+        lp = synth.locality_plan(s, synth.DEFAULT_LOCALITY)
+        ctx_rms = 2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5)      # five window averages by layer 4
         return np.sqrt(lp.share / (1 - lp.share) * (s.n_embd - 64) / 32) / ctx_rms
 
     assert q == pytest.approx(plain(qs))
@@ -192,6 +192,30 @@ def test_context_gain_follows_the_share_of_experts_a_token_picks():
         g, s = gain(like)
         base = plain(s)
         assert g == pytest.approx(base * np.sqrt(odds)), like
+
+
+def test_mla_window_is_narrowed_by_the_shares_response():
+    """The MLA window narrows by how much more its router's context share moves with the context's strength than
+    the calibration's (odds o: o / (1 + o)^2), on the pair of the full width (the same period), its score at most
+    _MLA_SCORE_MAX; never wider than LOCALITY_WINDOW. The other attention kinds keep LOCALITY_WINDOW."""
+    def response(o):
+        return o / (1 + o) ** 2
+
+    cal = synth.DEFAULT_LOCALITY / (1 - synth.DEFAULT_LOCALITY)
+    for like, pick_odds in (("deepseek-v3", 0.5), ("kimi-k2", 1 / 3)):
+        s = S.scaled(S.get(like), 0.1)
+        lp = synth.locality_plan(s, synth.DEFAULT_LOCALITY)
+        wide = synth.locality_plan(s, 0.01)             # odds near 0: the responses' ratio is above 1, not taken
+        assert wide.window == synth.LOCALITY_WINDOW and lp.theta == wide.theta and lp.rope_dim == wide.rope_dim
+        want = synth.LOCALITY_WINDOW * response(cal) / response(cal * pick_odds)
+        assert lp.window == pytest.approx(max(want, 1 / (lp.theta * np.sqrt(synth._MLA_SCORE_MAX))))
+        assert lp.window < synth.LOCALITY_WINDOW and lp.score <= synth._MLA_SCORE_MAX * (1 + 1e-9)
+        assert lp.score == pytest.approx(1 / (lp.theta * lp.window) ** 2) and 2 * np.pi / lp.theta > 1024
+    ds = synth.locality_plan(S.scaled(S.get("deepseek-v3"), 0.1), synth.DEFAULT_LOCALITY)
+    assert ds.window == pytest.approx(synth.LOCALITY_WINDOW * response(cal) / response(cal / 2))   # 33.4: uncapped
+    for like in ("qwen3-30b-a3b", "gpt-oss-120b", "glm-4.5-air", "glm-4.5"):
+        assert synth.locality_plan(S.scaled(S.get(like), 0.1), synth.DEFAULT_LOCALITY).window == \
+            synth.LOCALITY_WINDOW, like
 
 
 # sha256 of small cuts of every family but deepseek2 (seed 3, default locality), as the generator writes them.
