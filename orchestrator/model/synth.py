@@ -89,8 +89,8 @@ STYLES = {
 #   output biases zero there);
 # * every attention head's query and key are constants (read from that block, or biases) on one RoPE pair at
 #   a low frequency theta and nothing else, so every head's score is ``A cos(theta * distance)``: a recency
-#   window of about ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. How the other q/k
-#   dims are silenced depends on the attention:
+#   window of about ``LOCALITY_WINDOW`` tokens (Gaussian sigma; MLA's narrower, see _mla_window) whatever the
+#   tokens are. How the other q/k dims are silenced depends on the attention:
 #     - per-head q/k norms (qwen3moe, glm-4.5): the norm weights keep only that pair ("qknorm");
 #     - plain projections with biases (gpt-oss, glm-4.5-air): every q/k row is zero and the window's q and k
 #       are the projections' biases on its dim ("direct");
