@@ -89,8 +89,8 @@ STYLES = {
 #   output biases zero there);
 # * every attention head's query and key are constants (read from that block, or biases) on one RoPE pair at
 #   a low frequency theta and nothing else, so every head's score is ``A cos(theta * distance)``: a recency
-#   window of about ``LOCALITY_WINDOW`` tokens (Gaussian sigma) whatever the tokens are. How the other q/k
-#   dims are silenced depends on the attention:
+#   window of about ``LOCALITY_WINDOW`` tokens (Gaussian sigma; MLA's narrower, see _mla_window) whatever the
+#   tokens are. How the other q/k dims are silenced depends on the attention:
 #     - per-head q/k norms (qwen3moe, glm-4.5): the norm weights keep only that pair ("qknorm");
 #     - plain projections with biases (gpt-oss, glm-4.5-air): every q/k row is zero and the window's q and k
 #       are the projections' biases on its dim ("direct");
@@ -126,10 +126,14 @@ _WINDOW_SCORE_MAX = 4096.0
 # percent). There the window takes a pair whose frequency gives the window's width at a peak score of
 # _MLA_WINDOW_SCORE: low enough that the keys' spread stays a fraction of a nat, high enough that the window's
 # period (2 pi sigma sqrt(A), 1,206 tokens at 16) lies past the 1,024 positions a routing profile covers.
-# Measured through llama.cpp (docs/model.md, "Locality by position in the context"): at 16 a DeepSeek-V3 cut
-# hits within 4 points over positions 1-128 ... 513-1023, as the Qwen3 shape; at 6 the window's return cut
+# Measured through llama.cpp (docs/model.md, "Locality by position in the context"): at 6 the window's return cut
 # 513-1023 by 5 points against the other bands.
 _MLA_WINDOW_SCORE = 16.0
+# The MLA window is then narrowed on that pair (_mla_window), which raises its peak score and with it the keys'
+# spread in nats. Up to twice _MLA_WINDOW_SCORE the window still averages tens of tokens (a DeepSeek-V3 cut at 30:
+# 15-45 where 59 were planned); a Kimi-K2 cut at 57 gathered on 6-27 of 52, its context stronger than planned, and
+# routed 5-8 points more locally at every position than at 22. So no further.
+_MLA_SCORE_MAX = 2 * _MLA_WINDOW_SCORE
 DEFAULT_LOCALITY = 0.82
 HIGH_LOCALITY = 0.92
 LOCALITY_LEVELS = {"off": 0.0, "default": DEFAULT_LOCALITY, "high": HIGH_LOCALITY}
@@ -253,7 +257,11 @@ def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
                        & (1.0 / (thetas * LOCALITY_WINDOW) ** 2 <= _WINDOW_SCORE_MAX), dist, np.inf)
         i = int(np.argmin(far)) if np.isfinite(far).any() else int(np.argmin(dist))
     theta = float(thetas[i])
-    score = 1.0 / (theta * LOCALITY_WINDOW) ** 2
+    window = LOCALITY_WINDOW
+    if mode == "mla":
+        # narrowed (see _mla_window) as far as the keys' spread allows: never past _MLA_SCORE_MAX
+        window = min(LOCALITY_WINDOW, max(_mla_window(shape, locality), 1.0 / (theta * np.sqrt(_MLA_SCORE_MAX))))
+    score = 1.0 / (theta * window) ** 2
     # the q.k product (before the score scale and the rope amplitude) that gives the score
     qk = score / (_kq_scale(shape) * _rope_amplitude(shape) ** 2)
     norm_weight = read = q_b_read = 0.0
@@ -268,7 +276,36 @@ def locality_plan(shape: S.ModelShape, locality: float) -> LocalityPlan | None:
         # window row reading the bias block up by the residual's expected RMS at its layer (_residual_rms)
         read = float(np.sqrt(qk) / (32 * _BIAS_VALUE))
         q_b_read = float(np.sqrt(qk) / np.sqrt(shape.q_lora_rank))
-    return LocalityPlan(locality, i, theta, score, norm_weight, LOCALITY_WINDOW, mode, read, q_b_read)
+    return LocalityPlan(locality, i, theta, score, norm_weight, window, mode, read, q_b_read)
+
+
+def _share_response(odds: float) -> float:
+    """How much the context's share of the router's logit variance, o / (1 + o), moves when the context's
+    variance (so the odds o) is scaled: d share / d ln o = o / (1 + o)^2, largest at odds 1."""
+    return odds / (1.0 + odds) ** 2
+
+
+def _mla_window(shape: S.ModelShape, locality: float) -> float:
+    """The MLA window's width (sigma, tokens): the calibration's, narrowed by how much more the router's context
+    share responds to the context's strength than the calibration's router does.
+
+    At a position under the window's reach the softmax averages the fewer tokens there are (position 20 averages
+    about 20, position 500 about 85 at sigma 48), so the context component is stronger there, by the inverse of
+    that count in variance; nothing in deepseek2's attention can hold it back (no sink logit, as gpt-oss has; RoPE
+    sees only distances; every token's key is alike). Every family's first positions are that much more local.
+    The MLA shapes pick 8 of 256 or 384 experts, and their context odds are scaled down for it (_pick_odds): 2.3
+    for DeepSeek-V3, 1.5 for Kimi-K2, against the calibration's 4.6, nearer the odds of 1 at which the share moves
+    most with the context's strength. So their first 128 positions were 2-4 points more local than the later
+    ones (experts shared with the token before: 37-42% at 1-128 against 23-26% at 513-1023; Qwen3 55 / 49%).
+    The window is narrowed by the ratio of the two responses (0.70 for DeepSeek-V3, 0.62 for Kimi-K2 at the
+    default locality), so that the positions under its reach, and the strength they gain, count as much in the
+    routing as in the calibration's; never widened. The pair stays the one chosen for the full width (its period
+    past 1,024 positions), so the peak score rises as the width's inverse square, up to _MLA_SCORE_MAX: DeepSeek-V3
+    takes its full narrowing (33 tokens, score 30), Kimi-K2 stops at 40 tokens (score 32; 30 tokens were wanted)
+    and keeps part of the first positions' extra locality."""
+    odds = locality / (1.0 - locality)
+    ratio = _share_response(odds) / _share_response(odds * _pick_odds(shape))
+    return LOCALITY_WINDOW * min(1.0, ratio)
 
 
 _SILU_GATE_MS = 0.3553   # E[(silu(g) u)^2] for g, u ~ N(0, 1): a SwiGLU's mean square per unit-RMS input

@@ -181,10 +181,10 @@ def test_context_gain_follows_the_share_of_experts_a_token_picks():
         return synth._context_router_gain(s, synth.locality_plan(s, synth.DEFAULT_LOCALITY), 4), s
 
     q, qs = gain("qwen3-30b-a3b")
-    lp = synth.locality_plan(qs, synth.DEFAULT_LOCALITY)
-    ctx_rms = 2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5)      # five window averages by layer 4
 
     def plain(s):
+        lp = synth.locality_plan(s, synth.DEFAULT_LOCALITY)
+        ctx_rms = 2.0 / np.sqrt(1.77 * lp.window) * np.sqrt(5)      # five window averages by layer 4
         return np.sqrt(lp.share / (1 - lp.share) * (s.n_embd - 64) / 32) / ctx_rms
 
     assert q == pytest.approx(plain(qs))
@@ -192,3 +192,50 @@ def test_context_gain_follows_the_share_of_experts_a_token_picks():
         g, s = gain(like)
         base = plain(s)
         assert g == pytest.approx(base * np.sqrt(odds)), like
+
+
+def test_mla_window_is_narrowed_by_the_shares_response():
+    """The MLA window narrows by how much more its router's context share moves with the context's strength than
+    the calibration's (odds o: o / (1 + o)^2), on the pair of the full width (the same period), its score at most
+    _MLA_SCORE_MAX; never wider than LOCALITY_WINDOW. The other attention kinds keep LOCALITY_WINDOW."""
+    def response(o):
+        return o / (1 + o) ** 2
+
+    cal = synth.DEFAULT_LOCALITY / (1 - synth.DEFAULT_LOCALITY)
+    for like, pick_odds in (("deepseek-v3", 0.5), ("kimi-k2", 1 / 3)):
+        s = S.scaled(S.get(like), 0.1)
+        lp = synth.locality_plan(s, synth.DEFAULT_LOCALITY)
+        wide = synth.locality_plan(s, 0.01)             # odds near 0: the responses' ratio is above 1, not taken
+        assert wide.window == synth.LOCALITY_WINDOW and lp.theta == wide.theta and lp.rope_dim == wide.rope_dim
+        want = synth.LOCALITY_WINDOW * response(cal) / response(cal * pick_odds)
+        assert lp.window == pytest.approx(max(want, 1 / (lp.theta * np.sqrt(synth._MLA_SCORE_MAX))))
+        assert lp.window < synth.LOCALITY_WINDOW and lp.score <= synth._MLA_SCORE_MAX * (1 + 1e-9)
+        assert lp.score == pytest.approx(1 / (lp.theta * lp.window) ** 2) and 2 * np.pi / lp.theta > 1024
+    ds = synth.locality_plan(S.scaled(S.get("deepseek-v3"), 0.1), synth.DEFAULT_LOCALITY)
+    assert ds.window == pytest.approx(synth.LOCALITY_WINDOW * response(cal) / response(cal / 2))   # 33.4: uncapped
+    for like in ("qwen3-30b-a3b", "gpt-oss-120b", "glm-4.5-air", "glm-4.5"):
+        assert synth.locality_plan(S.scaled(S.get(like), 0.1), synth.DEFAULT_LOCALITY).window == \
+            synth.LOCALITY_WINDOW, like
+
+
+# sha256 of small cuts of every family but deepseek2 (seed 3, default locality), as the generator writes them.
+# A change made for one attention kind (the MLA window) must leave the other families' files byte for byte as they
+# were: their routing is what docs/model.md measured. A deliberate change to their weights updates these hashes
+# and re-measures those families (docs/model.md, "Model families").
+OTHER_FAMILY_FILES = {
+    ("qwen3-30b-a3b", 0.05, 2): "1c86e26babb9f5de72d7188f61dd9cf465f400e98c50f6f3720fe78ec43a2fd6",
+    ("qwen3-235b-a22b", 0.03, 2): "1e8ca92b36bd1e9a17183481496c016334d9689c87a2b3c55e44a642f0a4de46",
+    ("gpt-oss-20b", 0.1, 2): "a48eca24c843ec26f54104918affbfe3d6b477a56729eae8e67f431386589dd2",
+    ("gpt-oss-120b", 0.05, 2): "83decacd5b484d7b6e46b70b80893df92a376163c94ff6f07cd73d3b37b0f4c9",
+    ("glm-4.5-air", 0.05, 3): "d731d1337b29cd8f507d58de52fe8ce7903e404ee4664b8663eaa4a9b725ca09",
+    ("glm-4.5", 0.05, 4): "46637d98d7fc46180ae9434956985c90d796b84763d228c220b30a26aa80a312",
+}
+
+
+@pytest.mark.parametrize("like,scale,layers", list(OTHER_FAMILY_FILES), ids=[k[0] for k in OTHER_FAMILY_FILES])
+def test_other_families_files_are_unchanged(tmp_path, like, scale, layers):
+    import hashlib
+
+    res = synth.write_model(tmp_path / f"{like}.gguf", like, scale=scale, layers=layers, seed=3, fsync=False)
+    assert res.shape.arch != "deepseek2" and res.locality == synth.DEFAULT_LOCALITY
+    assert hashlib.sha256(res.path.read_bytes()).hexdigest() == OTHER_FAMILY_FILES[(like, scale, layers)]
