@@ -79,6 +79,11 @@ def costs_of(summary: dict):
     if "attn_pair_macs" not in d:
         width = OLDER_RECORD_ATTN_WIDTH.get(summary["name"], DEMO_ATTN_WIDTH)
         d["attn_pair_macs"] = width * d["n_compute_layers"]
+    if "prompt_skip_ffn_layer" not in d:
+        # records made before the summary said which feed-forward a prompt skips: the last layer's, as
+        # model_costs says of every architecture but gpt-oss; its router's few parameters stay counted (the
+        # Qwen3 shapes of those records have no dense or shared FFN beside it)
+        d["prompt_skip_ffn_layer"] = None if d["arch"] == "gpt-oss" else d["n_compute_layers"] - 1
     return ModelCosts(**d)
 
 

@@ -62,12 +62,13 @@ def _costs(model: str):
         return model_costs(read_model(path))
 
 
-def _host_layers_of_plan(text: str) -> int:
-    n = 0
+def _host_layers_of_plan(text: str) -> set[int]:
+    """The layers whose experts the plan keeps in host memory (its "layers A-B ... experts CPU" lines)."""
+    layers: set[int] = set()
     for a, b in re.findall(r"layers (\d+)-(\d+)\s+attention \S+\s+experts CPU", text):
-        n += int(b) - int(a) + 1
-    n += len(re.findall(r"layers? (\d+)\s+attention \S+\s+experts CPU", text))
-    return n
+        layers.update(range(int(a), int(b) + 1))
+    layers.update(int(a) for a in re.findall(r"layers? (\d+)\s+attention \S+\s+experts CPU", text))
+    return layers
 
 
 def points(bench_path: Path, costs_of) -> list[dict]:
@@ -97,8 +98,11 @@ def points(bench_path: Path, costs_of) -> list[dict]:
             host_model = run["llama"]["buffers"]["model"].get("CUDA_Host", 0)
             host = max(0.0, host_model - costs.input_bytes) / (sum(costs.layer_experts) / len(costs.moe_layers))
             ub = int(argv[argv.index("-ub") + 1]) if "-ub" in argv else 512
+            last_host = host > 0          # --fit keeps the last layers' experts in host memory first
         elif run["config"] in ("plan", "plan-control", "plan-balanced") and plan_text(run["config"]):
-            host = float(_host_layers_of_plan(plan_text(run["config"])))
+            layers = _host_layers_of_plan(plan_text(run["config"]))
+            host = float(len(layers))
+            last_host = costs.n_compute_layers - 1 in layers
             ub = int(argv[argv.index("-ub") + 1])
         else:
             continue
@@ -109,14 +113,20 @@ def points(bench_path: Path, costs_of) -> list[dict]:
             saved, copied = c.get("prefill_saved_bytes", 0), c.get("prefill_copied_bytes", 0)
             f = saved / (saved + copied) if saved + copied else 0.0
             out.append(dict(name=f"{stem}/{run['config']}", n=n, t=s["prompt_ms"] / 1e3, costs=costs, host=host,
-                            ub=ub, f=f, pinned=pinned))
+                            ub=ub, f=f, pinned=pinned, last_host=last_host))
     return out
 
 
 def regressors(p: dict) -> tuple[list[float], float]:
     """The four coefficients' multipliers and the fixed copy time of one point (its whole prompt)."""
     c = p["costs"]
+    # the last layer's feed-forward runs for the prompt's output token only (ModelCosts.prompt_skip_ffn_layer):
+    # neither its parameters nor, where its experts are in host memory, their copies count for the micro-batch
+    skip = c.prompt_skip_ffn_layer
     active = sum(c.layer_always_params) + c.n_expert_used * sum(c.layer_expert_params)
+    if skip is not None:
+        active -= c.prompt_skip_ffn_params + c.n_expert_used * c.layer_expert_params[skip]
+    host_layers = max(0.0, p["host"] - 1) if skip is not None and p["last_host"] else p["host"]
     expert = sum(c.layer_experts) / len(c.moe_layers) / c.n_expert
     flops = layer = host = reads = copy = 0.0
     remaining = p["n"]
@@ -126,9 +136,9 @@ def regressors(p: dict) -> tuple[list[float], float]:
         used = experts_used(c.n_expert, c.n_expert_used, b)
         flops += 2.0 * b * active / H200_FLOPS
         layer += c.n_compute_layers * b / (b + R.PP_LAYER_BATCH_HALF)
-        host += p["host"]
-        reads += p["f"] * used * p["host"]
-        copy += (1.0 - p["f"]) * used * expert * p["host"] / p["pinned"]
+        host += host_layers
+        reads += p["f"] * used * host_layers
+        copy += (1.0 - p["f"]) * used * expert * host_layers / p["pinned"]
     return [flops, layer, host, reads], copy
 
 

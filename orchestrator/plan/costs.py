@@ -10,6 +10,12 @@ from orchestrator.model.memory import cuda_tensor_bytes
 
 # Tensors llama.cpp keeps with the input layer: always on the CPU ("little benefit to offloading the input layer").
 _INPUT_CLASSES = {TensorClass.EMBEDDINGS}
+_FFN_CLASSES = {TensorClass.ROUTER, TensorClass.DENSE_FFN, TensorClass.SHARED_EXPERT}
+# llama.cpp's graphs keep, after the last layer's attention, only the rows of the tokens whose output is needed
+# (inp_out_ids: src/models/qwen3moe.cpp, glm4-moe.cpp, deepseek2.cpp, ... `il == n_layer - 1 && inp_out_ids`), so
+# a prompt, which needs its last token's logits only, runs the last layer's feed-forward for that one token. gpt-oss's
+# graph (openai-moe.cpp) gathers them only for masked next-token embeddings: its last layer runs every token.
+_LAST_FFN_EVERY_TOKEN = frozenset({"gpt-oss"})
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,11 @@ class ModelCosts:
     # serves a host-resident layer these stay on its GPU, or each of their ops would run on the CPU between the
     # layer's GPU splits
     layer_expert_side_bytes: tuple[int, ...] = ()
+    # the layer whose feed-forward a prompt's micro-batches skip (the last evaluated one; None where the graph runs
+    # it for every token), and the parameters of that feed-forward beside its routed experts (router, dense FFN,
+    # shared experts)
+    prompt_skip_ffn_layer: int | None = None
+    prompt_skip_ffn_params: int = 0
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -61,6 +72,7 @@ def model_costs(model: ModelInfo) -> ModelCosts:
     always_p = [0] * n
     expert_p = [0] * n
     side = [0] * n
+    ffn_p = [0] * n
     input_b = output_b = output_p = 0
     has_output = False
     embd_b = embd_p = 0
@@ -88,17 +100,21 @@ def model_costs(model: ModelInfo) -> ModelCosts:
         else:
             always[t.layer] += size
             always_p[t.layer] += t.n_elements
+            if t.cls in _FFN_CLASSES:
+                ffn_p[t.layer] += t.n_elements
     if not has_output:  # tied embeddings: llama.cpp duplicates token_embd as the output head
         output_b += embd_b
         output_p += embd_p
     n_exp = model.n_expert or 0
     per_expert_p = [p // n_exp if n_exp else 0 for p in expert_p]
+    skip = skip_from - 1 if skip_from > 0 and model.arch not in _LAST_FFN_EVERY_TOKEN else None
     return ModelCosts(
         arch=model.arch, n_layers=n, n_compute_layers=skip_from, n_expert=n_exp,
         n_expert_used=model.n_expert_used or 0, layer_always=tuple(always), layer_experts=tuple(experts),
         layer_always_params=tuple(always_p), layer_expert_params=tuple(per_expert_p),
         input_bytes=input_b, output_bytes=output_b, output_params=output_p,
         attn_pair_macs=_attn_pair_macs(model, skip_from), layer_expert_side_bytes=tuple(side),
+        prompt_skip_ffn_layer=skip, prompt_skip_ffn_params=ffn_p[skip] if skip is not None else 0,
     )
 
 

@@ -254,6 +254,13 @@ def cpu_parallel(threads: int) -> float:
     return max(1, threads) ** R.CPU_PP_THREAD_EXPONENT
 
 
+def _prompt_always_params(costs: ModelCosts, layer: int) -> int:
+    """The always-used parameters of ``layer`` a prompt's micro-batch multiplies: all of them, less the last
+    layer's feed-forward where the graph runs it for the output token only (costs.prompt_skip_ffn_layer)."""
+    p = costs.layer_always_params[layer]
+    return p - costs.prompt_skip_ffn_params if layer == costs.prompt_skip_ffn_layer else p
+
+
 def cpu_pp_batch_seconds(costs: ModelCosts, placement: Placement, sp: SpeedInputs, batch: int, start: int) -> float:
     """One micro-batch of ``batch`` prompt tokens after ``start`` tokens of context, on the CPU only: the matrix
     products (dense weights; the routed experts as :func:`cpu_expert_time`), what each token costs in each layer
@@ -261,12 +268,13 @@ def cpu_pp_batch_seconds(costs: ModelCosts, placement: Placement, sp: SpeedInput
     llama.cpp's CPU attention computes each query of the micro-batch against every position up to the end of the
     micro-batch (masked or not), so ``batch x (start + batch)`` pairs per layer. Compute scales with the
     machine's measured ``cpu_rate``; the memory-bound share of the experts with its bandwidth."""
-    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
+    skip = costs.prompt_skip_ffn_layer
+    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0 and i != skip]
     # measured: the reference machine's core at the measured rate; else the per-core table's guess for this CPU
     per_core = R.CPU_REFERENCE_CORE_FLOPS if sp.cpu_rate > 0 else sp.cpu_flops / max(1, sp.threads)
     par = cpu_parallel(sp.threads) * (sp.cpu_rate if sp.cpu_rate > 0 else 1.0)
     flops = per_core * R.CPU_ONLY_PP_FLOPS_FACTOR * par
-    dense = sum(costs.layer_always_params[i] for i in range(costs.n_compute_layers)
+    dense = sum(_prompt_always_params(costs, i) for i in range(costs.n_compute_layers)
                 if placement.layer_gpu[i] is None)
     t = 2.0 * dense * batch / flops
     if cpu_layers:
@@ -297,7 +305,10 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
     or of the rest of the micro-batch up to the last host-resident layer, whichever is less (a copy can hide only
     behind the layers before its own)."""
     cached_fraction, staged, stage_min_batch = cache.cached_fraction, cache.staged, cache.stage_min_batch
-    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0]
+    # the last layer's experts run for the prompt's output token only (costs.prompt_skip_ffn_layer): neither copied
+    # nor computed for the micro-batch
+    skip = costs.prompt_skip_ffn_layer
+    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0 and i != skip]
     gpu_flops_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 0.0
     if not gpu_flops_eff:   # CPU only: its own model, fitted on CPU-only runs (rates.py)
         out = {}
@@ -309,8 +320,8 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
     gpu_params = 0.0
     cpu_params = 0.0
     for i in range(costs.n_compute_layers):
-        p_always = costs.layer_always_params[i]
-        p_exp_active = costs.n_expert_used * costs.layer_expert_params[i]
+        p_always = _prompt_always_params(costs, i)
+        p_exp_active = 0 if i == skip else costs.n_expert_used * costs.layer_expert_params[i]
         if placement.layer_gpu[i] is not None:
             gpu_params += p_always
             if placement.experts_on_gpu[i]:

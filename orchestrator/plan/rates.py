@@ -114,6 +114,9 @@ CPU_PROBE_REFERENCE_PP = _fitted("CPU_PROBE_REFERENCE_PP")
 # cpu_rate, a CPU-only prompt's matrix products run at it x the rate, whatever the table says of the CPU's name.
 CPU_REFERENCE_CORE_FLOPS = 25e9
 CPU_PP_THREAD_EXPONENT = _fitted("CPU_PP_THREAD_EXPONENT")
+# Every prompt term leaves out the last layer's feed-forward where llama.cpp's graph runs it for the output token
+# only (costs.prompt_skip_ffn_layer: its experts are neither multiplied nor copied for the micro-batch); the fits
+# below count it so too, or the six-layer cuts they were fitted on would price every matrix product low.
 # Prompts on the GPU (lab/bench/fit_prompt_costs.py): a micro-batch's matrix products run at GPU_PP_FLOPS_EFFICIENCY
 # of the data sheet's dense rate (q4_0 weights dequantised in the kernels); every layer costs it PP_LAYER_BATCH_S x
 # b / (b + PP_LAYER_BATCH_HALF) beyond them (attention, norms, routing, launches: rising with the batch b and
