@@ -16,7 +16,7 @@
 #   machine           nvidia-smi, numactl -H, lscpu; `orchestrator inspect --save`, `probe --refresh`, doctor,
 #                     and W1's plans at 8, 12 and 16 GiB (on the x2 too: the recorded h200x2 machine)
 #   llama-bench       llama-bench with W1 whole on the GPU (-ngl 99 -fa 1 -p 512 -n 128 -r 3)
-#   layer-costs[=LIST]  each family's cost per layer all on the GPU: llama-bench (-ngl 99 -fa 1 -p 512 -n 128) on two
+#   layer-costs[=LIST]  each family's cost per layer all on the GPU: llama-bench (-ngl 99 -fa 1 -p 512,4096 -n 128) on two
 #                     cuts of one shape at full width, interleaved over LAYER_COSTS_ROUNDS rounds (default 3), one
 #                     family on disk at a time; LIST of gpt-oss (gpt-oss-20b at 12 and 24 layers, MXFP4 experts, and
 #                     the 24 with Q4_0 experts), qwen3 (Qwen3-30B-A3B q4_0 at 24 and 48; W1 if there), deepseek
@@ -24,7 +24,7 @@
 #                     (default all, in that order; what does not fit the time left is skipped); the deeper cut of
 #                     gpt-oss and qwen3 also with GGML_CUDA_DISABLE_GRAPHS=1. lab/bench/layer_costs.py report OUT_DIR
 #                     gives the slopes against the plan's. LAYER_COSTS_BENCH (a llama-bench), LAYER_COSTS_NGL,
-#                     LAYER_COSTS_SCALE, LAYER_COSTS_TESTS (default "-p 512 -n 128"), LAYER_COSTS_REPS (default 3),
+#                     LAYER_COSTS_SCALE, LAYER_COSTS_TESTS (default "-p 512,4096 -n 128"), LAYER_COSTS_REPS (default 3),
 #                     LAYER_COSTS_ARGS run it elsewhere, e.g. on a CPU build with --scale 0.1 cuts
 #   probe-vs-torch    lab.bench_probe: our pinned PCIe copies against torch's, same run
 #   calib-gpu         the memory model's 8 mixed CPU/GPU calibration cases (lab.calibrate gpu), then the report
@@ -310,7 +310,7 @@ layer_cost_run() {   # layer_cost_run MODEL.gguf VARIANT ROUND [VAR=VALUE ...]: 
     { log "layer-costs: no time left for $(basename "$mdl") $variant"; return 1; }
   # shellcheck disable=SC2086   # the tests and extra arguments are lists of words
   env "$@" timeout $(( $(left) - 5 )) "$LC_BENCH" -m "$mdl" -ngl "${LAYER_COSTS_NGL:-99}" -fa 1 \
-    ${LAYER_COSTS_TESTS:--p 512 -n 128} -r "${LAYER_COSTS_REPS:-3}" ${LAYER_COSTS_ARGS:-} -o jsonl \
+    ${LAYER_COSTS_TESTS:--p 512,4096 -n 128} -r "${LAYER_COSTS_REPS:-3}" ${LAYER_COSTS_ARGS:-} -o jsonl \
     > "$O/run.jsonl" 2>> "$O/llama-bench.err"
   local rc=$?
   # whole rows only (a run cut by the time limit may leave half a line)
@@ -323,11 +323,11 @@ layer_family() {   # layer_family NAME: the family's shape (LC_LIKE), depths (LC
                    # estimated seconds on the H200 (LC_EST, as the step's comment adds them up) and whether its
                    # deeper cut also runs without CUDA graphs (LC_GRAPHS)
   case "$1" in
-    gpt-oss)      LC_LIKE=gpt-oss-20b   LC_CUTS="12 24" LC_QUANT=()             LC_EST=105 LC_GRAPHS=1 ;;
-    qwen3)        LC_LIKE=qwen3-30b-a3b LC_CUTS="24 48" LC_QUANT=(--quant q4_0) LC_EST=90  LC_GRAPHS=1 ;;
-    deepseek)     LC_LIKE=deepseek-v3   LC_CUTS="4 6"   LC_QUANT=(--quant q4_0) LC_EST=70  LC_GRAPHS= ;;
-    glm)          LC_LIKE=glm-4.5-air   LC_CUTS="8 16"  LC_QUANT=(--quant q4_0) LC_EST=70  LC_GRAPHS= ;;
-    gpt-oss-120b) LC_LIKE=gpt-oss-120b  LC_CUTS="6 12"  LC_QUANT=()             LC_EST=70  LC_GRAPHS= ;;
+    gpt-oss)      LC_LIKE=gpt-oss-20b   LC_CUTS="12 24" LC_QUANT=()             LC_EST=130 LC_GRAPHS=1 ;;
+    qwen3)        LC_LIKE=qwen3-30b-a3b LC_CUTS="24 48" LC_QUANT=(--quant q4_0) LC_EST=108 LC_GRAPHS=1 ;;
+    deepseek)     LC_LIKE=deepseek-v3   LC_CUTS="4 6"   LC_QUANT=(--quant q4_0) LC_EST=82  LC_GRAPHS= ;;
+    glm)          LC_LIKE=glm-4.5-air   LC_CUTS="8 16"  LC_QUANT=(--quant q4_0) LC_EST=82  LC_GRAPHS= ;;
+    gpt-oss-120b) LC_LIKE=gpt-oss-120b  LC_CUTS="6 12"  LC_QUANT=()             LC_EST=82  LC_GRAPHS= ;;
     *) return 1 ;;
   esac
 }
@@ -382,15 +382,17 @@ step() {   # step NAME [ARG]
     ;;
   layer-costs)
     # Time on the H200 (synth-model writes ~1.7 GB/s there: a 17 GB file in 8-10 s; llama-bench starts CUDA and loads a
-    # model from the page cache in a few seconds; pp512 + 3 x tg128 take 1-3 s), 3 rounds, in the default order:
+    # model from the page cache in a few seconds; pp512 + 3 x tg128 take 1-3 s, 3 x pp4096 about 2 s more: ~70 s over
+    # the step's ~36 runs, counted below), 3 rounds, in the default order:
     #   gpt-oss       gpt-oss-20b 12 + 24 layers + 24 with Q4_0 experts (6.7 + 12.1 + 12.7 GB): write ~20 s; a round
-    #                 is 12, 24, 24 q4_0, 24 without CUDA graphs, ~6-8 s each: ~85 s; ~105 s in all
+    #                 is 12, 24, 24 q4_0, 24 without CUDA graphs, ~8-10 s each: ~110 s; ~130 s in all
     #   qwen3         Qwen3-30B-A3B q4_0 24 + 48 (8.9 + 17.3 GB; the 48 is W1, none to write if the build wrote it):
-    #                 write ~17 s; a round is 24, 48, 48 without graphs: ~75 s; ~90 s in all
-    #   deepseek      DeepSeek-V3 q4_0 4 + 6 (8.7 + 21.7 GB): write ~19 s; rounds ~50 s; ~70 s in all
-    #   glm           GLM-4.5-Air q4_0 8 + 16 (10.2 + 20.8 GB): write ~19 s; rounds ~50 s; ~70 s in all
-    #   gpt-oss-120b  6 + 12 (11.6 + 21.9 GB: the 12 is W4's shape): write ~20 s; rounds ~50 s; ~70 s in all
-    # ~405 s for all five; the disk holds one family at a time (at most 33.5 GB; W1, when there, goes with qwen3,
+    #                 write ~17 s; a round is 24, 48, 48 without graphs: ~91 s; ~108 s in all
+    #   deepseek      DeepSeek-V3 q4_0 4 + 6 (8.7 + 21.7 GB): write ~19 s; rounds ~63 s; ~82 s in all
+    #   glm           GLM-4.5-Air q4_0 8 + 16 (10.2 + 20.8 GB): write ~19 s; rounds ~63 s; ~82 s in all
+    #   gpt-oss-120b  6 + 12 (11.6 + 21.9 GB: the 12 is W4's shape): write ~20 s; rounds ~62 s; ~82 s in all
+    # ~405 s for all five without the 4096-token prompts, ~475 s with them (gpt-oss-120b, last, is the one skipped
+    # when the machine is slower); the disk holds one family at a time (at most 33.5 GB; W1, when there, goes with qwen3,
     # then first). A family starts only with its estimate left (LAYER_COSTS_MIN_LEFT overrides it), a run only with
     # 20 s left.
     local f n r m cut_paths=() families
