@@ -73,7 +73,7 @@ DEMO_ATTN_WIDTH = 4 * 256
 
 
 def costs_of(summary: dict):
-    from orchestrator.plan.costs import ModelCosts
+    from orchestrator.plan.costs import LAST_FFN_EVERY_TOKEN, ModelCosts
 
     d = {k: tuple(v) if isinstance(v, list) else v for k, v in summary["costs"].items()}
     if "attn_pair_macs" not in d:
@@ -83,7 +83,7 @@ def costs_of(summary: dict):
         # records made before the summary said which feed-forward a prompt skips: the last layer's, as
         # model_costs says of every architecture but gpt-oss; its router's few parameters stay counted (the
         # Qwen3 shapes of those records have no dense or shared FFN beside it)
-        d["prompt_skip_ffn_layer"] = None if d["arch"] == "gpt-oss" else d["n_compute_layers"] - 1
+        d["prompt_skip_ffn_layer"] = None if d["arch"] in LAST_FFN_EVERY_TOKEN else d["n_compute_layers"] - 1
     return ModelCosts(**d)
 
 

@@ -15,7 +15,7 @@ _FFN_CLASSES = {TensorClass.ROUTER, TensorClass.DENSE_FFN, TensorClass.SHARED_EX
 # (inp_out_ids: src/models/qwen3moe.cpp, glm4-moe.cpp, deepseek2.cpp, ... `il == n_layer - 1 && inp_out_ids`), so
 # a prompt, which needs its last token's logits only, runs the last layer's feed-forward for that one token. gpt-oss's
 # graph (openai-moe.cpp) gathers them only for masked next-token embeddings: its last layer runs every token.
-_LAST_FFN_EVERY_TOKEN = frozenset({"gpt-oss"})
+LAST_FFN_EVERY_TOKEN = frozenset({"gpt-oss"})
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def model_costs(model: ModelInfo) -> ModelCosts:
         output_p += embd_p
     n_exp = model.n_expert or 0
     per_expert_p = [p // n_exp if n_exp else 0 for p in expert_p]
-    skip = skip_from - 1 if skip_from > 0 and model.arch not in _LAST_FFN_EVERY_TOKEN else None
+    skip = skip_from - 1 if skip_from > 0 and model.arch not in LAST_FFN_EVERY_TOKEN else None
     return ModelCosts(
         arch=model.arch, n_layers=n, n_compute_layers=skip_from, n_expert=n_exp,
         n_expert_used=model.n_expert_used or 0, layer_always=tuple(always), layer_experts=tuple(experts),

@@ -261,6 +261,13 @@ def _prompt_always_params(costs: ModelCosts, layer: int) -> int:
     return p - costs.prompt_skip_ffn_params if layer == costs.prompt_skip_ffn_layer else p
 
 
+def _prompt_expert_layers(costs: ModelCosts, placement: Placement) -> list[int]:
+    """The host-resident expert layers whose experts a prompt's micro-batch runs: all of them but the last layer
+    where the graph runs its feed-forward for the output token only (costs.prompt_skip_ffn_layer)."""
+    return [i for i in placement.cpu_expert_layers
+            if costs.layer_experts[i] > 0 and i != costs.prompt_skip_ffn_layer]
+
+
 def cpu_pp_batch_seconds(costs: ModelCosts, placement: Placement, sp: SpeedInputs, batch: int, start: int) -> float:
     """One micro-batch of ``batch`` prompt tokens after ``start`` tokens of context, on the CPU only: the matrix
     products (dense weights; the routed experts as :func:`cpu_expert_time`), what each token costs in each layer
@@ -268,8 +275,7 @@ def cpu_pp_batch_seconds(costs: ModelCosts, placement: Placement, sp: SpeedInput
     llama.cpp's CPU attention computes each query of the micro-batch against every position up to the end of the
     micro-batch (masked or not), so ``batch x (start + batch)`` pairs per layer. Compute scales with the
     machine's measured ``cpu_rate``; the memory-bound share of the experts with its bandwidth."""
-    skip = costs.prompt_skip_ffn_layer
-    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0 and i != skip]
+    cpu_layers = _prompt_expert_layers(costs, placement)
     # measured: the reference machine's core at the measured rate; else the per-core table's guess for this CPU
     per_core = R.CPU_REFERENCE_CORE_FLOPS if sp.cpu_rate > 0 else sp.cpu_flops / max(1, sp.threads)
     par = cpu_parallel(sp.threads) * (sp.cpu_rate if sp.cpu_rate > 0 else 1.0)
@@ -308,7 +314,7 @@ def predict_pp(costs: ModelCosts, placement: Placement, sp: SpeedInputs, n_ubatc
     # the last layer's experts run for the prompt's output token only (costs.prompt_skip_ffn_layer): neither copied
     # nor computed for the micro-batch
     skip = costs.prompt_skip_ffn_layer
-    cpu_layers = [i for i in placement.cpu_expert_layers if costs.layer_experts[i] > 0 and i != skip]
+    cpu_layers = _prompt_expert_layers(costs, placement)
     gpu_flops_eff = max(sp.gpu_flops) * R.GPU_PP_FLOPS_EFFICIENCY if sp.gpu_flops else 0.0
     if not gpu_flops_eff:   # CPU only: its own model, fitted on CPU-only runs (rates.py)
         out = {}
