@@ -164,7 +164,7 @@ M=$W/models
 t0=$(date +%s)
 DEADLINE=$(( t0 + ${RUN_SECONDS:-570} ))
 mkdir -p "$M" "$W/out"
-source .devbundle/on-device.sh .devbundle >/dev/null
+source .devbundle/on-device.sh .devbundle >/dev/null 2>&1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export ORCHESTRATOR_CACHE=/root/.cache/orchestrator
 # which host measured: the GPU's UUID tells two machines of the same kind apart when runs of different days meet
@@ -181,6 +181,22 @@ Q235=$M/qwen3-235b-a22b-24l-q4_0.gguf
 H200=topologies/h200.yaml
 BENCH=(python3 -m orchestrator bench "$H200" --progress plain)   # `timeout` needs a program, not a function
 SERVER=${CUDA_SERVER:-}   # a CUDA llama-server built elsewhere (series-regression.sh's new-bin) instead of `build`'s
+if [ -z "$SERVER" ] && [ -n "${CUDA_PREBUILT:-}" ]; then   # cross-build.sh's, carried along: used when it runs here
+  mkdir -p /root/prebuilt/bin
+  for t in llama-server llama-bench; do   # each ~42 MB: one per command fits what a command carries (64 MiB)
+    [ -x /root/prebuilt/bin/$t ] || [ ! -f "$CUDA_PREBUILT/$t.xz" ] || { xz -dc "$CUDA_PREBUILT/$t.xz" > /root/prebuilt/bin/$t.partial \
+      && chmod +x /root/prebuilt/bin/$t.partial && mv /root/prebuilt/bin/$t.partial /root/prebuilt/bin/$t; }
+  done
+  # cuBLAS and the CUDA runtime: the device toolkit's (the same CUDA major as the build's)
+  _nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  export LD_LIBRARY_PATH=$(dirname "$(readlink -f "$_nvcc")")/../lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if /root/prebuilt/bin/llama-server --list-devices > "$W/out/prebuilt.txt" 2>&1 && grep -q "CUDA0" "$W/out/prebuilt.txt"; then
+    SERVER=/root/prebuilt/bin/llama-server; cp "$CUDA_PREBUILT/build.json" "$W/out/prebuilt-build.json" 2>/dev/null
+    echo "[0s] server: the cross-built $SERVER"
+  else
+    echo "[0s] the cross-built llama-server does not run here ($W/out/prebuilt.txt): build it"; tail -3 "$W/out/prebuilt.txt"
+  fi
+fi
 [ -n "$SERVER" ] && export LLAMA_SERVER=$SERVER    # for plan, bench and the tests alike
 
 synth() {   # synth q30 | q235 | loc-L | w2-loc-L (W1 or W2 at routing locality L): write the model unless there
