@@ -14,8 +14,9 @@
 # handicap it. cuBLAS and the CUDA runtime stay shared libraries, found on the device through LD_LIBRARY_PATH
 # (run.sh's CUDA_PREBUILT sets it from the device's nvcc). Two cores take about an hour; ninja resumes.
 #
-# Writes OUT_DIR/llama-server.xz, llama-bench.xz and build.json (source sha256, cmake arguments, toolkit versions);
-# run.sh uses them when CUDA_PREBUILT=OUT_DIR is carried along, and builds as before when they do not run there.
+# Writes OUT_DIR/server/llama-server.xz and OUT_DIR/bench/llama-bench.xz, each with build.json (source sha256, cmake
+# arguments, toolkit versions); run.sh uses them when CUDA_PREBUILT names the folder carried along, and builds as
+# before when they do not run there (docs/bench.md, "The CUDA build made here").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT_DIR=${1:-.devprebuilt}
@@ -69,12 +70,14 @@ ninja -C "$CW/build" -j "${CROSS_JOBS:-$(nproc)}" ggml-cuda
 stub $(nm -u "$CW/build/ggml/src/ggml-cuda/libggml-cuda.a" 2>/dev/null | awk '{print $2}' | grep -E '^cu[A-Z]' | sort -u)
 ninja -C "$CW/build" -j "${CROSS_JOBS:-$(nproc)}" llama-server llama-bench
 
-mkdir -p "$OUT_DIR"
+# one binary per folder: each is ~42 MB compressed (its kernels are compressed already), and a command carries at
+# most 64 MiB with the working tree, so the server and llama-bench travel in separate commands
 for t in llama-server llama-bench; do
+  d=$OUT_DIR/${t#llama-}; mkdir -p "$d"
   strip -o "$CW/$t.stripped" "$CW/build/bin/$t"
-  xz -T0 -6 -c "$CW/$t.stripped" > "$OUT_DIR/$t.xz.partial" && mv "$OUT_DIR/$t.xz.partial" "$OUT_DIR/$t.xz"
+  xz -T0 -6 -c "$CW/$t.stripped" > "$d/$t.xz.partial" && mv "$d/$t.xz.partial" "$d/$t.xz"
 done
-"$PY" - "$OUT_DIR/build.json" "$(cat "$CW/src.sha256")" "$TK" "${ARGS[@]}" "${SPR[@]}" <<'EOF'
+"$PY" - "$OUT_DIR/server/build.json" "$(cat "$CW/src.sha256")" "$TK" "${ARGS[@]}" "${SPR[@]}" <<'EOF'
 import json, subprocess, sys
 out, sha, tk, *args = sys.argv[1:]
 nvcc = subprocess.run([f"{tk}/bin/nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
@@ -82,4 +85,5 @@ gcc = subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdou
 json.dump({"source_sha256": sha, "cmake": args, "nvcc": nvcc, "host_compiler": gcc,
            "built_on": "a machine without a GPU (lab/device/cross-build.sh)"}, open(out, "w"), indent=1)
 EOF
-ls -la "$OUT_DIR"
+cp "$OUT_DIR/server/build.json" "$OUT_DIR/bench/build.json"
+ls -la "$OUT_DIR"/*
