@@ -182,16 +182,16 @@ H200=topologies/h200.yaml
 BENCH=(python3 -m orchestrator bench "$H200" --progress plain)   # `timeout` needs a program, not a function
 SERVER=${CUDA_SERVER:-}   # a CUDA llama-server built elsewhere (series-regression.sh's new-bin) instead of `build`'s
 if [ -z "$SERVER" ] && [ -n "${CUDA_PREBUILT:-}" ]; then   # cross-build.sh's, carried along: used when it runs here
-  mkdir -p /root/prebuilt/bin
+  PB=$W/prebuilt/bin; mkdir -p "$PB"
   for t in llama-server llama-bench; do   # each ~42 MB: one per command fits what a command carries (64 MiB)
-    [ -x /root/prebuilt/bin/$t ] || [ ! -f "$CUDA_PREBUILT/$t.xz" ] || { xz -dc "$CUDA_PREBUILT/$t.xz" > /root/prebuilt/bin/$t.partial \
-      && chmod +x /root/prebuilt/bin/$t.partial && mv /root/prebuilt/bin/$t.partial /root/prebuilt/bin/$t; }
+    [ -x "$PB/$t" ] || [ ! -f "$CUDA_PREBUILT/$t.xz" ] || { xz -dc "$CUDA_PREBUILT/$t.xz" > "$PB/$t.partial" \
+      && chmod +x "$PB/$t.partial" && mv "$PB/$t.partial" "$PB/$t"; }
   done
   # cuBLAS and the CUDA runtime: the device toolkit's (the same CUDA major as the build's)
   _nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   export LD_LIBRARY_PATH=$(dirname "$(readlink -f "$_nvcc")")/../lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  if /root/prebuilt/bin/llama-server --list-devices > "$W/out/prebuilt.txt" 2>&1 && grep -q "CUDA0" "$W/out/prebuilt.txt"; then
-    SERVER=/root/prebuilt/bin/llama-server; cp "$CUDA_PREBUILT/build.json" "$W/out/prebuilt-build.json" 2>/dev/null
+  if "$PB/llama-server" --list-devices > "$W/out/prebuilt.txt" 2>&1 && grep -q "CUDA0" "$W/out/prebuilt.txt"; then
+    SERVER=$PB/llama-server; cp "$CUDA_PREBUILT/build.json" "$W/out/prebuilt-build.json" 2>/dev/null
     echo "[0s] server: the cross-built $SERVER"
   else
     echo "[0s] the cross-built llama-server does not run here ($W/out/prebuilt.txt): build it"; tail -3 "$W/out/prebuilt.txt"

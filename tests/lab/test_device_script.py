@@ -67,3 +67,35 @@ def test_plan_config_refuses_a_flag_the_plan_does_not_have(tmp_path):
     res = subprocess.run([sys.executable, str(PLAN_CONFIG), "x", str(_plan(tmp_path)), "--replace=--n-cpu-moe=3"],
                          capture_output=True, text=True)
     assert res.returncode != 0 and "the plan has no --n-cpu-moe" in res.stderr
+
+
+def _prebuilt_run(tmp_path: Path, server: Path) -> tuple[str, Path]:
+    """run.sh with CUDA_PREBUILT holding ``server`` (xz-compressed, as cross-build.sh writes it), a step that needs
+    no GPU, and its work under tmp_path."""
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    (pre / "llama-server.xz").write_bytes(lzma.compress(server.read_bytes(), format=lzma.FORMAT_XZ))
+    (pre / "build.json").write_text('{"built_on": "a test"}\n')
+    work = tmp_path / "work"
+    res = subprocess.run(["bash", str(RUN), "probe-vs-torch"], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DEVICE_WORK": str(work),
+                              "RUN_SECONDS": "4", "CUDA_PREBUILT": str(pre), "HOME": str(tmp_path)})
+    return res.stdout, work
+
+
+def test_a_prebuilt_server_that_finds_no_gpu_is_not_used(tmp_path, llama_server_path):
+    # the CPU build lists no CUDA device: run.sh says so, and the steps would build as before
+    out, work = _prebuilt_run(tmp_path, Path(llama_server_path))
+    assert "the cross-built llama-server does not run here" in out, out
+    assert "server: the cross-built" not in out
+    assert (work / "out" / "prebuilt.txt").read_text().strip().endswith("(none)")
+
+
+def test_a_prebuilt_server_that_lists_the_gpu_is_used(tmp_path):
+    # a stand-in for the device's answer to --list-devices (the side effect the check reads)
+    fake = tmp_path / "llama-server"
+    fake.write_text('#!/bin/sh\n[ "$1" = --list-devices ] && printf "Available devices:\\n  CUDA0: NVIDIA H200\\n"\n')
+    out, work = _prebuilt_run(tmp_path, fake)
+    assert f"server: the cross-built {work}/prebuilt/bin/llama-server" in out, out
+    assert (work / "prebuilt" / "bin" / "llama-server").stat().st_mode & 0o111
+    assert json.loads((work / "out" / "prebuilt-build.json").read_text()) == {"built_on": "a test"}
