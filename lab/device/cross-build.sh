@@ -86,4 +86,14 @@ json.dump({"source_sha256": sha, "cmake": args, "nvcc": nvcc, "host_compiler": g
            "built_on": "a machine without a GPU (lab/device/cross-build.sh)"}, open(out, "w"), indent=1)
 EOF
 cp "$OUT_DIR/server/build.json" "$OUT_DIR/bench/build.json"
-ls -la "$OUT_DIR"/*
+
+# .devlean: the bundle without Ray, which leaves room for one binary in a command's 64 MiB: on-device.sh, the
+# wheels plan, bench and synth-model import, and the source for a fallback build
+LEAN=${CROSS_LEAN:-.devlean}
+rm -rf "$LEAN"; mkdir -p "$LEAN/whl"
+cp .devbundle/on-device.sh "$SRC_ARCHIVE" "$LEAN/"
+for w in pydantic pydantic_core annotated_types typing_inspection gguf rich markdown_it_py mdurl pygments; do
+  cp .devbundle/whl/"$w"-[0-9]*.whl "$LEAN/whl/"
+done
+tar cJf "$LEAN/ray.tar.xz" -T /dev/null      # on-device.sh unpacks it: an empty archive
+ls -la "$OUT_DIR"/* "$LEAN"
