@@ -34,7 +34,7 @@ from orchestrator.plan.placement import matches
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-04-families"
 BIASES_RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-04-w4-biases"   # W4 with the biases on the GPU
-NEW_RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-05-families"   # W3, W5 of today's generator, default curves
+DEFAULT_CURVE_RUN = ROOT / "docs" / "benchmarks" / "h200-2026-12-05-families"   # W3, W5 on the default curves
 FIX = ROOT / "tests" / "fixtures"
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -88,8 +88,9 @@ def _replan(models, workload: str, like: str, layers: int, budget_gib: int, quan
                       expert_layers_on_cpu=host if as_ran else None, expert_cache_bytes=mib * MiB if as_ran else None,
                       ubatch=int(args[args.index("-ub") + 1]), parallel=int(args[args.index("-np") + 1]))
     model = models(like, quant, layers=layers)
-    # a run whose profile did not run (NEW_RUN) was planned with the family's default curve: routing None
-    curve = None if run == NEW_RUN else _profile_curve(workload, Path(args[args.index("-m") + 1]).name, run)
+    # a plan that printed the family's default curve ran without a profile: replanned without one as well
+    default_curve = "hit-rate curve: default " in plan
+    curve = None if default_curve else _profile_curve(workload, Path(args[args.index("-m") + 1]).name, run)
     if hit_rate is not None:
         share = float(re.search(r"= ([\d.]+)% of the host-resident ones", plan).group(1)) / 100
         curve = HitCurve(fractions=(0.0, share, 1.0), hits=(0.0, hit_rate, 1.0), source="the run's counters")
@@ -227,9 +228,9 @@ def test_the_default_curves_runs_are_predicted_with_the_counters_hit_rate(models
     """W3 and W5 of today's generator (docs/benchmarks/h200-2026-12-05-families), planned with the family's default
     hit curve (no routing profile ran there): the curve's cautious hit rate is their whole generation miss. The
     same plans with the hit rate their counters gave predict the measured generation within 10%."""
-    measured = _measured_tg(_text(f"{workload}.txt.xz", NEW_RUN))
-    default = _replan(models, workload, like, layers, budget, quant="q4_0", run=NEW_RUN)
+    measured = _measured_tg(_text(f"{workload}.txt.xz", DEFAULT_CURVE_RUN))
+    default = _replan(models, workload, like, layers, budget, quant="q4_0", run=DEFAULT_CURVE_RUN)
     assert default.expert_cache.chosen.hit_rate == pytest.approx(default_hits, abs=0.01)
     assert default.predicted.tg / measured == pytest.approx(default_ratio, abs=0.03)     # the recorded miss
-    hits = _replan(models, workload, like, layers, budget, quant="q4_0", hit_rate=counted, run=NEW_RUN)
+    hits = _replan(models, workload, like, layers, budget, quant="q4_0", hit_rate=counted, run=DEFAULT_CURVE_RUN)
     assert hits.predicted.tg / measured == pytest.approx(1.0, abs=0.10), (hits.predicted.tg, measured)
