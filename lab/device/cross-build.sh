@@ -91,7 +91,7 @@ cp "$OUT_DIR/server/build.json" "$OUT_DIR/bench/build.json"
 # wheels plan, bench and synth-model import, and the source for a fallback build
 LEAN=${CROSS_LEAN:-.devlean}
 rm -rf "$LEAN"; mkdir -p "$LEAN/whl"
-cp .devbundle/on-device.sh "$SRC_ARCHIVE" "$LEAN/"
+cp .devbundle/on-device.sh "$LEAN/"; cp "$SRC_ARCHIVE" "$LEAN/llama-src.tar.xz"   # where run.sh builds from
 for w in pydantic pydantic_core annotated_types typing_inspection gguf rich markdown_it_py mdurl pygments; do
   cp .devbundle/whl/"$w"-[0-9]*.whl "$LEAN/whl/"
 done

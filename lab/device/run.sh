@@ -164,7 +164,7 @@ M=$W/models
 t0=$(date +%s)
 DEADLINE=$(( t0 + ${RUN_SECONDS:-570} ))
 mkdir -p "$M" "$W/out"
-source .devbundle/on-device.sh .devbundle >/dev/null 2>&1
+source .devbundle/on-device.sh .devbundle >/dev/null
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export ORCHESTRATOR_CACHE=/root/.cache/orchestrator
 # which host measured: the GPU's UUID tells two machines of the same kind apart when runs of different days meet
